@@ -1,0 +1,206 @@
+"""The job spec: the one validated object that the API accepts and the worker runs.
+
+Torch-free on purpose, so the API process can validate a job without CUDA.
+Every field has a default, a bound and an error that names it; unknown fields
+are refused. Choices with their own knobs (schedule, reward) are
+discriminated unions on a ``type`` field.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Strict(BaseModel):
+    """Base for every spec section: unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoraSpec(Strict):
+    r: int = Field(16, ge=1, le=1024, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names to adapt, or 'all-linear'.",
+    )
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> LoraSpec:
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("target_modules must name at least one module")
+        return self
+
+
+class SamplingSpec(Strict):
+    """Rollout sampling; the trainer scores tokens at the same temperature."""
+
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    max_output_tokens: int = Field(256, ge=1, le=131072)
+    max_model_len: int = Field(1024, ge=2, le=1048576, description="Prompt plus completion, in tokens.")
+
+    @model_validator(mode="after")
+    def _lengths(self) -> SamplingSpec:
+        if self.max_output_tokens >= self.max_model_len:
+            raise ValueError(
+                f"max_output_tokens ({self.max_output_tokens}) must be smaller than "
+                f"max_model_len ({self.max_model_len}), which also holds the prompt"
+            )
+        return self
+
+
+class AdvantageSpec(Strict):
+    """Group-relative advantages (MiniMax-M1 Eq. 2; mean-only as in Dr.GRPO and AgileRL)."""
+
+    scale: Literal["none", "group_std"] = Field(
+        "none", description="'none': A = r - mean(group); 'group_std': divide by std(group) + eps."
+    )
+    eps: float = Field(1e-6, gt=0.0)
+    clip: float | None = Field(None, gt=0.0, description="Clip advantages to [-clip, clip].")
+    drop_zero_groups: bool = Field(
+        False, description="Leave out groups whose rewards are all equal (they carry no signal)."
+    )
+
+
+class CispoLossSpec(Strict):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 3-5).
+
+    ratio_max is an absolute cap on the detached importance weight, with no
+    lower bound. Default 5.0: ScaleRL (arXiv 2510.13786) found 4-8 equally
+    good and TRL's docs recommend 5.0 for loss_type="cispo".
+    """
+
+    type: Literal["cispo"] = "cispo"
+    ratio_max: float = Field(5.0, ge=1.0, le=100.0)
+    normalization: Literal["token", "sequence"] = Field(
+        "token",
+        description="'token': divide by all action tokens of the optimizer step (the paper); "
+        "'sequence': mean over tokens, then over sequences.",
+    )
+    kl_beta: float = Field(0.0, ge=0.0, description="Weight of the k3 KL penalty to the reference.")
+    kl_clamp: float = Field(10.0, gt=0.0, description="Per-token cap on the k3 KL estimate.")
+
+    @model_validator(mode="after")
+    def _warn_low_cap(self) -> CispoLossSpec:
+        if self.ratio_max < 2.0:
+            warnings.warn(
+                f"loss.ratio_max={self.ratio_max} is below 2: the cap will bind on most "
+                "off-policy tokens; later work uses 4-8",
+                UserWarning,
+                stacklevel=2,
+            )
+        return self
+
+
+class OptimizerSpec(Strict):
+    """AdamW. Betas and eps default to the MiniMax-M1 paper (section 3.2)."""
+
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-15, gt=0.0, le=1e-3)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="None disables clipping.")
+
+    @model_validator(mode="after")
+    def _betas(self) -> OptimizerSpec:
+        for i, b in enumerate(self.betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{i}]={b} must be in [0, 1)")
+        return self
+
+
+class ConstantSchedule(Strict):
+    type: Literal["constant"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+
+
+class CosineSchedule(Strict):
+    type: Literal["cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+
+
+Schedule = Annotated[ConstantSchedule | CosineSchedule, Field(discriminator="type")]
+
+
+class ImportReward(Strict):
+    """A trusted Python callable named as 'module:function' (local CLI runs only).
+
+    It is called as fn(completion, **row) -> float.
+    """
+
+    type: Literal["import"] = "import"
+    path: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+Reward = Annotated[ImportReward, Field(discriminator="type")]
+
+
+class DataSpec(Strict):
+    train_file: str = Field(description="JSONL; each row has 'prompt' (string or chat messages).")
+    validation_file: str | None = None
+    validation_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Held out from train_file when validation_file is not given."
+    )
+
+
+class TrainingSpec(Strict):
+    steps: int = Field(100, ge=1, le=1_000_000, description="Rollout steps (each samples one batch).")
+    batch_size: int = Field(8, ge=1, le=4096, description="Prompts per step.")
+    group_size: int = Field(8, ge=2, le=1024, description="Completions per prompt.")
+    update_epochs: int = Field(1, ge=1, le=16, description="Passes over each rollout batch.")
+    mini_batches: int = Field(
+        4, ge=1, le=16, description="Optimizer steps per epoch; logp_old stays frozen at rollout."
+    )
+    micro_batch_size: int = Field(
+        8, ge=1, le=4096, description="Sequences per forward/backward (gradient accumulation)."
+    )
+    logprob_chunk_size: int = Field(
+        1024, ge=1, description="Token rows per log-softmax chunk; bounds logits memory."
+    )
+    eval_interval: int = Field(0, ge=0, description="Evaluate every N steps (0: only first and last).")
+    eval_max_rows: int = Field(64, ge=1)
+    checkpoint_interval: int = Field(0, ge=0, description="Checkpoint every N steps (0: only the last).")
+    reward_failure_score: float = 0.0
+
+    @model_validator(mode="after")
+    def _mini_batches_fit(self) -> TrainingSpec:
+        sequences = self.batch_size * self.group_size
+        if self.mini_batches > sequences:
+            raise ValueError(
+                f"mini_batches ({self.mini_batches}) exceeds the sequences per step "
+                f"(batch_size * group_size = {sequences})"
+            )
+        return self
+
+    @property
+    def updates_per_rollout(self) -> int:
+        return self.update_epochs * self.mini_batches
+
+
+class JobSpec(Strict):
+    """A whole CISPO fine-tuning job."""
+
+    model: str = Field(min_length=1, description="Hub id or local directory of a causal LM.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    data: DataSpec
+    reward: Reward
+    lora: LoraSpec = LoraSpec()
+    sampling: SamplingSpec = SamplingSpec()
+    advantages: AdvantageSpec = AdvantageSpec()
+    loss: CispoLossSpec = CispoLossSpec()
+    optimizer: OptimizerSpec = OptimizerSpec()
+    schedule: Schedule = ConstantSchedule()
+    training: TrainingSpec = TrainingSpec()
+    init_from: str | None = Field(
+        None, description="Warm start: a checkpoint whose adapter starts the policy and becomes the reference."
+    )

@@ -1,0 +1,11 @@
+"""CISPO as pure tensor functions: advantages, token log-probs, the loss.
+
+No I/O and no model code here; the trainer composes these. Shape suffixes:
+_B sequences, _G group, _T tokens, _V vocabulary.
+"""
+
+from worker.cispo.advantages import group_advantages
+from worker.cispo.logprobs import token_logprobs
+from worker.cispo.loss import LossInputs, LossOutput, cispo_loss
+
+__all__ = ["group_advantages", "token_logprobs", "cispo_loss", "LossInputs", "LossOutput"]

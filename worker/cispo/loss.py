@@ -1,0 +1,97 @@
+"""The CISPO objective (MiniMax-M1, arXiv 2506.13585, Eq. 3-5).
+
+Per action token t of sequence i:
+
+    ratio = exp(logp - logp_old)           logp_old frozen at rollout time
+    w     = min(ratio, ratio_max)          detached; no lower bound (paper §3.1)
+    loss  = -w * A_i * logp  [+ beta * k3(ref, logp)]
+
+Unlike PPO/GRPO clipping, the weight is clipped, not the update, so every
+token keeps a gradient. The paper sets the lower bound out of reach and
+tunes only the upper one; ratio_max is absolute (5.0 by default, see the
+spec). Normalisation is token-level over the whole optimizer step, i.e. the
+caller passes the step's total action-token count as ``normalizer`` and
+sums the returned micro-batch losses (gradient accumulation then equals the
+global token mean). With ``per_sequence`` each sequence's token mean is
+averaged instead, and ``normalizer`` counts sequences.
+
+The k3 estimator exp(ref - logp) - (ref - logp) - 1 is unbiased and
+non-negative (Schulman, "Approximating KL divergence"); it is clamped per
+token at kl_clamp so a single runaway token cannot dominate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    logprobs_BT: Tensor  # current policy, carries the gradient
+    old_logprobs_BT: Tensor  # policy that sampled the batch (frozen at rollout)
+    advantages_B: Tensor
+    action_mask_BT: Tensor  # 1 for generated tokens that are trained on
+    ref_logprobs_BT: Tensor | None = None  # reference policy, when computed
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    loss: Tensor  # this micro-batch's share of the step loss
+    ratio_N: Tensor  # importance ratios of the action tokens (detached), for quantiles
+    sums: dict[str, Tensor]  # detached sums over action tokens; divide by 'tokens'
+
+
+def k3_kl(logp: Tensor, other_logp: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(pi || other) from tokens sampled by pi: e^d - d - 1, d = other - logp."""
+    delta = other_logp - logp
+    return torch.exp(delta) - delta - 1.0
+
+
+def cispo_loss(
+    inputs: LossInputs,
+    *,
+    normalizer: float,
+    ratio_max: float = 5.0,
+    kl_beta: float = 0.0,
+    kl_clamp: float = 10.0,
+    per_sequence: bool = False,
+) -> LossOutput:
+    if ratio_max < 1.0:
+        raise ValueError(f"ratio_max must be >= 1, got {ratio_max}")
+    if normalizer <= 0:
+        raise ValueError(f"normalizer must be positive, got {normalizer}")
+    logp = inputs.logprobs_BT
+    mask = inputs.action_mask_BT.to(logp.dtype)
+    log_ratio = (logp.detach() - inputs.old_logprobs_BT).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(max=ratio_max)  # detached: built from logp.detach()
+    per_token = -weight * inputs.advantages_B[:, None].to(logp.dtype) * logp
+
+    kl_ref = None
+    if inputs.ref_logprobs_BT is not None:
+        kl_ref = k3_kl(logp, inputs.ref_logprobs_BT).clamp(max=kl_clamp)
+        if kl_beta > 0.0:
+            per_token = per_token + kl_beta * kl_ref
+    elif kl_beta > 0.0:
+        raise ValueError("kl_beta > 0 needs ref_logprobs_BT")
+
+    if per_sequence:
+        tokens_B = mask.sum(-1).clamp(min=1.0)
+        loss = ((per_token * mask).sum(-1) / tokens_B).sum() / normalizer
+    else:
+        loss = (per_token * mask).sum() / normalizer
+
+    with torch.no_grad():
+        active = mask.bool()
+        sums = {
+            "tokens": mask.sum(),
+            "clipped": ((ratio > ratio_max) & active).sum().to(logp.dtype),
+            "kl_old": (k3_kl(logp.detach(), inputs.old_logprobs_BT) * mask).sum(),
+            "pg_loss": (-weight * inputs.advantages_B[:, None] * logp.detach() * mask).sum(),
+        }
+        if kl_ref is not None:
+            sums["kl_ref"] = (kl_ref.detach() * mask).sum()
+    return LossOutput(loss=loss, ratio_N=ratio[active].detach(), sums=sums)
