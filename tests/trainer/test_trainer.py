@@ -1,0 +1,204 @@
+"""The trainer loop on the tiny model: resume, warm start, refused checkpoints, learning."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from service.schemas.job_spec import JobSpec
+from worker.checkpoint import CheckpointError, checkpoint_name, latest_checkpoint
+from worker.toy.__main__ import toy_spec
+from worker.trainer.loop import Trainer, train
+from worker.trainer.scoring import collate, sequence_logprobs
+
+
+def small_spec(toy_dir: Path, **training) -> JobSpec:
+    raw = toy_spec(toy_dir)
+    raw["training"].update(
+        {"steps": 4, "batch_size": 4, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
+         "eval_interval": 0, "eval_max_rows": 8, "checkpoint_interval": 2, **training}
+    )
+    return JobSpec.model_validate(raw)
+
+
+def adapter_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+
+
+class StopAt:
+    def __init__(self, step: int):
+        self.stop_step, self.steps = step, []
+
+    def on_step(self, step, metrics):
+        self.steps.append(step)
+
+    def on_eval(self, step, metrics):
+        pass
+
+    def on_checkpoint(self, step, path):
+        pass
+
+    def should_stop(self):
+        return self.steps[-1] >= self.stop_step
+
+
+def test_metrics_are_reported_each_step(toy_dir, tmp_path):
+    """Every step reports the contract's metrics with sane values; ratios move after the first mini-batch."""
+    seen = []
+
+    class Collect(StopAt):
+        def on_step(self, step, metrics):
+            super().on_step(step, metrics)
+            seen.append(metrics)
+
+    train(small_spec(toy_dir, steps=2), tmp_path, callbacks=Collect(99))
+    assert len(seen) == 2
+    for m in seen:
+        for key in ("reward_mean", "reward_std", "loss", "clip_fraction", "is_ratio_p05", "is_ratio_p50",
+                    "is_ratio_p95", "kl_old", "entropy", "grad_norm", "lr", "completion_length_mean",
+                    "advantage_mean", "zero_advantage_group_fraction", "rollout_seconds", "update_seconds",
+                    "step_seconds", "tokens_per_second"):
+            assert key in m, key
+        assert 0.0 <= m["reward_mean"] <= 1.0
+        assert m["optimizer_steps"] == 2.0
+        assert m["is_ratio_p05"] <= m["is_ratio_p50"] <= m["is_ratio_p95"]
+        assert m["entropy"] > 0
+    # the second mini-batch is off-policy: some ratio differs from 1
+    assert any(abs(m["is_ratio_p95"] - 1.0) > 1e-6 or abs(m["is_ratio_p05"] - 1.0) > 1e-6 for m in seen)
+
+
+def test_resume_matches_uninterrupted_run(toy_dir, tmp_path):
+    """Stopped after step 2 and resumed, a run ends with the same adapter as the uninterrupted run."""
+    spec = small_spec(toy_dir)
+    full = train(spec, tmp_path / "full")
+    assert full.steps_done == 4
+
+    first = train(spec, tmp_path / "split", callbacks=StopAt(2))
+    assert first.stopped and first.steps_done == 2
+    resumed = Trainer(spec, tmp_path / "split")
+    assert resumed.step == 2
+    second = resumed.run()
+    assert second.steps_done == 4
+
+    a, b = adapter_tensors(full.last_checkpoint), adapter_tensors(second.last_checkpoint)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    # and training did change the adapter
+    assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
+
+
+def test_resume_refuses_a_changed_spec(toy_dir, tmp_path):
+    train(small_spec(toy_dir, steps=2), tmp_path)
+    changed = small_spec(toy_dir, steps=3, group_size=8)
+    with pytest.raises(ValueError, match="training.group_size"):
+        Trainer(changed, tmp_path)
+    Trainer(small_spec(toy_dir, steps=3), tmp_path)  # more steps is a legal change
+
+
+def _policy_logprobs(model, tokenizer) -> torch.Tensor:
+    batch = collate([tokenizer("abc=")["input_ids"]], [[tokenizer.convert_tokens_to_ids("c"), tokenizer.eos_token_id]],
+                    pad_id=tokenizer.pad_token_id, device="cpu")
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(model.eval(), batch, temperature=1.0, chunk_size=16)
+    return logp[batch.action_mask_BT.bool()]
+
+
+def test_warm_start_pins_the_loaded_policy_as_reference(toy_dir, tmp_path):
+    """A warm start trains from the checkpoint's adapter and uses it, not the base, as reference; resume keeps it."""
+    source = train(small_spec(toy_dir, steps=2), tmp_path / "source").last_checkpoint
+    warm_spec = small_spec(toy_dir, steps=2, checkpoint_interval=1).model_copy(
+        update={"init_from": str(source), "loss": small_spec(toy_dir).loss.model_copy(update={"kl_beta": 0.1})}
+    )
+    trainer = Trainer(warm_spec, tmp_path / "warm")
+    tok = trainer.policy.tokenizer
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(toy_dir / "model"), source / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model")
+    expected_ref = _policy_logprobs(loaded, tok)
+    with trainer.policy.reference():
+        ref = _policy_logprobs(trainer.policy.model, tok)
+    torch.testing.assert_close(ref, expected_ref, rtol=0, atol=1e-6)
+    assert not torch.allclose(ref, _policy_logprobs(base, tok), atol=1e-4)
+    torch.testing.assert_close(_policy_logprobs(trainer.policy.model, tok), expected_ref, rtol=0, atol=1e-6)
+
+    trainer.run(StopAt(1))  # trains one step with the KL term, checkpoints, stops
+    ckpt = latest_checkpoint(tmp_path / "warm" / "checkpoints")
+    assert (ckpt / "reference" / "adapter_model.safetensors").is_file()
+    resumed = Trainer(warm_spec, tmp_path / "warm")
+    with resumed.policy.reference():
+        torch.testing.assert_close(_policy_logprobs(resumed.policy.model, tok), expected_ref, rtol=0, atol=1e-6)
+    # the trained policy has moved away from its reference
+    assert not torch.allclose(_policy_logprobs(resumed.policy.model, tok), expected_ref, atol=1e-5)
+
+
+def test_reference_without_warm_start_is_the_base_model(toy_dir, tmp_path):
+    trainer = Trainer(small_spec(toy_dir, steps=1), tmp_path)
+    trainer.run()
+    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model")
+    tok = trainer.policy.tokenizer
+    with trainer.policy.reference():
+        torch.testing.assert_close(_policy_logprobs(trainer.policy.model, tok), _policy_logprobs(base, tok),
+                                   rtol=0, atol=1e-6)
+
+
+def test_checkpoint_with_other_lora_config_is_refused(toy_dir, tmp_path):
+    source = train(small_spec(toy_dir, steps=1), tmp_path / "source").last_checkpoint
+    raw = small_spec(toy_dir, steps=1).model_dump()
+    raw["lora"]["r"] = 4
+    raw["init_from"] = str(source)
+    with pytest.raises(CheckpointError, match=r"\br\b.*8.*4|\br\b.*4.*8"):
+        Trainer(JobSpec.model_validate(raw), tmp_path / "warm")
+
+
+def test_checkpoint_with_wrong_hash_is_refused(toy_dir, tmp_path):
+    source = train(small_spec(toy_dir, steps=1), tmp_path / "source").last_checkpoint
+    tampered = tmp_path / "tampered" / checkpoint_name(1)
+    shutil.copytree(source, tampered)
+    weights = tampered / "adapter" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    spec = small_spec(toy_dir, steps=1).model_copy(update={"init_from": str(tampered)})
+    with pytest.raises(CheckpointError, match="adapter_model.safetensors"):
+        Trainer(spec, tmp_path / "warm")
+    (tampered / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest"):
+        Trainer(spec, tmp_path / "warm")
+
+
+def test_adapter_loads_in_peft_and_changes_outputs(toy_dir, tmp_path):
+    result = train(small_spec(toy_dir, steps=2), tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model")
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(toy_dir / "model"),
+                                      result.last_checkpoint / "adapter")
+    ids = torch.tensor([[1, 4, 5, 6, 41]])
+    with torch.no_grad():
+        assert not torch.allclose(base(ids).logits, tuned(ids).logits, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_cispo_learns_the_toy_task(toy_dir, tmp_path):
+    """On the toy task CISPO raises the mean reward clearly above its start (2 CPU cores, well under 2 min)."""
+    spec = JobSpec.model_validate(toy_spec(toy_dir))
+    rewards = []
+
+    class Collect(StopAt):
+        def on_step(self, step, metrics):
+            rewards.append(metrics["reward_mean"])
+
+        def should_stop(self):
+            return False
+
+    result = train(spec, tmp_path, callbacks=Collect(0))
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"train reward {first:.3f} -> {last:.3f}; eval {result.first_eval['eval_reward_mean']:.3f} -> "
+          f"{result.last_eval['eval_reward_mean']:.3f}")
+    assert last > first + 0.1
+    assert result.last_eval["eval_reward_mean"] >= result.first_eval["eval_reward_mean"] + 0.3

@@ -1,0 +1,140 @@
+"""JobSpec validation: defaults, and errors that name the offending field."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from pydantic import ValidationError
+
+from service.schemas.job_spec import ConstantSchedule, CosineSchedule, JobSpec
+
+
+def _spec(**overrides) -> dict:
+    spec = {
+        "model": "org/tiny-model",
+        "data": {"train_file": "train.jsonl"},
+        "reward": {"type": "import", "path": "pkg.mod:fn"},
+    }
+    spec.update(overrides)
+    return spec
+
+
+def _errors(**overrides) -> list[dict]:
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(_spec(**overrides))
+    return info.value.errors()
+
+
+def test_minimal_spec_gets_defaults():
+    """A minimal spec validates and is filled with the documented defaults."""
+    job = JobSpec.model_validate(_spec())
+    assert job.model == "org/tiny-model"
+    assert job.data.train_file == "train.jsonl"
+    assert job.reward.path == "pkg.mod:fn"
+    assert job.loss.ratio_max == 5.0
+    assert job.loss.normalization == "token"
+    assert job.loss.kl_beta == 0.0
+    assert job.training.mini_batches == 4
+    assert job.optimizer.betas == (0.9, 0.95)
+    assert job.advantages.scale == "none"
+    assert isinstance(job.schedule, ConstantSchedule)
+
+
+@pytest.mark.parametrize("missing", ["model", "data", "reward"])
+def test_required_fields(missing):
+    """model, data and reward have no default; the error's loc names the missing one."""
+    spec = _spec()
+    del spec[missing]
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(spec)
+    assert [(e["type"], e["loc"]) for e in info.value.errors()] == [("missing", (missing,))]
+
+
+def test_group_size_one_names_the_field():
+    """group_size 1 is refused and the error's loc points at training.group_size."""
+    errors = _errors(training={"group_size": 1})
+    assert len(errors) == 1
+    assert errors[0]["loc"] == ("training", "group_size")
+    assert errors[0]["type"] == "greater_than_equal"
+
+
+@pytest.mark.parametrize("out_tokens", [1024, 2048])
+def test_max_output_tokens_must_be_below_max_model_len(out_tokens):
+    """max_output_tokens >= max_model_len is refused with a message naming both fields."""
+    errors = _errors(sampling={"max_output_tokens": out_tokens, "max_model_len": 1024})
+    assert len(errors) == 1
+    assert errors[0]["loc"] == ("sampling",)
+    assert "max_output_tokens" in errors[0]["msg"] and "max_model_len" in errors[0]["msg"]
+
+
+def test_max_output_tokens_just_below_max_model_len_accepted():
+    """One token of room for the prompt is enough."""
+    job = JobSpec.model_validate(_spec(sampling={"max_output_tokens": 1023, "max_model_len": 1024}))
+    assert job.sampling.max_output_tokens == 1023
+
+
+@pytest.mark.parametrize(
+    "overrides,loc",
+    [
+        ({"learning_rate": 1e-5}, ("learning_rate",)),
+        ({"training": {"batchsize": 4}}, ("training", "batchsize")),
+        ({"loss": {"ratio_min": 0.8}}, ("loss", "ratio_min")),
+    ],
+)
+def test_unknown_field_refused(overrides, loc):
+    """Unknown fields, top-level or nested, are refused as extra_forbidden with their name in loc."""
+    errors = _errors(**overrides)
+    assert [(e["type"], e["loc"]) for e in errors] == [("extra_forbidden", loc)]
+
+
+def test_ratio_max_below_one_refused():
+    """ratio_max 0.5 is refused at loss.ratio_max."""
+    errors = _errors(loss={"ratio_max": 0.5})
+    assert [(e["type"], e["loc"]) for e in errors] == [("greater_than_equal", ("loss", "ratio_max"))]
+
+
+def test_low_ratio_max_accepted_with_warning():
+    """ratio_max 1.5 is allowed but warns that the cap will bind on most off-policy tokens."""
+    with pytest.warns(UserWarning, match="ratio_max=1.5"):
+        job = JobSpec.model_validate(_spec(loss={"ratio_max": 1.5}))
+    assert job.loss.ratio_max == 1.5
+
+
+def test_usual_ratio_max_does_not_warn():
+    """ratio_max in the recommended range validates silently."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        job = JobSpec.model_validate(_spec(loss={"ratio_max": 4.0}))
+    assert job.loss.ratio_max == 4.0
+
+
+def test_schedule_union_picks_cosine():
+    """type: cosine selects CosineSchedule with its own knobs."""
+    job = JobSpec.model_validate(_spec(schedule={"type": "cosine", "warmup_steps": 10, "min_lr_ratio": 0.1}))
+    assert isinstance(job.schedule, CosineSchedule)
+    assert (job.schedule.warmup_steps, job.schedule.min_lr_ratio) == (10, 0.1)
+
+
+def test_schedule_union_rejects_other_variants_knobs_and_unknown_type():
+    """A cosine knob on a constant schedule, or an unknown type, is refused under schedule."""
+    errors = _errors(schedule={"type": "constant", "min_lr_ratio": 0.1})
+    assert [(e["type"], e["loc"]) for e in errors] == [("extra_forbidden", ("schedule", "constant", "min_lr_ratio"))]
+    errors = _errors(schedule={"type": "linear"})
+    assert [(e["type"], e["loc"]) for e in errors] == [("union_tag_invalid", ("schedule",))]
+
+
+def test_mini_batches_larger_than_sequences_refused():
+    """mini_batches > batch_size * group_size is refused with a message naming mini_batches."""
+    errors = _errors(training={"batch_size": 1, "group_size": 2, "mini_batches": 3})
+    assert len(errors) == 1
+    assert errors[0]["loc"] == ("training",)
+    assert "mini_batches (3)" in errors[0]["msg"]
+    job = JobSpec.model_validate(_spec(training={"batch_size": 1, "group_size": 2, "mini_batches": 2}))
+    assert job.training.mini_batches == 2
+
+
+def test_reward_path_must_be_module_colon_function():
+    """reward.path without ':function' is refused at reward.import.path."""
+    errors = _errors(reward={"type": "import", "path": "pkg.mod"})
+    assert [(e["type"], e["loc"]) for e in errors] == [("string_pattern_mismatch", ("reward", "import", "path"))]

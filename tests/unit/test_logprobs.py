@@ -1,0 +1,92 @@
+"""token_logprobs (chunked, checkpointed) against the naive full log-softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.cispo.logprobs import token_logprobs
+
+B, T, H, V = 2, 5, 6, 11  # B * T = 10 token rows
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(H, V)
+    hidden = (2 * torch.randn(B, T, H)).requires_grad_()
+    targets = torch.randint(0, V, (B, T))
+    return head, hidden, targets
+
+
+def _naive(head, hidden, targets, temperature):
+    logp_BTV = torch.log_softmax(head(hidden).float() / temperature, dim=-1)
+    logp = logp_BTV.gather(-1, targets[..., None]).squeeze(-1)
+    entropy = -(logp_BTV.exp() * logp_BTV).sum(-1)
+    return logp, entropy
+
+
+CASES = pytest.mark.parametrize(
+    "chunk_size,temperature", [(c, t) for c in (1, 3, 7, 64) for t in (1.0, 0.7)]
+)
+
+
+@CASES
+def test_values_match_naive(chunk_size, temperature):
+    """Log-probs and entropy equal the naive full-vocabulary computation for any chunking."""
+    head, hidden, targets = _setup()
+    logp, entropy = token_logprobs(head, hidden, targets, temperature=temperature, chunk_size=chunk_size)
+    ref_logp, ref_entropy = _naive(head, hidden, targets, temperature)
+    assert logp.shape == entropy.shape == (B, T)
+    torch.testing.assert_close(logp, ref_logp, **TOL)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), **TOL)
+    assert logp.requires_grad and not entropy.requires_grad
+
+
+@CASES
+def test_gradients_match_naive(chunk_size, temperature):
+    """Gradients w.r.t. hidden states and the head's weight and bias equal the naive ones."""
+    head, hidden, targets = _setup(1)
+    cot = torch.randn(B, T)  # arbitrary upstream gradient, so every row's gradient is checked
+
+    logp, _ = token_logprobs(head, hidden, targets, temperature=temperature, chunk_size=chunk_size)
+    got = torch.autograd.grad((logp * cot).sum(), [hidden, head.weight, head.bias])
+    ref_logp, _ = _naive(head, hidden, targets, temperature)
+    want = torch.autograd.grad((ref_logp * cot).sum(), [hidden, head.weight, head.bias])
+
+    for g, w in zip(got, want):
+        assert g.abs().sum() > 0
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def test_head_gradient_when_hidden_is_frozen():
+    """With hidden states that need no gradient the head's parameters still get the naive gradient."""
+    head, hidden, targets = _setup(2)
+    hidden = hidden.detach()
+    logp, _ = token_logprobs(head, hidden, targets, temperature=0.7, chunk_size=3)
+    (got,) = torch.autograd.grad(logp.sum(), [head.weight])
+    (want,) = torch.autograd.grad(_naive(head, hidden, targets, 0.7)[0].sum(), [head.weight])
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_works_under_no_grad():
+    """Under torch.no_grad the result matches the naive one and carries no graph."""
+    head, hidden, targets = _setup(3)
+    with torch.no_grad():
+        logp, entropy = token_logprobs(head, hidden, targets, temperature=0.7, chunk_size=4)
+        ref_logp, ref_entropy = _naive(head, hidden, targets, 0.7)
+    assert not logp.requires_grad and not entropy.requires_grad
+    torch.testing.assert_close(logp, ref_logp, **TOL)
+    torch.testing.assert_close(entropy, ref_entropy, **TOL)
+
+
+def test_low_precision_head_scored_in_float32():
+    """A bfloat16 head still returns float32 log-probs that match the naive upcast computation."""
+    head, hidden, targets = _setup(4)
+    head = head.to(torch.bfloat16)
+    hidden = hidden.detach().to(torch.bfloat16)
+    logp, entropy = token_logprobs(head, hidden, targets, temperature=0.7, chunk_size=3)
+    ref_logp, ref_entropy = _naive(head, hidden, targets, 0.7)
+    assert logp.dtype == entropy.dtype == torch.float32
+    torch.testing.assert_close(logp, ref_logp, **TOL)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), **TOL)

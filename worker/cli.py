@@ -1,0 +1,112 @@
+"""The `cispo` command line.
+
+    cispo train SPEC.yaml [--output DIR] [--no-resume]
+
+Heavy imports (torch, transformers) happen inside the commands that need
+them, so commands that only touch the service stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    lines = [f"invalid job spec ({e.error_count()} error{'s' if e.error_count() > 1 else ''}):"]
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(spec)"
+        lines.append(f"  {where}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def load_spec(path: Path):
+    from service.schemas.job_spec import JobSpec
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise SystemExit(f"cannot read {path}: {e}")
+    try:
+        return JobSpec.model_validate(raw)
+    except ValidationError as e:
+        raise SystemExit(_format_validation_error(e))
+
+
+class ProgressCallbacks:
+    """A tqdm bar over trainer steps; metrics appended to metrics.jsonl."""
+
+    def __init__(self, total: int, initial: int, metrics_path: Path):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc="cispo", unit="step", dynamic_ncols=True)
+        self.metrics = metrics_path.open("a")
+
+    def _write(self, kind: str, step: int, metrics: dict) -> None:
+        self.metrics.write(json.dumps({"kind": kind, "step": step, **metrics}) + "\n")
+        self.metrics.flush()
+
+    def on_step(self, step, metrics):
+        self._write("train", step, metrics)
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics.get('loss', 0.0):.4f}")
+
+    def on_eval(self, step, metrics):
+        self._write("eval", step, metrics)
+        self.bar.write(f"step {step}: eval reward {metrics['eval_reward_mean']:.3f}")
+
+    def on_checkpoint(self, step, path):
+        self.bar.write(f"step {step}: checkpoint {path}")
+
+    def should_stop(self):
+        return False
+
+    def close(self):
+        self.bar.close()
+        self.metrics.close()
+
+
+def cmd_train(args) -> int:
+    spec = load_spec(args.spec)
+    output = args.output or args.spec.parent / args.spec.stem
+    output.mkdir(parents=True, exist_ok=True)
+    from worker.trainer.loop import Trainer
+
+    try:
+        trainer = Trainer(spec, output, resume=not args.no_resume)
+    except ValueError as e:  # data, reward or checkpoint problems carry their own message
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    callbacks = ProgressCallbacks(spec.training.steps, trainer.step, output / "metrics.jsonl")
+    try:
+        result = trainer.run(callbacks)
+    finally:
+        callbacks.close()
+    if result.first_eval and result.last_eval:
+        print(
+            f"eval reward: {result.first_eval['eval_reward_mean']:.3f} before, "
+            f"{result.last_eval['eval_reward_mean']:.3f} after {result.steps_done} steps"
+        )
+    print(f"adapter: {result.last_checkpoint / 'adapter' if result.last_checkpoint else '(none)'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cispo", description="CISPO reinforcement fine-tuning")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="run a job locally, without the service")
+    p.add_argument("spec", type=Path, help="job spec (YAML)")
+    p.add_argument("--output", type=Path, help="run directory (default runs/<spec name>)")
+    p.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in the run directory")
+    p.set_defaults(func=cmd_train)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

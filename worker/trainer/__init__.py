@@ -1,0 +1,1 @@
+"""The CISPO training loop for LoRA adapters, one process (CPU or one GPU)."""

@@ -1,0 +1,86 @@
+"""Prompt datasets: JSONL rows, a held-out split, and a resumable sampler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from service.schemas.job_spec import DataSpec
+
+
+class DataError(ValueError):
+    """A dataset row or file is unusable; the message names the file and line."""
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    rows = []
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{line_no}: a row must be a JSON object")
+            prompt = row.get("prompt")
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise DataError(f"{path}:{line_no}: 'prompt' is empty")
+            elif isinstance(prompt, list):
+                if not prompt or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt):
+                    raise DataError(f"{path}:{line_no}: 'prompt' messages need 'role' and 'content'")
+            else:
+                raise DataError(f"{path}:{line_no}: 'prompt' must be a string or a list of chat messages")
+            rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def load_splits(spec: DataSpec, *, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train rows, validation rows); the held-out fraction is drawn with the job's seed."""
+    train = read_rows(spec.train_file)
+    if spec.validation_file:
+        return train, read_rows(spec.validation_file)
+    n_val = int(len(train) * spec.validation_fraction)
+    if n_val == 0:
+        return train, []
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = set(order[:n_val])
+    return [r for i, r in enumerate(train) if i not in held], [train[i] for i in order[:n_val]]
+
+
+class PromptSampler:
+    """Yields batches of rows in a fresh seeded permutation each epoch.
+
+    Its whole state is (epoch, index), so a resumed run draws exactly the
+    batches the uninterrupted run would have drawn.
+    """
+
+    def __init__(self, rows: list[dict], *, seed: int, epoch: int = 0, index: int = 0):
+        self.rows, self.seed, self.epoch, self.index = rows, seed, epoch, index
+        self._order = self._permutation(epoch)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.rows), generator=g).tolist()
+
+    def next_batch(self, size: int) -> list[dict]:
+        batch = []
+        while len(batch) < size:
+            if self.index == len(self.rows):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            batch.append(self.rows[self._order[self.index]])
+            self.index += 1
+        return batch
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}

@@ -1,0 +1,225 @@
+"""The CISPO training loop, top to bottom.
+
+Each trainer step: draw batch_size prompts -> sample group_size completions
+each -> reward -> group-relative advantages -> update_epochs x mini_batches
+CISPO optimizer steps on that batch (logp_old frozen at rollout) -> metrics
+-> evaluation and checkpoint when due.
+
+Simplifications, on purpose: one process (CPU or one GPU), transformers
+generation for rollouts, the LM head applied in chunks for log-probs, the
+learning rate set per trainer step from a pure schedule function. A run
+resumes from the newest complete checkpoint in its output directory and
+reaches the same weights as an uninterrupted run with the same seed.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from service.schemas.job_spec import JobSpec
+from worker.checkpoint import (
+    Checkpoint,
+    capture_rng,
+    checkpoint_name,
+    latest_checkpoint,
+    load_checkpoint,
+    load_optimizer_state,
+    restore_rng,
+    save_checkpoint,
+)
+from worker.cispo import group_advantages
+from worker.trainer.data import PromptSampler, load_splits
+from worker.trainer.policy import REFERENCE, Policy, load_policy
+from worker.trainer.rewards import RewardFn, resolve_reward, score
+from worker.trainer.rollout import generate
+from worker.trainer.schedule import lr_multiplier
+from worker.trainer.update import Updater
+
+# Spec sections that may change between a run and its resumption.
+RESUMABLE_CHANGES = {"steps", "eval_interval", "eval_max_rows", "checkpoint_interval"}
+
+
+class Callbacks(Protocol):
+    def on_step(self, step: int, metrics: dict[str, float]) -> None: ...
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None: ...
+    def on_checkpoint(self, step: int, path: Path) -> None: ...
+    def should_stop(self) -> bool: ...
+
+
+class NoCallbacks:
+    def on_step(self, step, metrics): pass
+    def on_eval(self, step, metrics): pass
+    def on_checkpoint(self, step, path): pass
+    def should_stop(self): return False
+
+
+@dataclass
+class TrainResult:
+    steps_done: int
+    stopped: bool  # should_stop() ended the run early
+    last_checkpoint: Path | None
+    first_eval: dict[str, float] | None
+    last_eval: dict[str, float] | None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _resume_mismatch(saved: dict, spec: JobSpec) -> list[str]:
+    now = spec.model_dump(mode="json")
+    diffs = [k for k in now if k != "training" and now[k] != saved.get(k)]
+    diffs += [
+        f"training.{k}"
+        for k in now["training"]
+        if k not in RESUMABLE_CHANGES and now["training"][k] != saved.get("training", {}).get(k)
+    ]
+    return diffs
+
+
+class Trainer:
+    """Composes policy, data, reward, updater and checkpoints for one job."""
+
+    def __init__(self, spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None, resume: bool = True):
+        self.spec, self.output_dir = spec, Path(output_dir)
+        self.checkpoint_root = self.output_dir / "checkpoints"
+        seed_everything(spec.seed)
+        self.reward_fn = reward_fn or resolve_reward(spec.reward)
+        self.train_rows, self.val_rows = load_splits(spec.data, seed=spec.seed)
+
+        found = latest_checkpoint(self.checkpoint_root) if resume else None
+        resumed: Checkpoint | None = load_checkpoint(found) if found else None
+        warm = load_checkpoint(Path(spec.init_from)) if spec.init_from and resumed is None else None
+        if resumed is not None:
+            diffs = _resume_mismatch(resumed.state.get("spec", {}), spec)
+            if diffs:
+                raise ValueError(f"cannot resume from {resumed.path}: the spec changed in {', '.join(diffs)}")
+
+        self.policy: Policy = load_policy(spec, resume_from=resumed, warm_start=warm)
+        opt = spec.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.policy.trainable_parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        self.sampler = PromptSampler(self.train_rows, seed=spec.seed)
+        self.step = 0
+        if resumed is not None:
+            load_optimizer_state(self.optimizer, resumed)
+            self.sampler = PromptSampler(self.train_rows, seed=spec.seed, **resumed.state["data"])
+            self.step = int(resumed.state["step"])
+            restore_rng(resumed.state["rng"], {k[4:]: v for k, v in resumed.tensors.items() if k.startswith("rng.")})
+        self.updater = Updater(self.policy, self.optimizer, spec)
+        self.last_checkpoint: Path | None = resumed.path if resumed else None
+
+    # -- phases ---------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions on the held-out rows (or the first training rows when there are none)."""
+        rows = (self.val_rows or self.train_rows)[: self.spec.training.eval_max_rows]
+        rollout = generate(self.policy, rows, self.spec.sampling, group_size=1, greedy=True)
+        scores = score(self.reward_fn, rollout.completions, rollout.rows, failure_score=self.spec.training.reward_failure_score)
+        return {
+            "eval_reward_mean": float(scores.rewards.mean()),
+            "eval_completion_length": sum(map(len, rollout.completion_ids)) / len(rollout),
+            "eval_rows": float(len(rows)),
+        }
+
+    def train_step(self) -> dict[str, float]:
+        spec, tc = self.spec, self.spec.training
+        started = time.perf_counter()
+        lr = spec.optimizer.lr * lr_multiplier(spec.schedule, self.step, tc.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        rows = self.sampler.next_batch(tc.batch_size)
+        rollout = generate(self.policy, rows, spec.sampling, group_size=tc.group_size)
+        rollout_s = time.perf_counter() - started
+
+        scores = score(self.reward_fn, rollout.completions, rollout.rows, failure_score=tc.reward_failure_score)
+        adv = spec.advantages
+        advantages_PG, zero_P = group_advantages(
+            scores.rewards.view(tc.batch_size, tc.group_size), scale=adv.scale, eps=adv.eps, clip=adv.clip
+        )
+        keep_P = ~zero_P if adv.drop_zero_groups else torch.ones_like(zero_P)
+        indices = [i for i in range(len(rollout)) if keep_P[i // tc.group_size]]
+
+        update_started = time.perf_counter()
+        stats = self.updater.run(rollout, advantages_PG.flatten(), indices)
+        update_s = time.perf_counter() - update_started
+        step_s = time.perf_counter() - started
+
+        completion_tokens = sum(map(len, rollout.completion_ids))
+        all_tokens = completion_tokens + sum(map(len, rollout.prompt_ids))
+        self.step += 1
+        return {
+            "reward_mean": float(scores.rewards.mean()),
+            "reward_std": float(scores.rewards.std(unbiased=False)),
+            "reward_errors": float(len(scores.errors)),
+            "advantage_mean": float(advantages_PG.mean()),
+            "advantage_std": float(advantages_PG.std(unbiased=False)),
+            "zero_advantage_group_fraction": float(zero_P.float().mean()),
+            "completion_length_mean": completion_tokens / len(rollout),
+            "truncated_fraction": sum(rollout.truncated) / len(rollout),
+            "lr": lr,
+            **stats.metrics(),
+            "rollout_seconds": rollout_s,
+            "update_seconds": update_s,
+            "step_seconds": step_s,
+            "sampled_tokens_per_second": completion_tokens / max(rollout_s, 1e-9),
+            "tokens_per_second": all_tokens / max(step_s, 1e-9),
+        }
+
+    def save(self) -> Path:
+        rng_json, rng_tensors = capture_rng()
+        path = save_checkpoint(
+            self.checkpoint_root / checkpoint_name(self.step),
+            model=self.policy.model,
+            optimizer=self.optimizer,
+            state={
+                "step": self.step,
+                "data": self.sampler.state(),
+                "rng": rng_json,
+                "spec": self.spec.model_dump(mode="json"),
+            },
+            tensors={f"rng.{k}": v for k, v in rng_tensors.items()},
+            reference_adapter=REFERENCE if self.policy.has_pinned_reference else None,
+        )
+        self.last_checkpoint = path
+        return path
+
+    # -- the loop -------------------------------------------------------------
+
+    def run(self, callbacks: Callbacks | None = None) -> TrainResult:
+        cb = callbacks or NoCallbacks()
+        tc = self.spec.training
+        first_eval = last_eval = None
+        if self.step == 0:
+            first_eval = last_eval = self.evaluate()
+            cb.on_eval(0, first_eval)
+        stopped = False
+        while self.step < tc.steps:
+            metrics = self.train_step()
+            cb.on_step(self.step, metrics)
+            final = self.step == tc.steps
+            if final or (tc.eval_interval and self.step % tc.eval_interval == 0):
+                last_eval = self.evaluate()
+                cb.on_eval(self.step, last_eval)
+            stopped = cb.should_stop()
+            if final or stopped or (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0):
+                cb.on_checkpoint(self.step, self.save())
+            if stopped:
+                break
+        return TrainResult(self.step, stopped, self.last_checkpoint, first_eval, last_eval)
+
+
+def train(spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None,
+          callbacks: Callbacks | None = None, resume: bool = True) -> TrainResult:
+    return Trainer(spec, output_dir, reward_fn=reward_fn, resume=resume).run(callbacks)

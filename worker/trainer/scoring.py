@@ -1,0 +1,62 @@
+"""Token log-probabilities of rollout sequences under the current model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from worker.cispo import token_logprobs
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded prompt+completion sequences, aligned for next-token scoring."""
+
+    input_ids_BT: Tensor
+    attention_mask_BT: Tensor
+    targets_BT: Tensor  # input_ids shifted left by one
+    action_mask_BT: Tensor  # 1 where the target is a generated token
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(self.action_mask_BT.sum())
+
+
+def collate(prompt_ids: list[list[int]], completion_ids: list[list[int]], *, pad_id: int, device) -> TokenBatch:
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
+    T = max(lengths)
+    B = len(lengths)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    action = torch.zeros((B, T), dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attn[i, : len(p) + len(c)] = 1
+        action[i, len(p) : len(p) + len(c)] = 1.0
+    return TokenBatch(
+        input_ids_BT=ids[:, :-1].to(device),
+        attention_mask_BT=attn[:, :-1].to(device),
+        targets_BT=ids[:, 1:].to(device),
+        action_mask_BT=action[:, 1:].to(device),
+    )
+
+
+def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """(logp_BT, entropy_BT) of each target token; logits never exist for the whole batch at once."""
+    out = model(
+        input_ids=batch.input_ids_BT,
+        attention_mask=batch.attention_mask_BT,
+        output_hidden_states=True,
+        logits_to_keep=1,  # the LM head runs chunked below
+        use_cache=False,
+    )
+    hidden_BTH = out.hidden_states[-1]
+    return token_logprobs(
+        model.get_output_embeddings(),
+        hidden_BTH,
+        batch.targets_BT,
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )

@@ -1,0 +1,124 @@
+"""The update phase of one trainer step: several CISPO optimizer steps on one rollout batch.
+
+logp_old is frozen at rollout time (a no-grad forward before the first
+optimizer step), so later mini-batches see ratios != 1 and the CISPO weight
+matters. When the batch feeds exactly one optimizer step the ratio is 1 by
+construction and that extra forward is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from service.schemas.job_spec import JobSpec
+from worker.cispo import LossInputs, cispo_loss
+from worker.trainer.metrics import UpdateStats
+from worker.trainer.policy import Policy
+from worker.trainer.rollout import Rollout
+from worker.trainer.scoring import collate, sequence_logprobs
+
+
+def _chunks(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[i : i + size] for i in range(0, len(indices), size)]
+
+
+def _per_sequence(values_BT: Tensor, action_mask_BT: Tensor) -> list[Tensor]:
+    """Split the action-token values of each row into one 1-D tensor per sequence."""
+    lengths = action_mask_BT.sum(-1).long().tolist()
+    return list(values_BT[action_mask_BT.bool()].split(lengths))
+
+
+class Updater:
+    def __init__(self, policy: Policy, optimizer: torch.optim.Optimizer, spec: JobSpec):
+        self.policy, self.optimizer, self.spec = policy, optimizer, spec
+        self.training = spec.training
+        self.temperature = spec.sampling.temperature
+
+    def _batch(self, rollout: Rollout, idx: list[int]):
+        return collate(
+            [rollout.prompt_ids[i] for i in idx],
+            [rollout.completion_ids[i] for i in idx],
+            pad_id=self.policy.tokenizer.pad_token_id,
+            device=self.policy.device,
+        )
+
+    def _frozen_logprobs(self, rollout: Rollout, indices: list[int], *, reference: bool) -> dict[int, Tensor]:
+        """Per-sequence action-token log-probs under the rollout (or reference) policy, no grad."""
+        model = self.policy.model
+        was_training = model.training
+        model.eval()  # the sampler ran without dropout
+        result: dict[int, Tensor] = {}
+        for idx in _chunks(indices, self.training.micro_batch_size):
+            batch = self._batch(rollout, idx)
+            if reference:
+                with self.policy.reference():
+                    logp, _ = sequence_logprobs(model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size)
+            else:
+                with torch.no_grad():
+                    logp, _ = sequence_logprobs(model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size)
+            result.update(zip(idx, _per_sequence(logp, batch.action_mask_BT)))
+        model.train(was_training)
+        return result
+
+    def run(self, rollout: Rollout, advantages: Tensor, indices: list[int]) -> UpdateStats:
+        """Optimizer steps over the sequences `indices` of the rollout; advantages are per sequence."""
+        stats = UpdateStats()
+        if not indices:
+            return stats
+        loss_spec = self.spec.loss
+        on_policy_only = self.training.updates_per_rollout == 1
+        old = None if on_policy_only else self._frozen_logprobs(rollout, indices, reference=False)
+        ref = self._frozen_logprobs(rollout, indices, reference=True) if loss_spec.kl_beta > 0 else None
+        per_sequence = loss_spec.normalization == "sequence"
+        model = self.policy.model
+        model.train()
+        params = self.policy.trainable_parameters()
+        for _ in range(self.training.update_epochs):
+            order = [indices[i] for i in torch.randperm(len(indices)).tolist()]
+            n_mini = min(self.training.mini_batches, len(order))
+            for mini in (m.tolist() for m in torch.tensor(order).tensor_split(n_mini)):
+                normalizer = float(len(mini)) if per_sequence else float(
+                    sum(len(rollout.completion_ids[i]) for i in mini)
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                for micro in _chunks(mini, self.training.micro_batch_size):
+                    batch = self._batch(rollout, micro)
+                    logp, entropy = sequence_logprobs(
+                        model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size
+                    )
+                    mask = batch.action_mask_BT.bool()
+                    old_logp = logp.detach() if old is None else _scatter(old, micro, mask, logp)
+                    ref_logp = None if ref is None else _scatter(ref, micro, mask, logp)
+                    out = cispo_loss(
+                        LossInputs(
+                            logprobs_BT=logp,
+                            old_logprobs_BT=old_logp,
+                            advantages_B=advantages[micro].to(logp.device),
+                            action_mask_BT=batch.action_mask_BT,
+                            ref_logprobs_BT=ref_logp,
+                        ),
+                        normalizer=normalizer,
+                        ratio_max=loss_spec.ratio_max,
+                        kl_beta=loss_spec.kl_beta,
+                        kl_clamp=loss_spec.kl_clamp,
+                        per_sequence=per_sequence,
+                    )
+                    out.loss.backward()
+                    step_loss += float(out.loss.detach())
+                    stats.add(out, float((entropy * batch.action_mask_BT).sum()))
+                max_norm = self.spec.optimizer.max_grad_norm
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+                stats.grad_norms.append(float(norm))
+                self.optimizer.step()
+                stats.step_losses.append(step_loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats
+
+
+def _scatter(per_seq: dict[int, Tensor], idx: list[int], mask_BT: Tensor, like_BT: Tensor) -> Tensor:
+    """Place per-sequence action-token values back into a (B, T) tensor shaped like the batch."""
+    out = torch.zeros_like(like_BT, dtype=like_BT.dtype).detach()
+    out[mask_BT] = torch.cat([per_seq[i] for i in idx]).to(out.dtype)
+    return out
