@@ -1,0 +1,1 @@
+"""Persistence: ORM models, the engine/session factory, repositories and migrations."""

@@ -1,0 +1,168 @@
+"""ORM models: the SQL rows that are the truth about projects, files and jobs.
+
+Public ids are random and prefixed like OpenAI's (file-, ftjob-, ftevent-,
+ftckpt_); an integer `seq` orders rows and backs the `after` cursors.
+Timestamps are Unix seconds, as the public objects show them. These classes
+are never returned by the API directly: service/schemas holds the public
+shapes.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# Sequence-like integer keys: BIGINT on PostgreSQL, INTEGER on SQLite so it stays the rowid alias.
+SeqKey = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Project(Base):
+    __tablename__ = "project"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("proj_"))
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_key"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("key_"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))  # shown to humans to tell keys apart
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    revoked_at: Mapped[int | None] = mapped_column(BigInteger)
+    last_used_at: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class File(Base):
+    __tablename__ = "file"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("file-"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    rows: Mapped[int] = mapped_column(Integer)
+    storage_key: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class RewardFunction(Base):
+    __tablename__ = "reward_function"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("rwfn-"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    spec: Mapped[dict] = mapped_column(JSON)  # a service.schemas.rewards spec
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class Job(Base):
+    __tablename__ = "job"
+    __table_args__ = (UniqueConstraint("project_id", "idempotency_key"),)
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("ftjob-"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    status: Mapped[str] = mapped_column(String(24), index=True)
+    model: Mapped[str] = mapped_column(String(512))
+    training_file: Mapped[str] = mapped_column(String(40))
+    validation_file: Mapped[str | None] = mapped_column(String(40))
+    reward_function_id: Mapped[str | None] = mapped_column(String(40), index=True)
+    spec: Mapped[dict] = mapped_column(JSON)  # the resolved JobSpec the worker runs
+    method: Mapped[dict] = mapped_column(JSON)  # the request's method, echoed back
+    seed: Mapped[int] = mapped_column(BigInteger)
+    suffix: Mapped[str | None] = mapped_column(String(64))
+    metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    request_sha256: Mapped[str | None] = mapped_column(String(64))
+
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    started_at: Mapped[int | None] = mapped_column(BigInteger)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger)
+    total_steps: Mapped[int] = mapped_column(Integer)
+    steps_done: Mapped[int] = mapped_column(Integer, default=0)
+    trained_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    error_param: Mapped[str | None] = mapped_column(String(64))
+
+    # Control requests from the API, honoured by the worker at a step boundary.
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    pause_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The lease: who runs the job, a fencing epoch, and until when.
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_epoch: Mapped[int] = mapped_column(Integer, default=0)
+    lease_expires_at: Mapped[float | None] = mapped_column(Float)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_event"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("ftevent-"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    level: Mapped[str] = mapped_column(String(8))
+    type: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict | None] = mapped_column(JSON)
+
+
+class JobMetric(Base):
+    """One value per (job, step, name): a repeated write is harmless."""
+
+    __tablename__ = "job_metric"
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoint"
+    __table_args__ = (UniqueConstraint("job_id", "step"),)
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("ftckpt_"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    storage_prefix: Mapped[str] = mapped_column(String(512))
+    files: Mapped[dict] = mapped_column(JSON)  # relative path -> {sha256, bytes}
+    metrics: Mapped[dict] = mapped_column(JSON)

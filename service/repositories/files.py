@@ -1,0 +1,32 @@
+"""Uploaded dataset files."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.db.models import File
+from service.repositories.pagination import Page, paginate
+
+
+def add(session: Session, file: File) -> File:
+    session.add(file)
+    session.flush()
+    return file
+
+
+def get(session: Session, project_id: str, file_id: str) -> File | None:
+    return session.scalar(select(File).where(File.project_id == project_id, File.id == file_id))
+
+
+def page(session: Session, project_id: str, *, after: str | None, limit: int, purpose: str | None,
+         ascending: bool) -> Page[File]:
+    stmt = select(File).where(File.project_id == project_id)
+    if purpose:
+        stmt = stmt.where(File.purpose == purpose)
+    return paginate(session, stmt, File, after=after, limit=limit, ascending=ascending)
+
+
+def delete(session: Session, file: File) -> None:
+    session.delete(file)
+    session.flush()

@@ -1,0 +1,287 @@
+"""Jobs: the state machine, the worker's lease, and the records a run leaves.
+
+Every status change is a compare-and-set UPDATE (WHERE status = the expected
+one), so two racing requests cannot both win. Worker writes are fenced by the
+lease epoch: a worker that lost its lease (paused past its TTL, partitioned)
+has every later write refused, and stops.
+
+    validating_files -> queued -> running -> succeeded | failed | cancelled
+    queued | running -> paused -> queued          (pause / resume)
+    running -> queued                              (lease expired, retried)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from service.db.models import Checkpoint, Job, JobEvent, JobMetric, now
+from service.repositories.pagination import Page, paginate
+
+LIVE = ("validating_files", "queued", "running", "paused")
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class IllegalTransition(Exception):
+    def __init__(self, job: Job, action: str):
+        super().__init__(f"job {job.id} is {job.status}; it cannot be {action}")
+        self.job, self.action = job, action
+
+
+@dataclass(frozen=True)
+class Control:
+    """What the API has asked of a running job."""
+
+    cancel: bool
+    pause: bool
+
+
+# -- reads -------------------------------------------------------------------
+
+
+def get(session: Session, project_id: str, job_id: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.project_id == project_id, Job.id == job_id))
+
+
+def get_for_worker(session: Session, job_id: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.id == job_id))
+
+
+def page(session: Session, project_id: str, *, after: str | None, limit: int,
+         metadata: dict[str, str] | None = None) -> Page[Job]:
+    stmt = select(Job).where(Job.project_id == project_id)
+    items_filter = metadata or {}
+    if not items_filter:
+        return paginate(session, stmt, Job, after=after, limit=limit)
+    # JSON containment differs by dialect; metadata is small, so filter in Python page by page.
+    result, cursor = [], after
+    while True:
+        chunk = paginate(session, stmt, Job, after=cursor, limit=max(limit, 50))
+        for job in chunk.items:
+            if all((job.metadata_ or {}).get(k) == v for k, v in items_filter.items()):
+                if len(result) == limit:
+                    return Page(items=result, has_more=True)
+                result.append(job)
+        if not chunk.has_more:
+            return Page(items=result, has_more=False)
+        cursor = chunk.items[-1].id
+
+
+def find_by_idempotency_key(session: Session, project_id: str, key: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.project_id == project_id, Job.idempotency_key == key))
+
+
+def live_job_uses(session: Session, project_id: str, *, file_id: str | None = None,
+                  reward_function_id: str | None = None) -> str | None:
+    """The id of a live job that references the file or reward function, if any."""
+    stmt = select(Job.id).where(Job.project_id == project_id, Job.status.in_(LIVE))
+    if file_id:
+        stmt = stmt.where(or_(Job.training_file == file_id, Job.validation_file == file_id))
+    if reward_function_id:
+        stmt = stmt.where(Job.reward_function_id == reward_function_id)
+    return session.scalar(stmt.limit(1))
+
+
+def events(session: Session, job_id: str, *, after: str | None, limit: int) -> Page[JobEvent]:
+    return paginate(session, select(JobEvent).where(JobEvent.job_id == job_id), JobEvent, after=after, limit=limit)
+
+
+def checkpoints(session: Session, job_id: str, *, after: str | None, limit: int) -> Page[Checkpoint]:
+    stmt = select(Checkpoint).where(Checkpoint.job_id == job_id)
+    return paginate(session, stmt, Checkpoint, after=after, limit=limit)
+
+
+def checkpoint(session: Session, job_id: str, checkpoint_id: str) -> Checkpoint | None:
+    return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.id == checkpoint_id))
+
+
+def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
+    return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()))
+
+
+def metrics(session: Session, job_id: str, *, names: list[str] | None, step_min: int | None,
+            step_max: int | None, limit: int) -> list[JobMetric]:
+    stmt = select(JobMetric).where(JobMetric.job_id == job_id)
+    if names:
+        stmt = stmt.where(JobMetric.name.in_(names))
+    if step_min is not None:
+        stmt = stmt.where(JobMetric.step >= step_min)
+    if step_max is not None:
+        stmt = stmt.where(JobMetric.step <= step_max)
+    return list(session.scalars(stmt.order_by(JobMetric.step, JobMetric.name).limit(limit)))
+
+
+# -- API-side changes --------------------------------------------------------
+
+
+def add(session: Session, job: Job) -> Job:
+    session.add(job)
+    session.flush()
+    return job
+
+
+def add_event(session: Session, job_id: str, message: str, *, level: str = "info", type: str = "message",
+              data: dict | None = None) -> JobEvent:
+    event = JobEvent(job_id=job_id, message=message, level=level, type=type, data=data)
+    session.add(event)
+    session.flush()
+    return event
+
+
+def _cas(session: Session, job: Job, expected: tuple[str, ...], **values) -> bool:
+    result = session.execute(
+        update(Job).where(Job.id == job.id, Job.status.in_(expected)).values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    session.refresh(job)
+    return result.rowcount == 1
+
+
+def request_cancel(session: Session, job: Job) -> Job:
+    """Queued or paused jobs end at once; a running job stops at its next step boundary."""
+    if _cas(session, job, ("validating_files", "queued", "paused"), status="cancelled", finished_at=now(),
+            lease_owner=None, lease_expires_at=None):
+        add_event(session, job.id, "Job cancelled")
+    elif _cas(session, job, ("running",), cancel_requested=True):
+        add_event(session, job.id, "Cancellation requested; the job stops at the end of its current step")
+    else:
+        raise IllegalTransition(job, "cancelled")
+    return job
+
+
+def request_pause(session: Session, job: Job) -> Job:
+    if _cas(session, job, ("queued",), status="paused"):
+        add_event(session, job.id, "Job paused")
+    elif _cas(session, job, ("running",), pause_requested=True):
+        add_event(session, job.id, "Pause requested; the job checkpoints and pauses after its current step")
+    else:
+        raise IllegalTransition(job, "paused")
+    return job
+
+
+def resume(session: Session, job: Job) -> Job:
+    if not _cas(session, job, ("paused",), status="queued", pause_requested=False):
+        raise IllegalTransition(job, "resumed")
+    add_event(session, job.id, "Job resumed")
+    return job
+
+
+# -- worker-side changes (fenced by the lease epoch) -------------------------
+
+
+def claim(session: Session, job_id: str, owner: str, ttl_s: float) -> int | None:
+    """Take the lease on a queued job (or a running one whose lease expired); returns the epoch."""
+    t = time.time()
+    result = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            or_(Job.status == "queued", and_(Job.status == "running", Job.lease_expires_at < t)),
+        )
+        .values(status="running", lease_owner=owner, lease_epoch=Job.lease_epoch + 1,
+                lease_expires_at=t + ttl_s, attempts=Job.attempts + 1,
+                started_at=func.coalesce(Job.started_at, int(t)))
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        return None
+    return session.scalar(select(Job.lease_epoch).where(Job.id == job_id))
+
+
+def _fenced(job_id: str, epoch: int):
+    return and_(Job.id == job_id, Job.lease_epoch == epoch, Job.status == "running")
+
+
+def heartbeat(session: Session, job_id: str, epoch: int, ttl_s: float) -> Control | None:
+    """Renew the lease; None means it is lost and the worker must stop writing."""
+    result = session.execute(
+        update(Job).where(_fenced(job_id, epoch)).values(lease_expires_at=time.time() + ttl_s)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        return None
+    cancel, pause = session.execute(
+        select(Job.cancel_requested, Job.pause_requested).where(Job.id == job_id)
+    ).one()
+    return Control(cancel=bool(cancel), pause=bool(pause))
+
+
+def _insert_ignoring_duplicates(session: Session, model, rows: list[dict]) -> None:
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    session.execute(insert(model).values(rows).on_conflict_do_nothing())
+
+
+def record_step(session: Session, job_id: str, epoch: int, step: int, values: dict[str, float],
+                *, trained_tokens: int, ttl_s: float) -> bool:
+    """Store one step's metrics (a repeat is a no-op) and renew the lease; False if the lease is lost."""
+    result = session.execute(
+        update(Job).where(_fenced(job_id, epoch))
+        .values(steps_done=func.max(Job.steps_done, step) if session.get_bind().dialect.name == "sqlite"
+                else func.greatest(Job.steps_done, step),
+                trained_tokens=Job.trained_tokens + trained_tokens, lease_expires_at=time.time() + ttl_s)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        return False
+    _insert_ignoring_duplicates(
+        session, JobMetric, [{"job_id": job_id, "step": step, "name": k, "value": float(v)} for k, v in values.items()]
+    )
+    return True
+
+
+def add_checkpoint(session: Session, job_id: str, epoch: int, *, step: int, storage_prefix: str,
+                   files: dict, metrics: dict) -> Checkpoint | None:
+    """Point at an uploaded, hashed checkpoint; None if the lease is lost."""
+    owned = session.scalar(select(Job.id).where(_fenced(job_id, epoch)))
+    if owned is None:
+        return None
+    existing = session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
+    if existing is not None:
+        return existing
+    ckpt = Checkpoint(job_id=job_id, step=step, storage_prefix=storage_prefix, files=files, metrics=metrics)
+    session.add(ckpt)
+    session.flush()
+    return ckpt
+
+
+def finish(session: Session, job_id: str, epoch: int, status: str, *, error_code: str | None = None,
+           error_message: str | None = None, error_param: str | None = None,
+           fine_tuned_model: str | None = None) -> bool:
+    """End the lease: a terminal status, `paused`, or `queued` for a retry."""
+    values: dict = {"status": status, "lease_owner": None, "lease_expires_at": None,
+                    "cancel_requested": False, "pause_requested": False}
+    if status in TERMINAL:
+        values["finished_at"] = now()
+    if error_code is not None:
+        values.update(error_code=error_code, error_message=error_message, error_param=error_param)
+    result = session.execute(
+        update(Job).where(_fenced(job_id, epoch)).values(**values).execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
+
+
+def fail_unclaimed(session: Session, job_id: str, code: str, message: str) -> bool:
+    """Fail a queued job that can never run (e.g. it used up its attempts)."""
+    result = session.execute(
+        update(Job).where(Job.id == job_id, Job.status.in_(("queued", "running")))
+        .values(status="failed", error_code=code, error_message=message, finished_at=now(),
+                lease_owner=None, lease_expires_at=None)
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
+
+
+def stale(session: Session, *, queued_before: int) -> list[str]:
+    """Jobs the broker may have lost: queued for a while, or running on an expired lease."""
+    stmt = select(Job.id).where(
+        or_(and_(Job.status == "queued", Job.created_at < queued_before),
+            and_(Job.status == "running", Job.lease_expires_at < time.time()))
+    )
+    return list(session.scalars(stmt))

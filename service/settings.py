@@ -1,0 +1,60 @@
+"""The one settings object, read from the environment once.
+
+Every knob is a CISPO_* variable; DATABASE_URL, BROKER_URL and STORAGE_URL
+are also read without the prefix, as deployment tools expect. The embedded
+defaults (SQLite, a server-less broker, a local directory) need no servers.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _alias(name: str) -> AliasChoices:
+    return AliasChoices(f"CISPO_{name}", name)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CISPO_", extra="ignore")
+
+    home: Path = Field(Path(".cispo"), description="Where embedded state lives (database, broker, objects).")
+    database_url: str = Field("", validation_alias=_alias("DATABASE_URL"))
+    broker_url: str = Field("", validation_alias=_alias("BROKER_URL"))
+    storage_url: str = Field("", validation_alias=_alias("STORAGE_URL"))
+
+    max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
+    max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="JSON bodies.")
+    lease_ttl_s: float = Field(90.0, gt=0)
+    heartbeat_s: float = Field(15.0, gt=0)
+    max_attempts: int = Field(3, ge=1)
+    work_dir: Path | None = Field(None, description="Worker scratch space (default HOME/work).")
+
+    @field_validator("database_url")
+    @classmethod
+    def _psycopg3(cls, v: str) -> str:
+        # SQLAlchemy picks psycopg2 for plain postgresql:// URLs; we ship psycopg 3.
+        for plain in ("postgresql://", "postgres://"):
+            if v.startswith(plain):
+                return "postgresql+psycopg://" + v[len(plain) :]
+        return v
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.home / 'cispo.db').resolve()}"
+
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or f"sqla+sqlite:///{(self.home / 'broker.db').resolve()}"
+
+    def resolved_storage_url(self) -> str:
+        return self.storage_url or str((self.home / "objects").resolve())
+
+    def resolved_work_dir(self) -> Path:
+        return (self.work_dir or self.home / "work").resolve()
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
