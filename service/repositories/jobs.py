@@ -252,8 +252,7 @@ def add_checkpoint(session: Session, job_id: str, epoch: int, *, step: int, stor
 
 
 def finish(session: Session, job_id: str, epoch: int, status: str, *, error_code: str | None = None,
-           error_message: str | None = None, error_param: str | None = None,
-           fine_tuned_model: str | None = None) -> bool:
+           error_message: str | None = None, error_param: str | None = None) -> bool:
     """End the lease: a terminal status, `paused`, or `queued` for a retry."""
     values: dict = {"status": status, "lease_owner": None, "lease_expires_at": None,
                     "cancel_requested": False, "pause_requested": False}

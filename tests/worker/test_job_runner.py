@@ -1,0 +1,164 @@
+"""The worker's job runner against a real database and object store, without Celery.
+
+These pin the lease, the fenced writes, cancellation and pause at a step
+boundary, and that a paused-then-resumed job ends with exactly the adapter
+an uninterrupted job produces.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from sqlalchemy import func, select
+
+from service.db.models import Checkpoint, Job, JobEvent, JobMetric
+from service.db.session import session_factory
+from service.repositories import jobs, projects
+from service.schemas.job_spec import JobSpec
+from service.settings import Settings
+from service.storage import open_store
+from worker.job_runner import run_job
+from worker.toy.__main__ import toy_spec
+
+
+def make_settings(tmp_path, database_url) -> Settings:
+    return Settings(home=tmp_path / "home", database_url=database_url, storage_url=str(tmp_path / "objects"),
+                    heartbeat_s=0.2, lease_ttl_s=30)
+
+
+def submit(settings: Settings, toy_dir, **training) -> str:
+    """A queued job on the toy task, its dataset already uploaded, as the API would leave it."""
+    store = open_store(settings.resolved_storage_url())
+    store.put_file("files/file-train", toy_dir / "train.jsonl")
+    store.put_file("files/file-val", toy_dir / "val.jsonl")
+    raw = toy_spec(toy_dir)
+    raw["data"] = {"train_file": "file-train", "validation_file": "file-val"}
+    raw["training"].update({"batch_size": 4, "group_size": 4, "micro_batch_size": 16, "mini_batches": 2,
+                            "eval_interval": 0, "eval_max_rows": 8, "checkpoint_interval": 2, **training})
+    spec = JobSpec.model_validate(raw)
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        project = projects.get_or_create_project(s, "p")
+        job = jobs.add(s, Job(project_id=project.id, status="queued", model=spec.model, training_file="file-train",
+                              validation_file="file-val", spec=spec.model_dump(mode="json"), method={"type": "cispo"},
+                              seed=spec.seed, total_steps=spec.training.steps))
+        return job.id
+
+
+def job_row(settings, job_id) -> Job:
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        return jobs.get_for_worker(s, job_id)
+
+
+def run_in_thread(settings, job_id):
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("status", run_job(job_id, settings)))
+    t.start()
+    return t, out
+
+
+def wait_for_step(settings, job_id, step, timeout=120):
+    deadline = time.time() + timeout
+    while job_row(settings, job_id).steps_done < step:
+        assert time.time() < deadline, "the job made no progress"
+        time.sleep(0.05)
+
+
+def test_job_runs_to_success_and_records_everything(database_url, toy_dir, tmp_path):
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=3)
+    assert run_job(job_id, settings) == "succeeded"
+
+    job = job_row(settings, job_id)
+    assert (job.status, job.steps_done, job.attempts, job.lease_owner) == ("succeeded", 3, 1, None)
+    assert job.finished_at and job.trained_tokens > 0
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        steps = sorted(s.scalars(select(JobMetric.step).where(JobMetric.name == "reward_mean")))
+        assert steps == [1, 2, 3]
+        assert s.scalar(select(func.count()).select_from(JobMetric).where(JobMetric.name == "eval_reward_mean")) == 2
+        messages = [e.message for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq))]
+        ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+    assert messages[0].startswith("Job started") and messages[-1] == "Job succeeded"
+    assert any(m.startswith("Step 3/3:") for m in messages)
+    assert [c.step for c in ckpts] == [2, 3]
+    store = open_store(settings.resolved_storage_url())
+    for c in ckpts:
+        assert {"adapter.tar", "manifest.json", "adapter/adapter_model.safetensors"} <= c.files.keys()
+        for rel, meta in c.files.items():
+            data = b"".join(store.iter_bytes(f"{c.storage_prefix}/{rel}"))
+            import hashlib
+
+            assert hashlib.sha256(data).hexdigest() == meta["sha256"], rel
+    assert not (settings.resolved_work_dir() / job_id).exists()  # scratch space is cleaned up
+
+    # a duplicate broker message for a finished job changes nothing
+    assert run_job(job_id, settings) is None
+    assert job_row(settings, job_id).attempts == 1
+
+
+def test_cancel_is_honoured_within_one_step(database_url, toy_dir, tmp_path):
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=500, checkpoint_interval=0)
+    thread, out = run_in_thread(settings, job_id)
+    wait_for_step(settings, job_id, 1)
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        jobs.request_cancel(s, jobs.get_for_worker(s, job_id))
+        requested_at = jobs.get_for_worker(s, job_id).steps_done
+    thread.join(timeout=120)
+    assert out["status"] == "cancelled"
+    job = job_row(settings, job_id)
+    assert job.status == "cancelled" and job.steps_done <= requested_at + 2 < 500
+
+
+def test_paused_job_resumes_to_the_same_adapter(database_url, toy_dir, tmp_path):
+    reference = make_settings(tmp_path / "a", database_url)
+    ref_id = submit(reference, toy_dir, steps=6)
+    assert run_job(ref_id, reference) == "succeeded"
+
+    settings = make_settings(tmp_path / "b", database_url)
+    job_id = submit(settings, toy_dir, steps=6)
+    thread, out = run_in_thread(settings, job_id)
+    wait_for_step(settings, job_id, 1)
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        jobs.request_pause(s, jobs.get_for_worker(s, job_id))
+    thread.join(timeout=120)
+    assert out["status"] == "paused"
+    paused = job_row(settings, job_id)
+    assert paused.status == "paused" and 1 <= paused.steps_done < 6
+
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        jobs.resume(s, jobs.get_for_worker(s, job_id))
+    # resume on a "different machine": the local scratch space is gone
+    import shutil
+
+    shutil.rmtree(settings.resolved_work_dir(), ignore_errors=True)
+    assert run_job(job_id, settings) == "succeeded"
+    with session_factory(database_url).begin() as s:
+        final = {j: jobs.latest_checkpoint(s, j).files["adapter.tar"]["sha256"] for j in (ref_id, job_id)}
+        resumed_events = [e.message for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
+        steps = list(s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id, JobMetric.name == "reward_mean")
+                               .order_by(JobMetric.step)))
+    assert final[ref_id] == final[job_id]
+    assert any(m.startswith("Resumed from the checkpoint at step") for m in resumed_events)
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_worker_that_lost_its_lease_cannot_write(database_url, toy_dir, tmp_path):
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=3)
+    sessions = session_factory(database_url)
+    with sessions.begin() as s:
+        first = jobs.claim(s, job_id, "w1", ttl_s=-1)  # expires at once
+    with sessions.begin() as s:
+        second = jobs.claim(s, job_id, "w2", ttl_s=30)  # takes over the expired lease
+    assert second == first + 1
+    with sessions.begin() as s:
+        assert not jobs.record_step(s, job_id, first, 1, {"loss": 1.0}, trained_tokens=0, ttl_s=30)
+        assert jobs.heartbeat(s, job_id, first, 30) is None
+        assert not jobs.finish(s, job_id, first, "succeeded")
+        assert jobs.record_step(s, job_id, second, 1, {"loss": 1.0}, trained_tokens=0, ttl_s=30)
+        assert jobs.record_step(s, job_id, second, 1, {"loss": 2.0}, trained_tokens=0, ttl_s=30)  # repeat: no-op
+    with sessions.begin() as s:
+        assert s.scalar(select(JobMetric.value).where(JobMetric.job_id == job_id)) == 1.0
+        assert jobs.get_for_worker(s, job_id).status == "running"
