@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
+
+BUCKET = "cispo-test"
 
 
 @pytest.fixture(scope="session")
@@ -79,3 +87,62 @@ def postgres_url(tmp_path) -> str:
 
     session_factory(url).kw["bind"].dispose()
     drop()
+
+
+# -- S3: moto's standalone server over real HTTP on loopback ----------------------
+
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint(tmp_path_factory):
+    """Start moto's server as a subprocess, so boto3 talks real HTTP; yields its endpoint URL."""
+    pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"moto server exited with {proc.returncode}; see {log.name}")
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"moto server did not answer on {endpoint}; see {log.name}")
+                time.sleep(0.1)
+        with pytest.MonkeyPatch.context() as mp:
+            # Dummy credentials, and nothing from the developer's own AWS setup.
+            mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+            mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+            for var in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+                mp.delenv(var, raising=False)
+            mp.setenv("AWS_CONFIG_FILE", "/nonexistent")
+            mp.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+            boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1") \
+                .create_bucket(Bucket=BUCKET)
+            yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def s3_url(moto_endpoint) -> str:
+    """A fresh, empty prefix in the test bucket, as an s3:// URL usable with open_store."""
+    return f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}?endpoint_url={moto_endpoint}"
