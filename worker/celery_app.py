@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+from celery.signals import worker_ready
+
 from service.queue import RUN_JOB, make_celery
 from service.settings import get_settings
 
@@ -24,3 +26,10 @@ def run_job(job_id: str) -> str | None:
     status = run(job_id, get_settings())
     log.info("job %s ended as %s", job_id, status)
     return status
+
+
+@worker_ready.connect
+def _start_reconciler(**_):
+    from worker import reconciler
+
+    reconciler.start(get_settings(), interval_s=max(5.0, get_settings().lease_ttl_s / 3))

@@ -1,6 +1,8 @@
 """The `cispo` command line.
 
-    cispo train SPEC.yaml [--output DIR] [--no-resume]
+    cispo train SPEC.yaml [--output DIR] [--no-resume]   a job locally, no service
+    cispo worker                                        a Celery worker for service jobs
+    cispo up | api | db upgrade | keys create           see service/cli.py
 
 Heavy imports (torch, transformers) happen inside the commands that need
 them, so commands that only touch the service stay fast.
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
+
+from service.cli import add_commands
 
 
 def _format_validation_error(e: ValidationError) -> str:
@@ -96,7 +100,16 @@ def cmd_train(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def cmd_worker(args) -> int:
+    from worker.celery_app import app
+
+    argv = ["worker", "--loglevel=INFO", "-Q", "jobs", f"--pool={args.pool}", "--concurrency=1"]
+    app.worker_main(argv)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole `cispo` command tree; each subcommand sets `func`."""
     parser = argparse.ArgumentParser(prog="cispo", description="CISPO reinforcement fine-tuning")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run a job locally, without the service")
@@ -104,7 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, help="run directory (default runs/<spec name>)")
     p.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in the run directory")
     p.set_defaults(func=cmd_train)
-    args = parser.parse_args(argv)
+    p = sub.add_parser("worker", help="run a Celery worker for service jobs")
+    p.add_argument("--pool", default="prefork", choices=["prefork", "solo"],
+                   help="prefork gives each job a fresh process; solo runs jobs in the worker itself")
+    p.set_defaults(func=cmd_worker)
+    add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

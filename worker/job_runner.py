@@ -38,6 +38,11 @@ class LeaseLost(Exception):
     pass
 
 
+def _finite(metrics: dict) -> dict[str, float]:
+    """JSON and SQL cannot hold NaN everywhere; a non-finite metric is left out rather than stored."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
 class JobReporter:
     """Trainer callbacks that write to SQL (fenced) and the object store, and relay control requests."""
 
@@ -82,7 +87,7 @@ class JobReporter:
     # -- trainer callbacks ---------------------------------------------------
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        finite = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        finite = _finite(metrics)
         with self.sessions.begin() as s:
             ok = jobs.record_step(s, self.job_id, self.epoch, step, finite,
                                   trained_tokens=int(metrics.get("trained_tokens", 0)),
@@ -96,12 +101,13 @@ class JobReporter:
         self.heartbeat()
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        metrics = _finite(metrics)
         with self.sessions.begin() as s:
             if not jobs.record_step(s, self.job_id, self.epoch, step, metrics, trained_tokens=0,
                                     ttl_s=self.settings.lease_ttl_s):
                 self.lost = True
                 return
-            jobs.add_event(s, self.job_id, f"Evaluation at step {step}: reward {metrics['eval_reward_mean']:.4f}",
+            jobs.add_event(s, self.job_id, f"Evaluation at step {step}: reward {metrics.get('eval_reward_mean', float('nan')):.4f}",
                            type="metrics", data={"step": step, **metrics})
 
     def on_checkpoint(self, step: int, path: Path) -> None:

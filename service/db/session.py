@@ -28,7 +28,8 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    # A bounded connect, so /readyz and workers fail fast instead of hanging on an unreachable server.
+    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5})
 
 
 @lru_cache

@@ -30,3 +30,11 @@ def page(session: Session, project_id: str, *, after: str | None, limit: int, pu
 def delete(session: Session, file: File) -> None:
     session.delete(file)
     session.flush()
+
+
+def rows_by_id(session: Session, project_id: str, file_ids: list[str]) -> dict[str, int]:
+    """Row counts of the given files (those that still exist), in one query."""
+    if not file_ids:
+        return {}
+    stmt = select(File.id, File.rows).where(File.project_id == project_id, File.id.in_(set(file_ids)))
+    return dict(session.execute(stmt).tuples().all())

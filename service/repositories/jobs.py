@@ -277,10 +277,18 @@ def fail_unclaimed(session: Session, job_id: str, code: str, message: str) -> bo
     return result.rowcount == 1
 
 
-def stale(session: Session, *, queued_before: int) -> list[str]:
-    """Jobs the broker may have lost: queued for a while, or running on an expired lease."""
-    stmt = select(Job.id).where(
-        or_(and_(Job.status == "queued", Job.created_at < queued_before),
-            and_(Job.status == "running", Job.lease_expires_at < time.time()))
-    )
-    return list(session.scalars(stmt))
+def requeue_expired(session: Session) -> list[str]:
+    """Put running jobs whose worker stopped heartbeating back in the queue; returns their ids."""
+    t = time.time()
+    expired = list(session.scalars(select(Job.id).where(Job.status == "running", Job.lease_expires_at < t)))
+    requeued = []
+    for job_id in expired:
+        result = session.execute(
+            update(Job).where(Job.id == job_id, Job.status == "running", Job.lease_expires_at < t)
+            .values(status="queued", lease_owner=None, lease_expires_at=None)
+            .execution_options(synchronize_session=False)
+        )
+        if result.rowcount == 1:
+            add_event(session, job_id, "The worker stopped responding; the job is queued again", level="warn")
+            requeued.append(job_id)
+    return requeued

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from sqlalchemy import Select, select
+from sqlalchemy import Select
 from sqlalchemy.orm import Session
 
 T = TypeVar("T")
@@ -25,7 +25,8 @@ def paginate(session: Session, stmt: Select, model, *, after: str | None, limit:
     """`stmt` selects `model` rows already filtered to what the caller may see."""
     seq = model.seq
     if after is not None:
-        cursor = session.scalar(select(seq).where(model.id == after))
+        # Look the cursor up within what the caller may see, so another tenant's id is just unknown.
+        cursor = session.scalar(stmt.with_only_columns(seq).where(model.id == after))
         if cursor is None:
             raise UnknownCursor(after)
         stmt = stmt.where(seq > cursor if ascending else seq < cursor)

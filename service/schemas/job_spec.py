@@ -13,11 +13,19 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from service.schemas.rewards import (
+    ContainsReward,
+    ExactMatchReward,
+    NumericMatchReward,
+    PythonReward,
+    RegexReward,
+)
+
 
 class Strict(BaseModel):
     """Base for every spec section: unknown fields are errors."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LoraSpec(Strict):
@@ -141,7 +149,12 @@ class ImportReward(Strict):
     path: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
-Reward = Annotated[ImportReward, Field(discriminator="type")]
+# 'import' runs a trusted callable inside the trainer: local CLI runs only, the
+# service refuses it. The others are the service's RewardSpec (schemas/rewards.py).
+Reward = Annotated[
+    ImportReward | PythonReward | ExactMatchReward | ContainsReward | RegexReward | NumericMatchReward,
+    Field(discriminator="type"),
+]
 
 
 class DataSpec(Strict):

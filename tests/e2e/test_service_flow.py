@@ -111,7 +111,6 @@ def test_the_openai_sdk_drives_a_job(stack, toy_dir):
             "grader": {"type": "string_check", "name": "last letter", "input": "{{ sample.output_text }}",
                        "reference": "{{ item.answer }}", "operation": "eq"},
             "hyperparameters": {"batch_size": 4, "n_epochs": 1, "compute_multiplier": 0.5}}},
-        extra_body=None,
     )
     assert job.id.startswith("ftjob-") and job.status == "queued"
     assert client.fine_tuning.jobs.retrieve(job.id).id == job.id
@@ -127,9 +126,9 @@ def test_the_openai_sdk_drives_a_job(stack, toy_dir):
     final = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).model_dump(), ("cancelled", "failed", "succeeded"))
     assert final["status"] == "cancelled"
 
-    events = list(client.fine_tuning.jobs.list_events(job.id, limit=5))
-    assert events and events[0].message == "Job cancelled"
-    all_events = list(client.fine_tuning.jobs.list_events(job.id, limit=2).auto_paging_iter())
+    first_page = client.fine_tuning.jobs.list_events(job.id, limit=2)
+    assert first_page.data[0].message == "Job cancelled" and first_page.has_more
+    all_events = list(first_page)  # iterating a page follows the `after` cursors
     assert len(all_events) >= 4 and len({e.id for e in all_events}) == len(all_events)
     checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
     assert checkpoints and checkpoints[0].step_number >= 1  # the stop wrote one

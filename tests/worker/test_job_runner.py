@@ -162,3 +162,19 @@ def test_a_worker_that_lost_its_lease_cannot_write(database_url, toy_dir, tmp_pa
     with sessions.begin() as s:
         assert s.scalar(select(JobMetric.value).where(JobMetric.job_id == job_id)) == 1.0
         assert jobs.get_for_worker(s, job_id).status == "running"
+
+
+def test_reconciler_requeues_a_job_whose_worker_died(database_url, toy_dir, tmp_path, monkeypatch):
+    from worker import reconciler
+
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=2)
+    with session_factory(database_url).begin() as s:
+        jobs.claim(s, job_id, "dead-worker", ttl_s=-1)
+    sent = []
+    monkeypatch.setattr(reconciler, "enqueue_job", sent.append)
+    assert reconciler.reconcile_once(settings) == [job_id]
+    assert sent == [job_id] and job_row(settings, job_id).status == "queued"
+    assert reconciler.reconcile_once(settings) == []  # nothing twice
+    assert run_job(job_id, settings) == "succeeded"
+    assert job_row(settings, job_id).attempts == 2

@@ -37,7 +37,7 @@ from worker.checkpoint import (
 from worker.cispo import group_advantages
 from worker.trainer.data import PromptSampler, load_splits
 from worker.trainer.policy import REFERENCE, Policy, load_policy
-from worker.trainer.rewards import RewardFn, resolve_reward, score
+from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, make_scorer
 from worker.trainer.rollout import generate
 from worker.trainer.schedule import lr_multiplier
 from worker.trainer.update import Updater
@@ -93,7 +93,7 @@ class Trainer:
         self.spec, self.output_dir = spec, Path(output_dir)
         self.checkpoint_root = self.output_dir / "checkpoints"
         seed_everything(spec.seed)
-        self.reward_fn = reward_fn or resolve_reward(spec.reward)
+        self.scorer: Scorer = InProcessScorer.from_callable(reward_fn) if reward_fn else make_scorer(spec.reward)
         self.train_rows, self.val_rows = load_splits(spec.data, seed=spec.seed)
 
         found = latest_checkpoint(self.checkpoint_root) if resume else None
@@ -125,7 +125,7 @@ class Trainer:
         """Greedy completions on the held-out rows (or the first training rows when there are none)."""
         rows = (self.val_rows or self.train_rows)[: self.spec.training.eval_max_rows]
         rollout = generate(self.policy, rows, self.spec.sampling, group_size=1, greedy=True)
-        scores = score(self.reward_fn, rollout.completions, rollout.rows, failure_score=self.spec.training.reward_failure_score)
+        scores = self.scorer.score(rollout.completions, rollout.rows, failure_score=self.spec.training.reward_failure_score)
         return {
             "eval_reward_mean": float(scores.rewards.mean()),
             "eval_completion_length": sum(map(len, rollout.completion_ids)) / len(rollout),
@@ -143,7 +143,7 @@ class Trainer:
         rollout = generate(self.policy, rows, spec.sampling, group_size=tc.group_size)
         rollout_s = time.perf_counter() - started
 
-        scores = score(self.reward_fn, rollout.completions, rollout.rows, failure_score=tc.reward_failure_score)
+        scores = self.scorer.score(rollout.completions, rollout.rows, failure_score=tc.reward_failure_score)
         adv = spec.advantages
         advantages_PG, zero_P = group_advantages(
             scores.rewards.view(tc.batch_size, tc.group_size), scale=adv.scale, eps=adv.eps, clip=adv.clip
@@ -198,6 +198,12 @@ class Trainer:
     # -- the loop -------------------------------------------------------------
 
     def run(self, callbacks: Callbacks | None = None) -> TrainResult:
+        try:
+            return self._run(callbacks)
+        finally:
+            self.scorer.close()  # stops a sandboxed reward's child process
+
+    def _run(self, callbacks: Callbacks | None) -> TrainResult:
         cb = callbacks or NoCallbacks()
         tc = self.spec.training
         first_eval = last_eval = None

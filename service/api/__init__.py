@@ -1,0 +1,1 @@
+"""The HTTP API (FastAPI): routes, dependencies, error envelope, body limits. See app.create_app."""

@@ -1,0 +1,57 @@
+"""The FastAPI application: wiring only (state, middleware, error envelope, routers).
+
+Everything the routes need lives on app.state, built from one Settings object:
+the session factory, the object store, `enqueue` (send a job id to the
+broker) and `broker_ping`. Tests pass their own settings and a recording
+`enqueue`; nothing here imports torch or the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import FastAPI
+
+from service.api import envelope
+from service.api.guards import BodySizeLimit, RefuseNulInUrl
+from service.api.routes import files, health, job_outputs, jobs, reward_functions
+from service.db.session import session_factory
+from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_job, make_celery
+from service.settings import Settings, get_settings
+from service.storage import open_store
+
+
+def _broker(settings: Settings) -> tuple[Callable[[str], None], Callable[[], None]]:
+    """(enqueue, ping) for the settings' broker; service.queue's own when they are the process settings."""
+    if settings is get_settings():
+        return enqueue_job, broker_ping
+    celery = make_celery(settings)
+
+    def enqueue(job_id: str) -> None:
+        celery.send_task(RUN_JOB, args=[job_id], queue=JOBS_QUEUE)
+
+    def ping(timeout_s: float = 2.0) -> None:
+        with celery.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=timeout_s)
+
+    return enqueue, ping
+
+
+def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], None] | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    app = FastAPI(title="CISPO fine-tuning service", version="1", summary="OpenAI-compatible reinforcement "
+                  "fine-tuning with CISPO")
+    default_enqueue, ping = _broker(settings)
+    app.state.settings = settings
+    app.state.sessions = session_factory(settings.resolved_database_url())
+    app.state.store = open_store(settings.resolved_storage_url())
+    app.state.enqueue = enqueue or default_enqueue
+    app.state.broker_ping = ping
+
+    envelope.install(app)
+    app.add_middleware(BodySizeLimit, max_json_bytes=settings.max_request_bytes,
+                       max_upload_bytes=settings.max_upload_bytes)
+    app.add_middleware(RefuseNulInUrl)
+    for module in (health, files, reward_functions, jobs, job_outputs):
+        app.include_router(module.router)
+    return app

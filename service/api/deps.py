@@ -1,0 +1,50 @@
+"""Dependencies, as Annotated aliases so a route's signature reads like a declaration of what it needs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from sqlalchemy.orm import Session
+
+from service.auth import Principal, authenticate
+from service.storage import ObjectStore
+
+
+def _session(request: Request) -> Iterator[Session]:
+    session = request.app.state.sessions()
+    try:
+        yield session
+    finally:
+        session.close()  # rolls back whatever the route did not commit
+
+
+# scope="function": the session closes when the route returns, before a streamed body is sent,
+# so no transaction (on SQLite: no write lock) is held while bytes trickle out.
+SessionDep = Annotated[Session, Depends(_session, scope="function")]
+
+
+def _principal(session: SessionDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    principal = authenticate(session, authorization)
+    session.commit()  # keeps the key's last_used_at and ends the auth transaction
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(_principal)]
+
+
+def _store(request: Request) -> ObjectStore:
+    return request.app.state.store
+
+
+StoreDep = Annotated[ObjectStore, Depends(_store)]
+
+Enqueue = Callable[[str], None]
+
+
+def _enqueue(request: Request) -> Enqueue:
+    return request.app.state.enqueue
+
+
+EnqueueDep = Annotated[Enqueue, Depends(_enqueue)]

@@ -1,0 +1,88 @@
+"""ORM rows -> public API objects. The only place that knows both shapes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from service.auth import Principal
+from service.db.models import Checkpoint, File, Job, JobEvent, JobMetric, RewardFunction
+from service.jobs_spec import public_hyperparameters
+from service.repositories.pagination import Page
+from service.schemas.api import (
+    CheckpointObject,
+    EventObject,
+    FileObject,
+    JobError,
+    JobObject,
+    ListObject,
+    MetricPoint,
+    RewardFunctionObject,
+)
+
+
+def finite(value: Any) -> Any:
+    """JSON has no NaN or infinity; a diverged metric is reported as null instead of failing the response."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
+def page(items: list, has_more: bool) -> ListObject:
+    ids = [getattr(i, "id", None) for i in items]
+    return ListObject(data=items, has_more=has_more, first_id=ids[0] if ids else None,
+                      last_id=ids[-1] if ids else None)
+
+
+def file(row: File) -> FileObject:
+    return FileObject(id=row.id, bytes=row.bytes, created_at=row.created_at, filename=row.filename,
+                      purpose=row.purpose)
+
+
+def reward_function(row: RewardFunction) -> RewardFunctionObject:
+    return RewardFunctionObject(id=row.id, name=row.name, type=row.spec.get("type", ""),
+                                created_at=row.created_at, spec=row.spec)
+
+
+def _model_name(job: Job, who: Principal) -> str:
+    return f"ft:{job.model}:{who.project_name}:{job.suffix or ''}:{job.id}"
+
+
+def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
+    error = None
+    if row.error_code:
+        error = JobError(code=row.error_code, message=row.error_message or "", param=row.error_param)
+    return JobObject(
+        id=row.id, model=row.model, created_at=row.created_at, finished_at=row.finished_at,
+        fine_tuned_model=_model_name(row, who) if row.status == "succeeded" else None,
+        organization_id=row.project_id, status=row.status, validation_file=row.validation_file,
+        training_file=row.training_file, trained_tokens=row.trained_tokens, error=error, seed=row.seed,
+        metadata=row.metadata_, user_provided_suffix=row.suffix,
+        hyperparameters=public_hyperparameters(row.spec, training_rows), method=row.method,
+        steps_done=row.steps_done, total_steps=row.total_steps, reward_function=row.reward_function_id,
+    )
+
+
+def jobs(rows: Page[Job], who: Principal, training_rows: dict[str, int]) -> ListObject:
+    return page([job(r, who, training_rows.get(r.training_file)) for r in rows.items], rows.has_more)
+
+
+def event(row: JobEvent) -> EventObject:
+    return EventObject(id=row.id, created_at=row.created_at, level=row.level, message=row.message,
+                       type=row.type, data=finite(row.data))
+
+
+def checkpoint(row: Checkpoint, job_row: Job, who: Principal) -> CheckpointObject:
+    return CheckpointObject(
+        id=row.id, created_at=row.created_at,
+        fine_tuned_model_checkpoint=f"{_model_name(job_row, who)}:ckpt-step-{row.step}",
+        fine_tuning_job_id=row.job_id, step_number=row.step, metrics=finite(row.metrics or {}),
+    )
+
+
+def metric(row: JobMetric) -> MetricPoint:
+    return MetricPoint(step=row.step, name=row.name, value=finite(row.value))

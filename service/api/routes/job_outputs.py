@@ -1,0 +1,80 @@
+"""What a job leaves behind, read-only: events, checkpoints (and their bytes), per-step metrics."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import StreamingResponse
+
+from service import jobs as jobs_service
+from service.api import presenters
+from service.api.deps import PrincipalDep, SessionDep, StoreDep
+from service.errors import NotFound
+from service.repositories import jobs as jobs_repo
+from service.schemas.api import CheckpointObject, EventObject, ListObject, MetricList
+from service.storage import ObjectStore
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs/{fine_tuning_job_id}", tags=["fine-tuning jobs"])
+
+ARCHIVE = "adapter.tar"
+MANIFEST = "manifest.json"
+
+
+@router.get("/events", response_model=ListObject[EventObject])
+def list_events(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, after: str | None = None,
+                limit: Annotated[int, Query(ge=1, le=100)] = 20) -> ListObject:
+    job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
+    rows = jobs_repo.events(session, job.id, after=after, limit=limit)
+    return presenters.page([presenters.event(r) for r in rows.items], rows.has_more)
+
+
+@router.get("/checkpoints", response_model=ListObject[CheckpointObject])
+def list_checkpoints(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, after: str | None = None,
+                     limit: Annotated[int, Query(ge=1, le=100)] = 10) -> ListObject:
+    job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
+    rows = jobs_repo.checkpoints(session, job.id, after=after, limit=limit)
+    return presenters.page([presenters.checkpoint(r, job, who) for r in rows.items], rows.has_more)
+
+
+@router.get("/metrics", response_model=MetricList)
+def list_metrics(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep,
+                 name: Annotated[list[str] | None, Query()] = None,
+                 step_min: Annotated[int | None, Query(ge=0)] = None,
+                 step_max: Annotated[int | None, Query(ge=0)] = None,
+                 limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> MetricList:
+    job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
+    rows = jobs_repo.metrics(session, job.id, names=name, step_min=step_min, step_max=step_max, limit=limit + 1)
+    return MetricList(data=[presenters.metric(r) for r in rows[:limit]], has_more=len(rows) > limit)
+
+
+def _stream(store: ObjectStore, key: str, sha256: str, filename: str, media_type: str) -> StreamingResponse:
+    chunks = store.iter_bytes(key)  # raises NotFound now, before any header is sent
+    return StreamingResponse(chunks, media_type=media_type, headers={
+        "content-length": str(store.size(key)), "x-sha256": sha256,
+        "content-disposition": f'attachment; filename="{re.sub(r"[^A-Za-z0-9_.-]", "_", filename)}"'})
+
+
+@router.get("/checkpoints/{checkpoint_id}/content")
+def checkpoint_content(fine_tuning_job_id: str, checkpoint_id: str, session: SessionDep, store: StoreDep,
+                       who: PrincipalDep) -> StreamingResponse:
+    """The adapter as one tar (adapter/...), hashed so the client can verify what it got."""
+    _, ckpt = jobs_service.checkpoint(session, who.project_id, fine_tuning_job_id, checkpoint_id)
+    meta = (ckpt.files or {}).get(ARCHIVE)
+    if not meta:
+        raise NotFound(f"checkpoint {checkpoint_id} has no adapter archive", param="checkpoint_id")
+    return _stream(store, f"{ckpt.storage_prefix}/{ARCHIVE}", meta["sha256"], f"{ckpt.id}-adapter.tar",
+                   "application/x-tar")
+
+
+@router.get("/checkpoints/{checkpoint_id}/files/{path:path}")
+def checkpoint_file(fine_tuning_job_id: str, checkpoint_id: str, path: str, session: SessionDep,
+                    store: StoreDep, who: PrincipalDep) -> StreamingResponse:
+    """One adapter file or the manifest; trainer state (optimizer, RNG) is not for download."""
+    _, ckpt = jobs_service.checkpoint(session, who.project_id, fine_tuning_job_id, checkpoint_id)
+    meta = (ckpt.files or {}).get(path)
+    if not meta or not (path.startswith("adapter/") or path == MANIFEST):
+        raise NotFound(f"checkpoint {checkpoint_id} has no downloadable file {path!r}", param="path")
+    media = "application/json" if path.endswith(".json") else "application/octet-stream"
+    return _stream(store, f"{ckpt.storage_prefix}/{path}", meta["sha256"], path.rsplit("/", 1)[-1], media)

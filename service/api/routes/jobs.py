@@ -1,0 +1,101 @@
+"""/v1/fine_tuning/jobs: create, list, retrieve, cancel, pause, resume (OpenAI's paths and shapes)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request
+from sqlalchemy.exc import IntegrityError
+
+from service import jobs as jobs_service
+from service.api import presenters
+from service.api.deps import Enqueue, EnqueueDep, PrincipalDep, SessionDep
+from service.auth import Principal
+from service.db.models import Job
+from service.schemas.api import DryRunObject, JobObject, ListObject
+from service.schemas.job_request import JobCreate
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning jobs"])
+
+_METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200)]
+
+
+def _send(enqueue: Enqueue, job_id: str) -> None:
+    """Hand the id to the broker. The committed row is the truth: if the broker is down, the
+    reconciler re-enqueues stale queued jobs, so the client still gets its job (not an error
+    that would make it retry and create a second one)."""
+    try:
+        enqueue(job_id)
+    except Exception:
+        log.exception("could not enqueue job %s; it stays queued for the reconciler", job_id)
+
+
+def _present(session, who: Principal, job: Job) -> JobObject:
+    rows = jobs_service.training_rows(session, who.project_id, [job])
+    return presenters.job(job, who, rows.get(job.training_file))
+
+
+@router.post("", response_model=JobObject | DryRunObject)
+def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue: EnqueueDep,
+               idempotency_key: IdempotencyKey = None, dry_run: bool = False) -> JobObject | DryRunObject:
+    if dry_run:
+        prepared = jobs_service.prepare(session, who.project_id, body)
+        session.rollback()
+        return DryRunObject(spec=prepared.spec.model_dump(mode="json"))
+    try:
+        job, created = jobs_service.create(session, who.project_id, body, idempotency_key=idempotency_key)
+        public = _present(session, who, job)
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key won the insert: answer with its job.
+        session.rollback()
+        earlier = idempotency_key and jobs_service.replay(session, who.project_id, idempotency_key,
+                                                          jobs_service.request_digest(body))
+        if not earlier:
+            raise
+        job, created, public = earlier, False, _present(session, who, earlier)
+        session.commit()
+    if created:
+        _send(enqueue, job.id)  # only now: the worker must find the committed row
+    return public
+
+
+@router.get("", response_model=ListObject[JobObject])
+def list_jobs(request: Request, session: SessionDep, who: PrincipalDep, after: str | None = None,
+              limit: Annotated[int, Query(ge=1, le=100)] = 20) -> ListObject:
+    metadata = {m.group(1): v for k, v in request.query_params.multi_items() if (m := _METADATA_PARAM.match(k))}
+    rows = jobs_service.list_jobs(session, who.project_id, after=after, limit=limit, metadata=metadata)
+    return presenters.jobs(rows, who, jobs_service.training_rows(session, who.project_id, rows.items))
+
+
+@router.get("/{fine_tuning_job_id}", response_model=JobObject)
+def get_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep) -> JobObject:
+    return _present(session, who, jobs_service.get(session, who.project_id, fine_tuning_job_id))
+
+
+def _control(action: str, job_id: str, session, who: Principal) -> JobObject:
+    job = jobs_service.control(session, who.project_id, job_id, action)
+    public = _present(session, who, job)
+    session.commit()
+    return public
+
+
+@router.post("/{fine_tuning_job_id}/cancel", response_model=JobObject)
+def cancel_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep) -> JobObject:
+    return _control("cancel", fine_tuning_job_id, session, who)
+
+
+@router.post("/{fine_tuning_job_id}/pause", response_model=JobObject)
+def pause_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep) -> JobObject:
+    return _control("pause", fine_tuning_job_id, session, who)
+
+
+@router.post("/{fine_tuning_job_id}/resume", response_model=JobObject)
+def resume_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, enqueue: EnqueueDep) -> JobObject:
+    public = _control("resume", fine_tuning_job_id, session, who)
+    _send(enqueue, fine_tuning_job_id)
+    return public

@@ -1,0 +1,42 @@
+"""/v1/reward_functions (ours): register a reward spec once, reference it from many jobs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from service import reward_functions as rf_service
+from service.api import presenters
+from service.api.deps import PrincipalDep, SessionDep
+from service.repositories import reward_functions as rf_repo
+from service.schemas.api import Deleted, ListObject, RewardFunctionCreate, RewardFunctionObject
+
+router = APIRouter(prefix="/v1/reward_functions", tags=["reward functions"])
+
+
+@router.post("", response_model=RewardFunctionObject)
+def create_reward_function(body: RewardFunctionCreate, session: SessionDep,
+                           who: PrincipalDep) -> RewardFunctionObject:
+    row = rf_service.create(session, who.project_id, body)
+    session.commit()
+    return presenters.reward_function(row)
+
+
+@router.get("", response_model=ListObject[RewardFunctionObject])
+def list_reward_functions(session: SessionDep, who: PrincipalDep, after: str | None = None,
+                          limit: Annotated[int, Query(ge=1, le=100)] = 20) -> ListObject:
+    rows = rf_repo.page(session, who.project_id, after=after, limit=limit)
+    return presenters.page([presenters.reward_function(r) for r in rows.items], rows.has_more)
+
+
+@router.get("/{reward_function_id}", response_model=RewardFunctionObject)
+def get_reward_function(reward_function_id: str, session: SessionDep, who: PrincipalDep) -> RewardFunctionObject:
+    return presenters.reward_function(rf_service.get(session, who.project_id, reward_function_id))
+
+
+@router.delete("/{reward_function_id}", response_model=Deleted)
+def delete_reward_function(reward_function_id: str, session: SessionDep, who: PrincipalDep) -> Deleted:
+    row = rf_service.delete(session, who.project_id, reward_function_id)
+    session.commit()
+    return Deleted(id=row.id, object="reward_function")

@@ -1,0 +1,74 @@
+"""Service-side commands of `cispo`: database migrations, API keys, the API server, the embedded stack.
+
+Nothing here imports torch; `cispo up` starts the worker as a separate process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+from service.settings import get_settings
+
+
+def cmd_db_upgrade(args) -> int:
+    from service.db.migrate import upgrade
+
+    settings = get_settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.resolved_database_url())
+    return 0
+
+
+def cmd_keys_create(args) -> int:
+    from service.db.session import session_factory
+    from service.repositories import projects
+
+    with session_factory(get_settings().resolved_database_url()).begin() as s:
+        key = projects.create_key(s, projects.get_or_create_project(s, args.project))
+    print(key)
+    return 0
+
+
+def cmd_api(args) -> int:
+    import uvicorn
+
+    uvicorn.run("service.api.app:create_app", factory=True, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def cmd_up(args) -> int:
+    """API + worker on the embedded default: SQLite, a server-less broker, a local object store."""
+    cmd_db_upgrade(args)
+    settings = get_settings()
+    print(f"cispo: state in {settings.home.resolve()}; API on http://{args.host}:{args.port}", flush=True)
+    worker = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker", "--pool", "solo"], env=os.environ.copy())
+    try:
+        cmd_api(args)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    db = sub.add_parser("db", help="database migrations").add_subparsers(dest="db_command", required=True)
+    db.add_parser("upgrade", help="apply all migrations (alembic upgrade head)").set_defaults(func=cmd_db_upgrade)
+
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
+    create = keys.add_parser("create", help="create a key for a project and print it")
+    create.add_argument("--project", required=True)
+    create.set_defaults(func=cmd_keys_create)
+
+    for name, func, help_ in (("api", cmd_api, "run the HTTP API"),
+                              ("up", cmd_up, "run API and worker on the embedded default")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=8000)
+        p.set_defaults(func=func)

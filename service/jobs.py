@@ -1,0 +1,140 @@
+"""Fine-tuning jobs, service side: create (with idempotency), control, and project-scoped reads.
+
+Nothing here commits or enqueues: the request boundary commits, and only
+then sends the job id to the broker, so a worker never sees an id whose row
+is not yet visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy.orm import Session
+
+from service.db.models import Checkpoint, File, Job
+from service.errors import Conflict, InvalidRequest, NotFound, Unprocessable
+from service.jobs_spec import build_spec, grader_reward
+from service.repositories import files as files_repo
+from service.repositories import jobs as jobs_repo
+from service.repositories import reward_functions as rf_repo
+from service.repositories.pagination import Page
+from service.schemas.job_request import JobCreate
+from service.schemas.job_spec import JobSpec
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+@dataclass
+class Prepared:
+    spec: JobSpec
+    reward_function_id: str | None
+
+
+def _dataset(session: Session, project_id: str, file_id: str, param: str) -> File:
+    file = files_repo.get(session, project_id, file_id)
+    if file is None:
+        raise InvalidRequest(f"{param}: no such file: {file_id}", param=param, code=f"invalid_{param}")
+    if file.purpose != "fine-tune":
+        raise InvalidRequest(f"{param}: file {file_id} has purpose {file.purpose!r}, not 'fine-tune'",
+                             param=param, code=f"invalid_{param}")
+    return file
+
+
+def prepare(session: Session, project_id: str, body: JobCreate) -> Prepared:
+    """Check every reference in the request and resolve the JobSpec (creates nothing)."""
+    training = _dataset(session, project_id, body.training_file, "training_file")
+    if body.validation_file is not None:
+        _dataset(session, project_id, body.validation_file, "validation_file")
+    reward_function_id = None
+    if body.method.type == "cispo":
+        cispo = body.method.cispo
+        if cispo.reward_function is not None:
+            fn = rf_repo.get(session, project_id, cispo.reward_function)
+            if fn is None:
+                raise InvalidRequest(f"method.cispo.reward_function: no such reward function: "
+                                     f"{cispo.reward_function}", param="method.cispo.reward_function")
+            reward, reward_function_id = fn.spec, fn.id
+        else:
+            reward = cispo.reward.model_dump(mode="json")
+    else:
+        reward = grader_reward(body.method.reinforcement.grader)
+    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+    spec = build_spec(body, seed=seed, training_rows=training.rows, reward=reward)
+    return Prepared(spec=spec, reward_function_id=reward_function_id)
+
+
+def request_digest(body: JobCreate) -> str:
+    """What the client sent, canonically: same key + same digest is a replay."""
+    canonical = json.dumps(body.model_dump(mode="json", exclude_unset=True), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def replay(session: Session, project_id: str, key: str, digest: str) -> Job | None:
+    """The job an earlier request with this Idempotency-Key created, if any."""
+    job = jobs_repo.find_by_idempotency_key(session, project_id, key)
+    if job is not None and job.request_sha256 != digest:
+        raise Unprocessable(f"{IDEMPOTENCY_HEADER}: this key was already used with a different request body; "
+                            "use a new key for a new job", param=IDEMPOTENCY_HEADER, code="idempotency_key_reused")
+    return job
+
+
+def create(session: Session, project_id: str, body: JobCreate, *, idempotency_key: str | None) -> tuple[Job, bool]:
+    """(job, created): an idempotent replay returns the earlier job and created=False."""
+    digest = request_digest(body)
+    if idempotency_key and (earlier := replay(session, project_id, idempotency_key, digest)):
+        return earlier, False
+    prepared = prepare(session, project_id, body)
+    spec = prepared.spec
+    job = jobs_repo.add(session, Job(
+        project_id=project_id, status="queued", model=body.model, training_file=body.training_file,
+        validation_file=body.validation_file, reward_function_id=prepared.reward_function_id,
+        spec=spec.model_dump(mode="json"), method=body.method.model_dump(mode="json", exclude_unset=True),
+        seed=spec.seed, suffix=body.suffix, metadata_=body.metadata, idempotency_key=idempotency_key,
+        request_sha256=digest if idempotency_key else None, total_steps=spec.training.steps,
+    ))
+    jobs_repo.add_event(session, job.id, "Job created")
+    return job, True
+
+
+# -- reads -------------------------------------------------------------------
+
+
+def get(session: Session, project_id: str, job_id: str) -> Job:
+    job = jobs_repo.get(session, project_id, job_id)
+    if job is None:
+        raise NotFound(f"no such fine-tuning job: {job_id}", param="fine_tuning_job_id")
+    return job
+
+
+def list_jobs(session: Session, project_id: str, *, after: str | None, limit: int,
+              metadata: dict[str, str]) -> Page[Job]:
+    return jobs_repo.page(session, project_id, after=after, limit=limit, metadata=metadata)
+
+
+def training_rows(session: Session, project_id: str, jobs: list[Job]) -> dict[str, int]:
+    return files_repo.rows_by_id(session, project_id, [j.training_file for j in jobs])
+
+
+def checkpoint(session: Session, project_id: str, job_id: str, checkpoint_id: str) -> tuple[Job, Checkpoint]:
+    job = get(session, project_id, job_id)
+    ckpt = jobs_repo.checkpoint(session, job.id, checkpoint_id)
+    if ckpt is None:
+        raise NotFound(f"no such checkpoint: {checkpoint_id}", param="checkpoint_id")
+    return job, ckpt
+
+
+# -- control -----------------------------------------------------------------
+
+_TRANSITIONS = {"cancel": jobs_repo.request_cancel, "pause": jobs_repo.request_pause, "resume": jobs_repo.resume}
+
+
+def control(session: Session, project_id: str, job_id: str, action: str) -> Job:
+    """cancel / pause / resume; an illegal change is a Conflict the client should not retry."""
+    job = get(session, project_id, job_id)
+    try:
+        return _TRANSITIONS[action](session, job)
+    except jobs_repo.IllegalTransition as e:
+        raise Conflict(str(e), code="invalid_job_state") from None

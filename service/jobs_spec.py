@@ -1,0 +1,175 @@
+"""Turn a job request into the JobSpec the worker runs (pure: no database, no I/O).
+
+Two request shapes lead here. `cispo` passes JobSpec sections through as they
+are. `reinforcement` is OpenAI's RFT shape, mapped onto CISPO:
+
+    grader string_check eq / like / ilike -> exact_match (case-sensitive, no strip)
+                                             / contains (case-sensitive / case-insensitive)
+    batch_size               -> training.batch_size
+    n_epochs ("auto" = 1)    -> training.steps = ceil(n_epochs * training rows / batch_size)
+    learning_rate_multiplier -> optimizer.lr = 1e-5 * multiplier
+    eval_interval            -> training.eval_interval
+    eval_samples             -> training.eval_max_rows
+    compute_multiplier       -> training.group_size = max(2, round(8 * multiplier))
+
+JobSpec.model_validate then applies every bound, and its errors are reported
+under the request field the client wrote, not the spec's internal name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal
+
+from pydantic import Field, ValidationError
+
+from service.errors import InvalidRequest, Unprocessable, unprocessable
+from service.schemas.api import Request
+from service.schemas.job_request import JobCreate, ReinforcementMethod
+from service.schemas.job_spec import JobSpec, TrainingSpec
+
+BASE_LR = 1e-5
+DEFAULT_MINI_BATCHES = TrainingSpec.model_fields["mini_batches"].default
+GRADER = "method.reinforcement.grader"
+RFT_HP = "method.reinforcement.hyperparameters"
+
+# Where each spec field came from in a reinforcement request.
+_RFT_SOURCES = {
+    "training.batch_size": f"{RFT_HP}.batch_size",
+    "training.steps": f"{RFT_HP}.n_epochs",
+    "training.eval_interval": f"{RFT_HP}.eval_interval",
+    "training.eval_max_rows": f"{RFT_HP}.eval_samples",
+    "training.group_size": f"{RFT_HP}.compute_multiplier",
+    "training": RFT_HP,
+    "optimizer.lr": f"{RFT_HP}.learning_rate_multiplier",
+    "optimizer": RFT_HP,
+    "reward": GRADER,
+}
+
+
+class StringCheckGrader(Request):
+    type: Literal["string_check"]
+    name: str = Field(min_length=1)
+    input: str
+    reference: str
+    operation: Literal["eq", "ne", "like", "ilike"]
+
+
+_SAMPLE_OUTPUT = re.compile(r"^\{\{\s*sample\.output_text\s*\}\}$")
+_ITEM_FIELD = re.compile(r"^\{\{\s*item\.([A-Za-z_]\w*)\s*\}\}$")
+
+
+def grader_reward(grader: dict) -> dict:
+    """The reward spec a string_check grader means; anything else is refused by name."""
+    kind = grader.get("type")
+    if kind != "string_check":
+        raise InvalidRequest(f"{GRADER}.type: grader type {kind!r} is not supported yet (supported: string_check)",
+                             param=f"{GRADER}.type", code="unsupported_grader")
+    try:
+        g = StringCheckGrader.model_validate(grader)
+    except ValidationError as e:
+        raise unprocessable(e, grader, path=lambda p: f"{GRADER}.{p}") from None
+    if not _SAMPLE_OUTPUT.match(g.input):
+        raise InvalidRequest(f"{GRADER}.input: only '{{{{sample.output_text}}}}' is supported, got {g.input!r}",
+                             param=f"{GRADER}.input")
+    field = _ITEM_FIELD.match(g.reference)
+    if not field:
+        raise InvalidRequest(f"{GRADER}.reference: must be '{{{{item.<field>}}}}' naming a top-level field of "
+                             f"the dataset row, got {g.reference!r}", param=f"{GRADER}.reference")
+    name = field.group(1)
+    if g.operation == "eq":
+        return {"type": "exact_match", "field": name, "case_sensitive": True, "strip": False}
+    if g.operation in ("like", "ilike"):
+        return {"type": "contains", "field": name, "case_sensitive": g.operation == "like"}
+    raise InvalidRequest(f"{GRADER}.operation: operation {g.operation!r} is not supported yet "
+                         "(supported: eq, like, ilike)", param=f"{GRADER}.operation")
+
+
+def _reinforcement_sections(method: ReinforcementMethod, training_rows: int) -> dict:
+    hp = method.hyperparameters
+    training: dict = {}
+    batch = TrainingSpec.model_fields["batch_size"].default if hp.batch_size == "auto" else hp.batch_size
+    training["batch_size"] = batch
+    epochs = 1 if hp.n_epochs == "auto" else hp.n_epochs
+    training["steps"] = max(1, math.ceil(epochs * training_rows / batch))
+    if hp.eval_interval != "auto":
+        training["eval_interval"] = hp.eval_interval
+    if hp.eval_samples != "auto":
+        training["eval_max_rows"] = hp.eval_samples
+    group = 8 if hp.compute_multiplier == "auto" else max(2, round(8 * hp.compute_multiplier))
+    training["group_size"] = group
+    # Small batches hold fewer sequences than the default number of mini-batches.
+    training["mini_batches"] = min(DEFAULT_MINI_BATCHES, batch * group)
+    sections: dict = {"training": training}
+    if hp.learning_rate_multiplier != "auto":
+        sections["optimizer"] = {"lr": BASE_LR * hp.learning_rate_multiplier}
+    return sections
+
+
+def _request_path(method_type: str, spec_path: str) -> str:
+    if spec_path == "data.train_file":
+        return "training_file"
+    if spec_path == "data.validation_file":
+        return "validation_file"
+    if spec_path in ("model", "seed"):
+        return spec_path
+    if method_type == "reinforcement":
+        for prefix in sorted(_RFT_SOURCES, key=len, reverse=True):
+            if spec_path == prefix or spec_path.startswith(prefix + "."):
+                return _RFT_SOURCES[prefix]
+        return RFT_HP
+    if spec_path == "reward" or spec_path.startswith("reward."):
+        return "method.cispo." + spec_path
+    return "method.cispo.hyperparameters." + spec_path
+
+
+def build_spec(body: JobCreate, *, seed: int, training_rows: int, reward: dict) -> JobSpec:
+    """The resolved spec; `reward` is the reward spec (inline, registered, or mapped from a grader)."""
+    method = body.method
+    if method.type == "cispo":
+        hp = method.cispo.hyperparameters
+        sections = {name: value.model_dump() if hasattr(value, "model_dump") else value
+                    for name in type(hp).model_fields if (value := getattr(hp, name)) is not None}
+    else:
+        sections = _reinforcement_sections(method.reinforcement, training_rows)
+    data = {
+        "model": body.model,
+        "seed": seed,
+        "data": {"train_file": body.training_file, "validation_file": body.validation_file},
+        "reward": reward,
+        **sections,
+    }
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as e:
+        raise unprocessable(e, data, path=lambda p: _request_path(method.type, p)) from None
+    # Pydantic lets NaN and infinity through bounds such as ge=0; neither JSON columns nor the trainer can use them.
+    if (where := _non_finite(spec.model_dump())) is not None:
+        param = _request_path(method.type, where)
+        raise Unprocessable(f"{param}: must be a finite number", param=param)
+    return spec
+
+
+def _non_finite(value, path: str = "") -> str | None:
+    """The dotted path of the first NaN or infinity in a dumped spec, if any."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        sub = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
+        if (found := _non_finite(item, sub.lstrip("."))) is not None:
+            return found
+    return None
+
+
+def public_hyperparameters(spec: dict, training_rows: int | None) -> dict:
+    """OpenAI's hyperparameters summary of a stored spec (n_epochs is None once the file is gone)."""
+    training = spec.get("training", {})
+    steps, batch = training.get("steps", 0), training.get("batch_size", 1)
+    epochs = round(steps * batch / training_rows, 2) if training_rows else None
+    return {
+        "batch_size": batch,
+        "learning_rate_multiplier": round(spec.get("optimizer", {}).get("lr", BASE_LR) / BASE_LR, 8),
+        "n_epochs": epochs,
+    }

@@ -1,0 +1,178 @@
+"""Public API shapes: what clients send and what they get back (OpenAI-compatible where OpenAI has one).
+
+Request models refuse unknown fields, so a typo is an error that names the
+field instead of a setting silently ignored. Response models mirror OpenAI's
+objects plus a few fields of ours (steps_done, total_steps, reward_function).
+These are not the ORM models; service/api/presenters.py converts rows.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+
+from service.schemas.rewards import RewardSpec
+
+T = TypeVar("T")
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def refuse_import_reward(value: Any) -> Any:
+    """The 'import' type runs any callable inside the worker, so only the trusted local CLI may use it."""
+    if isinstance(value, dict) and value.get("type") == "import":
+        raise ValueError(
+            "reward type 'import' runs arbitrary code inside the worker and is only for local CLI runs; "
+            "use 'python' (sandboxed) or a builtin type (exact_match, contains, regex, numeric_match)"
+        )
+    return value
+
+
+ServiceReward = Annotated[RewardSpec, BeforeValidator(refuse_import_reward)]
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (\\x00) characters")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]
+"""A string stored in a SQL text column: PostgreSQL cannot hold NUL, so it is refused here, by name."""
+
+
+# -- files -------------------------------------------------------------------
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class Deleted(BaseModel):
+    id: str
+    object: str
+    deleted: bool = True
+
+
+class ListObject(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+# -- reward functions --------------------------------------------------------
+
+
+class RewardFunctionCreate(Request):
+    name: Text = Field(min_length=1, max_length=200)
+    spec: ServiceReward
+
+
+class RewardFunctionObject(BaseModel):
+    id: str
+    object: Literal["reward_function"] = "reward_function"
+    name: str
+    type: str
+    created_at: int
+    spec: dict[str, Any]
+
+
+# -- job events, checkpoints, metrics ----------------------------------------
+
+
+class EventObject(BaseModel):
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    id: str
+    created_at: int
+    level: str
+    message: str
+    type: str
+    data: dict[str, Any] | None = None
+
+
+class CheckpointObject(BaseModel):
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    id: str
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    step_number: int
+    metrics: dict[str, Any]
+
+
+class MetricPoint(BaseModel):
+    step: int
+    name: str
+    value: float | None = Field(description="null when the stored value is not finite.")
+
+
+class MetricList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[MetricPoint]
+    has_more: bool
+
+
+# -- jobs --------------------------------------------------------------------
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class JobHyperparameters(BaseModel):
+    """OpenAI's summary, derived from the resolved spec (n_epochs: steps * batch_size / training rows)."""
+
+    batch_size: int
+    learning_rate_multiplier: float
+    n_epochs: float | None
+
+
+class JobObject(BaseModel):
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    id: str
+    model: str
+    created_at: int
+    finished_at: int | None
+    fine_tuned_model: str | None
+    organization_id: str
+    result_files: list[str] = []
+    status: str
+    validation_file: str | None
+    training_file: str
+    trained_tokens: int | None
+    error: JobError | None
+    seed: int
+    estimated_finish: int | None = None
+    integrations: list[dict[str, Any]] = []
+    metadata: dict[str, str] | None
+    user_provided_suffix: str | None
+    hyperparameters: JobHyperparameters
+    method: dict[str, Any]
+    steps_done: int
+    total_steps: int
+    reward_function: str | None
+
+
+class DryRunObject(BaseModel):
+    object: Literal["fine_tuning.job.dry_run"] = "fine_tuning.job.dry_run"
+    spec: dict[str, Any]
+
+
+MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]

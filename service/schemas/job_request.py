@@ -1,0 +1,121 @@
+"""The body of POST /v1/fine_tuning/jobs: OpenAI's shape, with a `cispo` method of ours.
+
+`method.type` picks one of two sections:
+- `cispo`: our knobs. Its hyperparameters are the JobSpec sections themselves,
+  so the API applies exactly the bounds the worker relies on.
+- `reinforcement`: OpenAI's RFT shape, mapped onto CISPO by service/jobs_spec.py.
+The choice is a plain `type` plus two optional fields (not a pydantic tagged
+union) so error paths read like the JSON the client wrote:
+"method.cispo.hyperparameters.training.group_size".
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from service.schemas.api import Metadata, Request, ServiceReward, Text
+from service.schemas.job_spec import (
+    AdvantageSpec,
+    CispoLossSpec,
+    LoraSpec,
+    OptimizerSpec,
+    SamplingSpec,
+    Schedule,
+    TrainingSpec,
+)
+
+Auto = Literal["auto"]
+
+
+class CispoHyperparameters(Request):
+    """The JobSpec sections a client may set; anything left out takes the JobSpec default."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    lora: LoraSpec | None = None
+    sampling: SamplingSpec | None = None
+    advantages: AdvantageSpec | None = None
+    loss: CispoLossSpec | None = None
+    optimizer: OptimizerSpec | None = None
+    schedule: Schedule | None = None
+    training: TrainingSpec | None = None
+
+
+class CispoMethod(Request):
+    reward_function: Text | None = Field(None, description="Id of a registered reward function (rwfn-...).")
+    reward: ServiceReward | None = Field(None, description="An inline reward spec.")
+    hyperparameters: CispoHyperparameters = CispoHyperparameters()
+
+    @model_validator(mode="after")
+    def _one_reward(self) -> CispoMethod:
+        if (self.reward_function is None) == (self.reward is None):
+            raise ValueError("give exactly one of reward_function (a registered id) or reward (an inline spec)")
+        return self
+
+
+class ReinforcementHyperparameters(Request):
+    """OpenAI's RFT hyperparameters; each takes a value or "auto"."""
+
+    batch_size: Annotated[int, Field(ge=1, le=256)] | Auto = "auto"
+    learning_rate_multiplier: Annotated[float, Field(gt=0, le=1000)] | Auto = "auto"
+    n_epochs: Annotated[int, Field(ge=1, le=50)] | Auto = "auto"
+    eval_interval: Annotated[int, Field(ge=1)] | Auto = "auto"
+    eval_samples: Annotated[int, Field(ge=1)] | Auto = "auto"
+    compute_multiplier: Annotated[float, Field(gt=0.00001, le=10)] | Auto = "auto"
+    reasoning_effort: str | None = None
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _no_reasoning_effort(cls, v: str | None) -> str | None:
+        if v not in (None, "auto"):
+            raise ValueError(f"reasoning_effort {v!r} is not supported (only 'auto'): CISPO jobs sample as given")
+        return v
+
+
+class ReinforcementMethod(Request):
+    grader: dict[str, Any] = Field(description="An OpenAI grader; only string_check is supported yet.")
+    hyperparameters: ReinforcementHyperparameters = ReinforcementHyperparameters()
+    response_format: None = Field(None, description="Structured outputs are not supported yet; must be null.")
+
+
+class Method(Request):
+    type: Literal["cispo", "reinforcement"]
+    cispo: CispoMethod | None = None
+    reinforcement: ReinforcementMethod | None = None
+
+    @model_validator(mode="after")
+    def _section_matches_type(self) -> Method:
+        given = getattr(self, self.type)
+        other = "reinforcement" if self.type == "cispo" else "cispo"
+        if given is None:
+            raise ValueError(f"method.type is {self.type!r}, so method.{self.type} is required")
+        if getattr(self, other) is not None:
+            raise ValueError(f"method.type is {self.type!r}, so method.{other} must be left out")
+        return self
+
+
+class JobCreate(Request):
+    model: Text = Field(min_length=1, max_length=512)
+    training_file: Text = Field(min_length=1)
+    validation_file: Text | None = None
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    suffix: Text | None = Field(None, max_length=64)
+    metadata: Metadata | None = None
+    method: Method
+    integrations: list[dict[str, Any]] | None = None
+    hyperparameters: dict[str, Any] | None = Field(None, description="Deprecated by OpenAI; refused unless empty.")
+
+    @field_validator("integrations")
+    @classmethod
+    def _no_integrations(cls, v: list | None) -> list | None:
+        if v:
+            raise ValueError("integrations are not supported yet; leave the list empty")
+        return v
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _no_top_level_hyperparameters(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("top-level hyperparameters are deprecated; set method.<type>.hyperparameters instead")
+        return v

@@ -1,0 +1,128 @@
+"""Bad input anywhere is a 4xx in OpenAI's envelope that names the problem; never a 500 or a trace."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from service.api.app import create_app
+from service.db.models import Job
+from tests.api.conftest import _key, assert_error, cispo_body, make_settings, uploaded
+
+JOBS = "/v1/fine_tuning/jobs"
+
+
+def test_malformed_json_is_400(api):
+    r = api.client.post(JOBS, content=b'{"model": "m", ', headers={"content-type": "application/json"})
+    assert assert_error(r, 400, "not valid JSON")["code"] == "invalid_json"
+    r = api.client.post("/v1/reward_functions", content=b"\xff\xfe", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_a_non_object_body_is_422(api):
+    assert_error(api.client.post(JOBS, json=[1, 2, 3]), 422, "body")
+
+
+def test_unknown_routes_and_methods_use_the_envelope(api):
+    assert_error(api.client.get("/v1/nothing-here"), 404, "/v1/nothing-here")
+    assert_error(api.client.put(JOBS), 405)
+
+
+def test_missing_and_bad_api_keys_are_401(api):
+    assert_error(api.anonymous.get("/v1/files"), 401, "Authorization")
+    assert_error(api.anonymous.get("/v1/files", headers={"Authorization": "Bearer sk-cispo-wrong"}), 401, "invalid")
+    assert_error(api.anonymous.get("/v1/files", headers={"Authorization": "Basic abc"}), 401, "Bearer")
+    r = api.anonymous.post(JOBS, json={"anything": 1})
+    assert_error(r, 401)  # authentication comes before validation: no schema hints for strangers
+    r = api.anonymous.get("/v1/files", headers={"Authorization": "Bearer sk-cispo-secretvalue"})
+    assert "sk-cispo-secretvalue" not in r.text
+
+
+def test_json_body_over_the_limit_is_413_and_creates_nothing(database_url, tmp_path):
+    app = create_app(make_settings(database_url, tmp_path, max_request_bytes=1024), enqueue=lambda _: None)
+    client = TestClient(app, headers={"Authorization": f"Bearer {_key(database_url, 'p')}"})
+    body = cispo_body(uploaded(client), metadata={"note": "x" * 500, "more": "y" * 500})
+    assert_error(client.post(JOBS, json=body), 413, "1024")
+
+    def chunks():  # no Content-Length: only counting the streamed bytes catches it
+        yield b'{"model": "'
+        for _ in range(64):
+            yield b"x" * 64
+        yield b'"}'
+
+    r = client.post(JOBS, content=chunks(), headers={"content-type": "application/json"})
+    assert_error(r, 413, "1024")
+    with app.state.sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Job)) == 0
+
+
+def test_an_unexpected_failure_is_a_generic_500_without_details(api, monkeypatch):
+    from service import jobs as jobs_service
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("secret internals: password=hunter2")
+
+    monkeypatch.setattr(jobs_service, "get", explode)
+    r = api.client.get(f"{JOBS}/ftjob-x")
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
+    assert "hunter2" not in r.text and "Traceback" not in r.text
+
+
+def test_nul_characters_are_refused_before_they_reach_the_database(api):
+    assert_error(api.client.get("/v1/files/file-%00"), 400, "NUL")
+    assert_error(api.client.get("/v1/fine_tuning/jobs", params={"after": "x\x00"}), 400, "NUL")
+    assert_error(api.client.post(JOBS, json=cispo_body(uploaded(api.client), model="m\x00")), 422, "model", "NUL")
+    r = api.client.post("/v1/reward_functions", json={"name": "a\x00", "spec": {"type": "contains"}})
+    assert_error(r, 422, "name", "NUL")
+
+
+def test_non_finite_numbers_are_refused_naming_the_field(api):
+    file_id = uploaded(api.client)
+    for literal, section, field in ((b"Infinity", "loss", "kl_beta"), (b"NaN", "training", "reward_failure_score"),
+                                    (b"1e999", "optimizer", "weight_decay")):
+        raw = (b'{"model": "m", "training_file": "%s", "method": {"type": "cispo", "cispo": {"reward": '
+               b'{"type": "contains"}, "hyperparameters": {"%s": {"%s": %s}}}}}'
+               % (file_id.encode(), section.encode(), field.encode(), literal))
+        r = api.client.post(JOBS, content=raw, headers={"content-type": "application/json"})
+        assert_error(r, 422, f"method.cispo.hyperparameters.{section}.{field}", "finite")
+    with api.session() as s:
+        assert s.scalar(select(func.count()).select_from(Job)) == 0
+
+
+def _leaf_paths(node, path=()):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaf_paths(v, (*path, k))
+    yield path
+
+
+def _replaced(node, path, value):
+    if not path:
+        return value
+    return {**node, path[0]: _replaced(node[path[0]], path[1:], value)}
+
+
+def test_no_mutation_of_a_valid_body_causes_a_server_error(api):
+    """Every field (and every enclosing object) replaced by values of the wrong type or size: always a 4xx or 200."""
+    file_id = uploaded(api.client)
+    body = cispo_body(file_id, suffix="s", metadata={"k": "v"}, validation_file=file_id)
+    body["method"]["cispo"]["hyperparameters"]["loss"] = {"ratio_max": 5.0}
+    oddities = [None, "", "x" * 5000, -1, 0, 2**70, 1e308, True, [], {}, [1, "a"], {"type": "cosine"}]
+    statuses = set()
+    for path in _leaf_paths(body):
+        for odd in oddities:
+            r = api.client.post(JOBS, json=_replaced(body, path, odd))  # not a dry run: rows are written
+            assert r.status_code < 500, (path, odd, r.text)
+            if r.status_code != 200:
+                assert "error" in r.json() and r.json()["error"]["message"], (path, odd)
+            statuses.add(r.status_code)
+    assert {200, 422} <= statuses
+
+
+def test_an_unreachable_database_is_503_not_500(tmp_path):
+    dead = "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=2"
+    app = create_app(make_settings(dead, tmp_path), enqueue=lambda _: None)
+    r = TestClient(app, raise_server_exceptions=False).get("/v1/files", headers={"Authorization": "Bearer sk-x"})
+    assert_error(r, 503, "database")
+    assert r.headers["retry-after"] == "5"

@@ -1,0 +1,138 @@
+"""Uploading, listing, reading and deleting dataset files."""
+
+from __future__ import annotations
+
+import hashlib
+
+from sqlalchemy import func, select
+
+from service.db.models import File
+from tests.api.conftest import TRAIN_ROWS, assert_error, cispo_body, jsonl, upload, uploaded
+
+
+def _file_rows(api) -> int:
+    with api.session() as s:
+        return s.scalar(select(func.count()).select_from(File))
+
+
+def test_upload_stores_object_and_row_with_hash_and_row_count(api):
+    content = jsonl(TRAIN_ROWS) + b"\n"  # a trailing blank line is allowed
+    r = upload(api.client, content=content)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "file" and body["id"].startswith("file-")
+    assert body["bytes"] == len(content) and body["filename"] == "train.jsonl"
+    assert (body["purpose"], body["status"], body["expires_at"], body["status_details"]) == \
+        ("fine-tune", "processed", None, None)
+    assert b"".join(api.store.iter_bytes(f"files/{body['id']}")) == content
+    with api.session() as s:
+        row = s.scalar(select(File).where(File.id == body["id"]))
+        assert row.sha256 == hashlib.sha256(content).hexdigest()
+        assert row.rows == len(TRAIN_ROWS)
+
+
+def test_chat_message_prompts_are_accepted(api):
+    rows = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
+             "answer": "4"}]
+    assert upload(api.client, rows).status_code == 200
+
+
+def test_invalid_rows_are_all_reported_with_line_numbers_and_nothing_is_stored(api):
+    content = b'{"prompt": "ok"}\nnot json\n{"prompt": ""}\n[1, 2]\n{"answer": "x"}\n' \
+              b'{"prompt": [{"role": "user"}]}\n{"prompt": 5}\n'
+    error = assert_error(upload(api.client, content=content), 400, "file", "6 invalid row(s)", "line 2",
+                         "line 3", "line 4", "line 5", "line 6", "line 7")
+    assert error["param"] == "file"
+    assert "line 1:" not in error["message"]
+    assert _file_rows(api) == 0
+    assert api.store.list() == []
+
+
+def test_error_report_is_capped_at_ten_rows(api):
+    r = upload(api.client, content=b"bad\n" * 25)
+    error = assert_error(r, 400, "25 invalid row(s)", "line 10:", "(and 15 more)")
+    assert "line 11:" not in error["message"]
+
+
+def test_empty_and_blank_files_are_refused(api):
+    assert_error(upload(api.client, content=b""), 400, "file", "empty")
+    assert_error(upload(api.client, content=b"\n  \n"), 400, "file", "no rows")
+    assert _file_rows(api) == 0 and api.store.list() == []
+
+
+def test_purpose_must_be_fine_tune_and_unknown_form_fields_are_refused(api):
+    r = api.client.post("/v1/files", files={"file": ("t.jsonl", jsonl(TRAIN_ROWS))}, data={"purpose": "batch"})
+    assert assert_error(r, 400, "purpose", "fine-tune")["param"] == "purpose"
+    r = api.client.post("/v1/files", files={"file": ("t.jsonl", jsonl(TRAIN_ROWS))},
+                        data={"purpose": "fine-tune", "expires_after[seconds]": "3600"})
+    assert assert_error(r, 400, "expires_after", "unknown field")["param"] == "expires_after"
+    r = api.client.post("/v1/files", data={"purpose": "fine-tune"})
+    assert assert_error(r, 422, "file")["param"] == "file"
+    assert _file_rows(api) == 0
+
+
+def test_upload_over_the_size_limit_is_413(database_url, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from service.api.app import create_app
+    from tests.api.conftest import _key, make_settings
+
+    app = create_app(make_settings(database_url, tmp_path, max_upload_bytes=2048), enqueue=lambda _: None)
+    client = TestClient(app, headers={"Authorization": f"Bearer {_key(database_url, 'p')}"})
+    r = client.post("/v1/files", files={"file": ("t.jsonl", jsonl(TRAIN_ROWS * 40))}, data={"purpose": "fine-tune"})
+    assert_error(r, 413, "2048")
+    assert app.state.store.list() == []
+
+
+def test_list_paginates_in_both_orders_and_filters_by_purpose(api):
+    ids = [uploaded(api.client) for _ in range(5)]
+    r = api.client.get("/v1/files", params={"limit": 2})
+    page = r.json()
+    assert page["object"] == "list" and [f["id"] for f in page["data"]] == ids[::-1][:2]
+    assert page["has_more"] is True and (page["first_id"], page["last_id"]) == (ids[4], ids[3])
+    seen = [f["id"] for f in page["data"]]
+    while page["has_more"]:
+        page = api.client.get("/v1/files", params={"limit": 2, "after": page["last_id"]}).json()
+        seen += [f["id"] for f in page["data"]]
+    assert seen == ids[::-1]
+    asc = api.client.get("/v1/files", params={"order": "asc", "limit": 3}).json()
+    assert [f["id"] for f in asc["data"]] == ids[:3]
+    assert api.client.get("/v1/files", params={"purpose": "batch"}).json()["data"] == []
+
+
+def test_list_refuses_bad_cursor_limit_and_order(api):
+    assert assert_error(api.client.get("/v1/files", params={"after": "file-nope"}), 400, "after")["param"] == "after"
+    assert_error(api.client.get("/v1/files", params={"limit": 0}), 422, "limit")
+    assert_error(api.client.get("/v1/files", params={"limit": 10001}), 422, "limit")
+    assert_error(api.client.get("/v1/files", params={"order": "sideways"}), 422, "order")
+
+
+def test_get_and_content_return_what_was_uploaded(api):
+    content = jsonl(TRAIN_ROWS)
+    file_id = upload(api.client, content=content).json()["id"]
+    assert api.client.get(f"/v1/files/{file_id}").json()["bytes"] == len(content)
+    r = api.client.get(f"/v1/files/{file_id}/content")
+    assert r.status_code == 200 and r.content == content
+    assert r.headers["x-sha256"] == hashlib.sha256(content).hexdigest()
+    assert_error(api.client.get("/v1/files/file-doesnotexist"), 404, "file-doesnotexist")
+    assert_error(api.client.get("/v1/files/file-doesnotexist/content"), 404)
+
+
+def test_delete_removes_row_and_object(api):
+    file_id = uploaded(api.client)
+    r = api.client.delete(f"/v1/files/{file_id}")
+    assert r.json() == {"id": file_id, "object": "file", "deleted": True}
+    assert not api.store.exists(f"files/{file_id}")
+    assert_error(api.client.get(f"/v1/files/{file_id}"), 404)
+    assert_error(api.client.delete(f"/v1/files/{file_id}"), 404)
+
+
+def test_delete_is_refused_while_a_live_job_uses_the_file(api):
+    file_id = uploaded(api.client)
+    job = api.client.post("/v1/fine_tuning/jobs", json=cispo_body(file_id)).json()
+    r = api.client.delete(f"/v1/files/{file_id}")
+    assert_error(r, 409, file_id, job["id"])
+    assert r.headers["x-should-retry"] == "false"
+    assert api.store.exists(f"files/{file_id}")
+    api.client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")
+    assert api.client.delete(f"/v1/files/{file_id}").status_code == 200

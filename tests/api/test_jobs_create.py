@@ -1,0 +1,235 @@
+"""Creating fine-tuning jobs: the resolved spec, enqueue-after-commit, dry runs, RFT mapping, idempotency."""
+
+from __future__ import annotations
+
+import math
+
+from sqlalchemy import func, select
+
+from service.db.models import Job, JobEvent
+from service.schemas.job_spec import JobSpec
+from tests.api.conftest import TRAIN_ROWS, assert_error, cispo_body, uploaded
+
+JOBS = "/v1/fine_tuning/jobs"
+
+
+def _count(api, model=Job) -> int:
+    with api.session() as s:
+        return s.scalar(select(func.count()).select_from(model))
+
+
+def test_create_stores_a_queued_job_and_enqueues_its_id_once_after_commit(api):
+    file_id = uploaded(api.client)
+    r = api.client.post(JOBS, json=cispo_body(file_id, suffix="v1", metadata={"team": "rl"}))
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["object"] == "fine_tuning.job" and job["id"].startswith("ftjob-")
+    assert (job["status"], job["training_file"], job["model"], job["seed"]) == ("queued", file_id, "tiny-model", 7)
+    assert (job["total_steps"], job["steps_done"], job["fine_tuned_model"], job["error"]) == (3, 0, None, None)
+    assert job["metadata"] == {"team": "rl"} and job["user_provided_suffix"] == "v1"
+    assert job["hyperparameters"] == {"batch_size": 2, "learning_rate_multiplier": 1.0,
+                                      "n_epochs": round(3 * 2 / len(TRAIN_ROWS), 2)}
+    assert job["method"]["type"] == "cispo" and job["reward_function"] is None
+    assert (job["result_files"], job["integrations"], job["estimated_finish"]) == ([], [], None)
+    assert api.enqueued.ids == [job["id"]]
+    assert api.enqueued.visible_at_send == [True]  # the worker can already read the row
+    with api.session() as s:
+        row = s.scalar(select(Job).where(Job.id == job["id"]))
+        spec = JobSpec.model_validate(row.spec)  # the stored spec is exactly one the worker accepts
+        assert spec.data.train_file == file_id and spec.training.group_size == 4
+        assert spec.reward.type == "exact_match"
+        events = list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job["id"])))
+        assert events == ["Job created"]
+
+
+def test_seed_is_generated_when_absent_and_returned(api):
+    body = cispo_body(uploaded(api.client))
+    del body["seed"]
+    job = api.client.post(JOBS, json=body).json()
+    assert 0 <= job["seed"] < 2**31
+    with api.session() as s:
+        assert s.scalar(select(Job.spec).where(Job.id == job["id"]))["seed"] == job["seed"]
+
+
+def test_dry_run_returns_the_resolved_spec_and_creates_nothing(api):
+    file_id = uploaded(api.client)
+    body = cispo_body(file_id)
+    body["method"]["cispo"]["hyperparameters"]["loss"] = {"ratio_max": 4.0}
+    r = api.client.post(JOBS, params={"dry_run": "true"}, json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "fine_tuning.job.dry_run"
+    spec = JobSpec.model_validate(out["spec"])
+    assert (spec.loss.ratio_max, spec.training.steps, spec.seed, spec.data.train_file) == (4.0, 3, 7, file_id)
+    assert spec.optimizer.max_grad_norm == 1.0 and spec.lora.r == 16  # untouched sections keep their defaults
+    assert _count(api) == 0 and _count(api, JobEvent) == 0 and api.enqueued.ids == []
+
+
+def test_unset_optional_values_are_kept_as_sent(api):
+    body = cispo_body(uploaded(api.client))
+    body["method"]["cispo"]["hyperparameters"]["optimizer"] = {"max_grad_norm": None, "lr": 3e-5}
+    spec = api.client.post(JOBS, params={"dry_run": "true"}, json=body).json()["spec"]
+    assert spec["optimizer"]["max_grad_norm"] is None and spec["optimizer"]["lr"] == 3e-5
+
+
+def test_reinforcement_string_check_maps_onto_cispo(api):
+    file_id = uploaded(api.client)
+    body = {"model": "tiny-model", "training_file": file_id, "seed": 1, "method": {
+        "type": "reinforcement", "reinforcement": {
+            "grader": {"type": "string_check", "name": "match", "input": "{{sample.output_text}}",
+                       "reference": "{{ item.answer }}", "operation": "ilike"},
+            "hyperparameters": {"batch_size": 2, "n_epochs": 3, "learning_rate_multiplier": 2.0,
+                                "eval_interval": 5, "eval_samples": 9, "compute_multiplier": 0.5,
+                                "reasoning_effort": "auto"},
+            "response_format": None}}}
+    r = api.client.post(JOBS, json=body)
+    assert r.status_code == 200, r.text
+    job = r.json()
+    with api.session() as s:
+        spec = JobSpec.model_validate(s.scalar(select(Job.spec).where(Job.id == job["id"])))
+    assert spec.reward.model_dump() == {"type": "contains", "field": "answer", "case_sensitive": False}
+    assert spec.training.batch_size == 2
+    assert spec.training.steps == math.ceil(3 * len(TRAIN_ROWS) / 2)
+    assert math.isclose(spec.optimizer.lr, 2e-5)
+    assert (spec.training.eval_interval, spec.training.eval_max_rows, spec.training.group_size) == (5, 9, 4)
+    assert job["method"] == body["method"]  # echoed as sent
+    assert job["hyperparameters"]["learning_rate_multiplier"] == 2.0
+
+
+def test_string_check_operations(api):
+    file_id = uploaded(api.client)
+
+    def reward(operation: str):
+        body = {"model": "m", "training_file": file_id, "method": {"type": "reinforcement", "reinforcement": {
+            "grader": {"type": "string_check", "name": "g", "input": "{{sample.output_text}}",
+                       "reference": "{{item.answer}}", "operation": operation}}}}
+        return api.client.post(JOBS, params={"dry_run": "true"}, json=body)
+
+    assert reward("eq").json()["spec"]["reward"] == {"type": "exact_match", "field": "answer",
+                                                     "case_sensitive": True, "strip": False}
+    assert reward("like").json()["spec"]["reward"] == {"type": "contains", "field": "answer", "case_sensitive": True}
+    assert_error(reward("ne"), 400, "method.reinforcement.grader.operation", "not supported")
+
+
+def test_unsupported_graders_and_rft_options_are_refused_by_name(api):
+    file_id = uploaded(api.client)
+
+    def post(reinforcement: dict):
+        body = {"model": "m", "training_file": file_id, "method": {"type": "reinforcement",
+                                                                   "reinforcement": reinforcement}}
+        return api.client.post(JOBS, json=body)
+
+    grader = {"type": "string_check", "name": "g", "input": "{{sample.output_text}}",
+              "reference": "{{item.answer}}", "operation": "eq"}
+    error = assert_error(post({"grader": {"type": "python", "name": "p", "source": "x"}}), 400,
+                         "method.reinforcement.grader.type", "not supported")
+    assert error["param"] == "method.reinforcement.grader.type"
+    assert_error(post({"grader": {**grader, "reference": "{{item.a.b}}"}}), 400, "grader.reference")
+    assert_error(post({"grader": {**grader, "input": "{{sample.output_json}}"}}), 400, "grader.input")
+    assert_error(post({"grader": {**grader, "extra": 1}}), 422, "method.reinforcement.grader.extra", "unknown")
+    assert_error(post({"grader": grader, "hyperparameters": {"reasoning_effort": "high"}}), 422,
+                 "reasoning_effort", "not supported")
+    assert_error(post({"grader": grader, "hyperparameters": {"batch_size": 0}}), 422,
+                 "method.reinforcement.hyperparameters.batch_size")
+    assert_error(post({"grader": grader, "response_format": {"type": "json_schema"}}), 422, "response_format")
+    assert _count(api) == 0 and api.enqueued.ids == []
+
+
+def test_idempotency_key_replays_the_same_job_and_refuses_a_different_body(api):
+    body = cispo_body(uploaded(api.client))
+    first = api.client.post(JOBS, json=body, headers={"Idempotency-Key": "k-1"})
+    again = api.client.post(JOBS, json=body, headers={"Idempotency-Key": "k-1"})
+    assert first.status_code == again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    assert _count(api) == 1 and api.enqueued.ids == [first.json()["id"]]
+    changed = api.client.post(JOBS, json={**body, "suffix": "other"}, headers={"Idempotency-Key": "k-1"})
+    assert assert_error(changed, 422, "Idempotency-Key")["param"] == "Idempotency-Key"
+    other = api.client.post(JOBS, json=body, headers={"Idempotency-Key": "k-2"})
+    assert other.json()["id"] != first.json()["id"] and _count(api) == 2
+    # The key is per project: another project may use the same one.
+    other_file = uploaded(api.other)
+    assert api.other.post(JOBS, json=cispo_body(other_file), headers={"Idempotency-Key": "k-1"}).status_code == 200
+
+
+def test_referenced_files_and_reward_functions_must_exist_in_the_project(api):
+    file_id = uploaded(api.client)
+    error = assert_error(api.client.post(JOBS, json=cispo_body("file-missing")), 400, "training_file", "file-missing")
+    assert error["param"] == "training_file"
+    assert_error(api.client.post(JOBS, json=cispo_body(file_id, validation_file="file-missing")), 400,
+                 "validation_file")
+    body = cispo_body(file_id)
+    body["method"]["cispo"] = {"reward_function": "rwfn-missing"}
+    assert_error(api.client.post(JOBS, json=body), 400, "method.cispo.reward_function", "rwfn-missing")
+    assert _count(api) == 0 and api.enqueued.ids == []
+
+
+def test_out_of_range_hyperparameters_name_the_field(api):
+    body = cispo_body(uploaded(api.client))
+    body["method"]["cispo"]["hyperparameters"]["training"]["group_size"] = 1
+    error = assert_error(api.client.post(JOBS, json=body), 422,
+                         "method.cispo.hyperparameters.training.group_size: Input should be greater than or equal to 2")
+    assert error["param"] == "method.cispo.hyperparameters.training.group_size"
+    body["method"]["cispo"]["hyperparameters"] = {"schedule": {"type": "cosine", "min_lr_ratio": 2}}
+    assert_error(api.client.post(JOBS, json=body), 422, "method.cispo.hyperparameters.schedule.min_lr_ratio")
+    body["method"]["cispo"]["hyperparameters"] = {"sampling": {"max_output_tokens": 64, "max_model_len": 32}}
+    assert_error(api.client.post(JOBS, json=body), 422, "method.cispo.hyperparameters.sampling", "max_model_len")
+    assert _count(api) == 0
+
+
+def test_bad_job_bodies_are_refused_naming_the_field(api):
+    file_id = uploaded(api.client)
+    cases = [
+        ({"wat": 1}, "wat", "unknown field"),
+        ({"seed": "seven"}, "seed", "integer"),
+        ({"seed": -1}, "seed", "greater than or equal to 0"),
+        ({"suffix": "x" * 65}, "suffix", "64"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "16"),
+        ({"metadata": {"k": "v" * 513}}, "metadata", "512"),
+        ({"integrations": [{"type": "wandb"}]}, "integrations", "not supported"),
+        ({"hyperparameters": {"n_epochs": 3}}, "hyperparameters", "deprecated"),
+        ({"model": ""}, "model", "at least 1"),
+        ({"method": {"type": "dpo"}}, "method.type", "'cispo' or 'reinforcement'"),
+        ({"method": {"type": "cispo"}}, "method", "method.cispo is required"),
+        ({"method": {"type": "cispo", "cispo": {}}}, "method.cispo", "exactly one of"),
+        ({"method": {"type": "cispo", "cispo": {"reward": {"type": "import", "path": "os:system"}}}},
+         "method.cispo.reward", "local CLI"),
+        ({"method": {"type": "cispo", "cispo": {"reward": {"type": "python", "source": "def reward(:"}}}},
+         "method.cispo.reward.source", "line 1"),
+        ({"method": {"type": "cispo", "cispo": {"reward": {"type": "contains"}, "hyperparameters": {
+            "training": {"steps": 2, "bogus": 1}}}}}, "method.cispo.hyperparameters.training.bogus", "unknown field"),
+    ]
+    for override, field, words in cases:
+        r = api.client.post(JOBS, json=cispo_body(file_id, **override))
+        assert_error(r, 422, field, words)
+    body = cispo_body(file_id)
+    del body["model"]
+    assert_error(api.client.post(JOBS, json=body), 422, "model: Field required")
+    assert _count(api) == 0 and api.enqueued.ids == []
+
+
+def test_a_failing_broker_still_returns_the_committed_job(api):
+    def broken(job_id):
+        raise ConnectionError("broker down")
+
+    api.app.state.enqueue = broken
+    r = api.client.post(JOBS, json=cispo_body(uploaded(api.client)))
+    assert r.status_code == 200 and r.json()["status"] == "queued"
+    assert _count(api) == 1  # the reconciler re-enqueues it from SQL
+
+
+def test_a_concurrent_duplicate_that_loses_the_insert_returns_the_winner(api, monkeypatch):
+    """Two requests with one key: both miss the lookup, the second's insert hits the unique key."""
+    from service import jobs as jobs_service
+
+    body = cispo_body(uploaded(api.client))
+    winner = api.client.post(JOBS, json=body, headers={"Idempotency-Key": "race"}).json()
+    real_replay, calls = jobs_service.replay, []
+
+    def replay_that_misses_once(*args):
+        calls.append(args)
+        return None if len(calls) == 1 else real_replay(*args)  # the first lookup ran before the winner committed
+
+    monkeypatch.setattr(jobs_service, "replay", replay_that_misses_once)
+    loser = api.client.post(JOBS, json=body, headers={"Idempotency-Key": "race"})
+    assert loser.status_code == 200 and loser.json()["id"] == winner["id"]
+    assert len(calls) == 2 and _count(api) == 1 and api.enqueued.ids == [winner["id"]]

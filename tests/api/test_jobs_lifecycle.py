@@ -1,0 +1,188 @@
+"""Job control (cancel / pause / resume) and what a run leaves: events, metrics, checkpoints, downloads.
+
+The worker's writes are simulated through the same repository functions the
+worker uses (claim, record_step, add_checkpoint, finish).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from service.repositories import jobs as jobs_repo
+from tests.api.conftest import assert_error, created_job
+
+JOBS = "/v1/fine_tuning/jobs"
+
+
+def _claim(api, job_id: str) -> int:
+    with api.session() as s:
+        epoch = jobs_repo.claim(s, job_id, "worker-1", ttl_s=60)
+        s.commit()
+    assert epoch is not None
+    return epoch
+
+
+def _checkpoint(api, job_id: str, epoch: int, step: int, files: dict[str, bytes], metrics=None) -> str:
+    prefix = f"jobs/{job_id}/checkpoints/step-{step}"
+    meta = {}
+    for rel, data in files.items():
+        meta[rel] = {"sha256": api.store.put_bytes(f"{prefix}/{rel}", data), "bytes": len(data)}
+    with api.session() as s:
+        ckpt = jobs_repo.add_checkpoint(s, job_id, epoch, step=step, storage_prefix=prefix, files=meta,
+                                        metrics=metrics or {"reward_mean": 0.5})
+        s.commit()
+        return ckpt.id
+
+
+def _control(api, job_id: str, action: str):
+    return api.client.post(f"{JOBS}/{job_id}/{action}")
+
+
+def test_cancel_a_queued_job_then_cancelling_again_is_409_without_retry(api):
+    job = created_job(api)
+    r = _control(api, job["id"], "cancel")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled" and r.json()["finished_at"] is not None
+    again = _control(api, job["id"], "cancel")
+    error = assert_error(again, 409, "cancelled")
+    assert again.headers["x-should-retry"] == "false" and error["code"] == "invalid_job_state"
+    assert_error(_control(api, job["id"], "resume"), 409)
+    assert_error(_control(api, job["id"], "pause"), 409)
+
+
+def test_pause_and_resume_a_queued_job_enqueues_again_after_commit(api):
+    job = created_job(api)
+    assert _control(api, job["id"], "pause").json()["status"] == "paused"
+    assert_error(_control(api, job["id"], "pause"), 409, "paused")
+    r = _control(api, job["id"], "resume")
+    assert r.status_code == 200 and r.json()["status"] == "queued"
+    assert api.enqueued.ids == [job["id"], job["id"]]
+    assert api.enqueued.visible_at_send == [True, True]
+    assert_error(_control(api, job["id"], "resume"), 409, "queued")
+    assert api.enqueued.ids == [job["id"], job["id"]]  # an illegal resume sends nothing
+
+
+def test_cancel_and_pause_of_a_running_job_are_requests_the_worker_honours(api):
+    job = created_job(api)
+    epoch = _claim(api, job["id"])
+    assert _control(api, job["id"], "pause").json()["status"] == "running"
+    assert _control(api, job["id"], "cancel").json()["status"] == "running"
+    with api.session() as s:
+        control = jobs_repo.heartbeat(s, job["id"], epoch, ttl_s=60)
+        s.commit()
+    assert (control.cancel, control.pause) == (True, True)
+
+
+def test_events_are_newest_first_and_paginate(api):
+    job = created_job(api)
+    _control(api, job["id"], "pause")
+    _control(api, job["id"], "resume")
+    page = api.client.get(f"{JOBS}/{job['id']}/events", params={"limit": 2}).json()
+    assert [e["message"] for e in page["data"]] == ["Job resumed", "Job paused"] and page["has_more"]
+    event = page["data"][0]
+    assert event["object"] == "fine_tuning.job.event" and event["level"] == "info" and event["type"] == "message"
+    rest = api.client.get(f"{JOBS}/{job['id']}/events", params={"after": page["last_id"]}).json()
+    assert [e["message"] for e in rest["data"]] == ["Job created"] and not rest["has_more"]
+    assert_error(api.client.get(f"{JOBS}/{job['id']}/events", params={"after": "ftevent-nope"}), 400, "after")
+
+
+def test_a_finished_job_reports_progress_metrics_and_its_model_name(api):
+    job = created_job(api, suffix="exp")
+    epoch = _claim(api, job["id"])
+    with api.session() as s:
+        for step in (1, 2, 3):
+            assert jobs_repo.record_step(s, job["id"], epoch, step, {"loss": 1.0 / step, "reward_mean": step / 10},
+                                         trained_tokens=100, ttl_s=60)
+        assert jobs_repo.finish(s, job["id"], epoch, "succeeded")
+        s.commit()
+    got = api.client.get(f"{JOBS}/{job['id']}").json()
+    assert (got["status"], got["steps_done"], got["trained_tokens"]) == ("succeeded", 3, 300)
+    assert got["fine_tuned_model"] == f"ft:tiny-model:alpha:exp:{job['id']}"
+    metrics = api.client.get(f"{JOBS}/{job['id']}/metrics").json()
+    assert metrics["object"] == "list" and len(metrics["data"]) == 6 and not metrics["has_more"]
+    assert metrics["data"][0] == {"step": 1, "name": "loss", "value": 1.0}
+    some = api.client.get(f"{JOBS}/{job['id']}/metrics",
+                          params=[("name", "reward_mean"), ("step_min", 2), ("step_max", 3)]).json()
+    assert [(m["step"], m["value"]) for m in some["data"]] == [(2, 0.2), (3, 0.3)]
+    limited = api.client.get(f"{JOBS}/{job['id']}/metrics", params={"limit": 4}).json()
+    assert len(limited["data"]) == 4 and limited["has_more"]
+    assert_error(api.client.get(f"{JOBS}/{job['id']}/metrics", params={"step_min": -1}), 422, "step_min")
+
+
+def test_failed_job_shows_its_error(api):
+    job = created_job(api)
+    epoch = _claim(api, job["id"])
+    with api.session() as s:
+        jobs_repo.finish(s, job["id"], epoch, "failed", error_code="invalid_training_file",
+                         error_message="line 3: bad row", error_param="training_file")
+        s.commit()
+    got = api.client.get(f"{JOBS}/{job['id']}").json()
+    assert got["error"] == {"code": "invalid_training_file", "message": "line 3: bad row", "param": "training_file"}
+    assert got["fine_tuned_model"] is None
+
+
+def test_checkpoints_list_and_download_with_sha256(api):
+    job = created_job(api)
+    epoch = _claim(api, job["id"])
+    archive, weights, manifest = b"tar bytes" * 1000, b"safetensors bytes", b'{"files": {}}'
+    ids = [_checkpoint(api, job["id"], epoch, step, {"adapter/adapter_model.safetensors": weights,
+                                                     "trainer_state/optimizer.pt": b"secret state",
+                                                     "adapter.tar": archive, "manifest.json": manifest})
+           for step in (1, 2)]
+    page = api.client.get(f"{JOBS}/{job['id']}/checkpoints").json()
+    assert [c["id"] for c in page["data"]] == ids[::-1]
+    ckpt = page["data"][0]
+    assert ckpt["object"] == "fine_tuning.job.checkpoint" and ckpt["step_number"] == 2
+    assert ckpt["metrics"] == {"reward_mean": 0.5}
+    assert ckpt["fine_tuned_model_checkpoint"] == f"ft:tiny-model:alpha::{job['id']}:ckpt-step-2"
+    assert ckpt["fine_tuning_job_id"] == job["id"]
+    after = api.client.get(f"{JOBS}/{job['id']}/checkpoints", params={"after": ids[1], "limit": 1}).json()
+    assert [c["id"] for c in after["data"]] == [ids[0]]
+
+    base = f"{JOBS}/{job['id']}/checkpoints/{ids[1]}"
+    r = api.client.get(f"{base}/content")
+    assert r.status_code == 200 and r.content == archive
+    assert r.headers["x-sha256"] == hashlib.sha256(archive).hexdigest()
+    r = api.client.get(f"{base}/files/adapter/adapter_model.safetensors")
+    assert r.content == weights and r.headers["x-sha256"] == hashlib.sha256(weights).hexdigest()
+    assert api.client.get(f"{base}/files/manifest.json").content == manifest
+    for hidden in ("trainer_state/optimizer.pt", "adapter.tar", "adapter/missing.bin", "../../files/x"):
+        assert_error(api.client.get(f"{base}/files/{hidden}"), 404)
+    assert_error(api.client.get(f"{JOBS}/{job['id']}/checkpoints/ftckpt_nope/content"), 404, "ftckpt_nope")
+
+
+def test_missing_checkpoint_object_is_a_404_not_a_500(api):
+    job = created_job(api)
+    epoch = _claim(api, job["id"])
+    ckpt_id = _checkpoint(api, job["id"], epoch, 1, {"adapter.tar": b"x"})
+    api.store.delete(f"jobs/{job['id']}/checkpoints/step-1/adapter.tar")
+    assert_error(api.client.get(f"{JOBS}/{job['id']}/checkpoints/{ckpt_id}/content"), 404, "missing")
+
+
+def test_list_jobs_paginates_and_filters_by_metadata(api):
+    a = created_job(api, metadata={"team": "rl", "run": "1"})
+    b = created_job(api, metadata={"team": "sft"})
+    c = created_job(api, metadata={"team": "rl", "run": "2"})
+    page = api.client.get(JOBS, params={"limit": 2}).json()
+    assert [j["id"] for j in page["data"]] == [c["id"], b["id"]] and page["has_more"]
+    rest = api.client.get(JOBS, params={"limit": 2, "after": page["last_id"]}).json()
+    assert [j["id"] for j in rest["data"]] == [a["id"]] and not rest["has_more"]
+    rl = api.client.get(JOBS, params={"metadata[team]": "rl"}).json()
+    assert [j["id"] for j in rl["data"]] == [c["id"], a["id"]]
+    one = api.client.get(JOBS, params={"metadata[team]": "rl", "metadata[run]": "1"}).json()
+    assert [j["id"] for j in one["data"]] == [a["id"]]
+    assert_error(api.client.get(JOBS, params={"after": "ftjob-nope"}), 400, "after")
+    assert_error(api.client.get(JOBS, params={"limit": 101}), 422, "limit")
+    assert_error(api.client.get(f"{JOBS}/ftjob-nope"), 404, "ftjob-nope")
+    assert_error(_control(api, "ftjob-nope", "cancel"), 404)
+
+
+def test_non_finite_checkpoint_metrics_are_reported_as_null(api):
+    if not api.database_url.startswith("sqlite"):
+        pytest.skip("PostgreSQL's JSON type refuses NaN outright, so such a row cannot exist there")
+    job = created_job(api)
+    epoch = _claim(api, job["id"])
+    _checkpoint(api, job["id"], epoch, 1, {"adapter.tar": b"x"}, metrics={"loss": float("nan"), "r": 1.0})
+    r = api.client.get(f"{JOBS}/{job['id']}/checkpoints")
+    assert r.status_code == 200 and r.json()["data"][0]["metrics"] == {"loss": None, "r": 1.0}

@@ -1,0 +1,894 @@
+"""Static checks of the deployment files against the code they deploy.
+
+Nothing here runs docker, helm or Kubernetes. The files are parsed and
+cross-checked: commands against the real `cispo` argument parser, environment
+variables against the Settings model, probe paths against the API routes,
+values.yaml against values.schema.json and against the templates that read it.
+Helm templates are checked through a small stand-in for rendering (see
+`render_template`): `.Values` references are replaced by their values.yaml
+value, other template expressions by opaque tokens, and lines that are pure
+template control flow are dropped; what is left must be YAML manifests.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+import re
+import shlex
+from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
+
+import jsonschema
+import pytest
+import yaml
+from pydantic import AliasChoices
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "docker-compose.yml"
+DOCKERFILE = REPO / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+CHART = REPO / "helm" / "cispo"
+TEMPLATES = CHART / "templates"
+
+APP_SERVICES = ("migrate", "api", "worker")  # compose services that run the cispo image
+CONNECTION_VARS = ("DATABASE_URL", "BROKER_URL", "STORAGE_URL")
+
+
+# -- shared helpers -------------------------------------------------------------
+
+
+def settings_env_names() -> set[str]:
+    """Every environment variable name service.settings.Settings reads."""
+    from service.settings import Settings
+
+    prefix = Settings.model_config.get("env_prefix", "")
+    names: set[str] = set()
+    for name, field in Settings.model_fields.items():
+        alias = field.validation_alias
+        if alias is None:
+            names.add(f"{prefix}{name}".upper())
+        elif isinstance(alias, AliasChoices):
+            names |= {c.upper() for c in alias.choices if isinstance(c, str)}
+        else:
+            names.add(str(alias).upper())
+    return names
+
+
+def is_known_env(name: str) -> bool:
+    # AWS_* is read by boto3 (service/storage.py leaves credentials to its usual chain).
+    return name in settings_env_names() or name.startswith("AWS_")
+
+
+def parse_cispo(argv: list) -> object:
+    """Parse argv (starting at the word after `cispo`) with the real parser; fail on error."""
+    from worker.cli import build_parser
+
+    argv = [str(a) for a in argv]
+    try:
+        ns = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse exits on unknown commands and options
+        pytest.fail(f"`cispo {' '.join(argv)}` is not a valid cispo command (argparse exit {e.code})")
+    assert callable(getattr(ns, "func", None)), f"`cispo {' '.join(argv)}` selects no command"
+    return ns
+
+
+def cispo_tail(argv: list) -> list | None:
+    """The arguments after the `cispo` word of a command line, or None if it does not run cispo."""
+    words = [str(a) for a in argv]
+    for i, w in enumerate(words):
+        if w == "cispo" or w.endswith("/cispo"):
+            return words[i + 1 :]
+    return None
+
+
+def as_argv(command) -> list:
+    return shlex.split(command) if isinstance(command, str) else list(command)
+
+
+def command_name(ns) -> str:
+    """'db upgrade', 'api', 'worker', ... from a parsed namespace."""
+    sub = getattr(ns, "db_command", None) or getattr(ns, "keys_command", None)
+    return f"{ns.command} {sub}" if sub else ns.command
+
+
+# -- docker-compose.yml ---------------------------------------------------------
+
+_INTERP = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def interpolate(value: str) -> str:
+    """Compose variable interpolation with an empty environment: ${X:-default} -> default."""
+
+    def sub(m: re.Match) -> str:
+        if m.group(4):
+            return ""
+        op, arg = m.group(2), m.group(3)
+        if op and op.endswith("-"):
+            return arg
+        if op and op.endswith("?"):
+            pytest.fail(f"compose variable {m.group(1)} is required ({arg}); give local development a default")
+        return ""
+
+    parts = value.split("$$")  # $$ is a literal $
+    return "$".join(_INTERP.sub(sub, p) for p in parts)
+
+
+def _interpolate_all(obj):
+    if isinstance(obj, dict):
+        return {k: _interpolate_all(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_interpolate_all(v) for v in obj]
+    if isinstance(obj, str):
+        return interpolate(obj)
+    return obj
+
+
+def compose() -> dict:
+    doc = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(doc, dict) and isinstance(doc.get("services"), dict), "no services in docker-compose.yml"
+    return doc
+
+
+def compose_services() -> dict:
+    return _interpolate_all(compose()["services"])
+
+
+def service_env(svc: dict) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def depends_on(svc: dict) -> dict[str, str]:
+    deps = svc.get("depends_on") or {}
+    if isinstance(deps, list):
+        return {d: "service_started" for d in deps}
+    return {name: (spec or {}).get("condition", "service_started") for name, spec in deps.items()}
+
+
+def test_compose_parses_with_the_expected_services():
+    services = compose_services()
+    missing = {"postgres", "redis", "minio", "migrate", "api", "worker"} - set(services)
+    assert not missing, f"docker-compose.yml lacks services {sorted(missing)}"
+    for name, svc in services.items():
+        assert svc.get("image") or svc.get("build"), f"service {name} has neither image nor build"
+
+
+def test_compose_depends_on_names_existing_services_with_sensible_conditions():
+    services = compose_services()
+    for name, svc in services.items():
+        for dep, condition in depends_on(svc).items():
+            assert dep in services, f"{name} depends on {dep!r}, which is not a service"
+            assert dep != name, f"{name} depends on itself"
+            assert condition in {"service_started", "service_healthy", "service_completed_successfully"}, (
+                f"{name}: unknown depends_on condition {condition!r}"
+            )
+            if condition == "service_healthy":
+                assert services[dep].get("healthcheck"), f"{name} waits for {dep} to be healthy; {dep} has no healthcheck"
+            if condition == "service_completed_successfully":
+                assert str(services[dep].get("restart", "no")) in {"no", "False", "false"}, (
+                    f"{name} waits for {dep} to complete, but {dep} restarts"
+                )
+    # no cycles
+    graph = {n: set(depends_on(s)) for n, s in services.items()}
+    done: set[str] = set()
+
+    def visit(n: str, path: tuple[str, ...]) -> None:
+        assert n not in path, f"depends_on cycle: {' -> '.join(path + (n,))}"
+        if n in done:
+            return
+        for d in graph.get(n, ()):
+            visit(d, path + (n,))
+        done.add(n)
+
+    for n in graph:
+        visit(n, ())
+
+
+def test_compose_start_order_migrations_first():
+    services = compose_services()
+    assert depends_on(services["migrate"]).get("postgres") == "service_healthy"
+    for name in ("api", "worker"):
+        deps = depends_on(services[name])
+        assert deps.get("migrate") == "service_completed_successfully", f"{name} must wait for the migrations"
+        for infra in ("postgres", "redis", "minio"):
+            assert deps.get(infra) == "service_healthy", f"{name} must wait for {infra} to be healthy"
+
+
+def test_compose_cispo_commands_parse_with_the_real_parser():
+    services = compose_services()
+    seen = {}
+    for name, svc in services.items():
+        for key in ("entrypoint", "command"):
+            if svc.get(key) is None:
+                continue
+            tail = cispo_tail(as_argv(svc[key]))
+            if tail is not None:
+                seen[name] = command_name(parse_cispo(tail))
+    assert seen.get("migrate") == "db upgrade"
+    assert seen.get("api") == "api"
+    assert seen.get("worker") == "worker"
+    api_args = parse_cispo(cispo_tail(as_argv(services["api"]["command"])))
+    assert api_args.host == "0.0.0.0", "the API must listen on all interfaces inside its container"
+    worker_args = parse_cispo(cispo_tail(as_argv(services["worker"]["command"])))
+    assert worker_args.pool == "prefork", "a fresh child per job needs the prefork pool"
+
+
+def test_compose_app_environment_is_what_settings_reads():
+    services = compose_services()
+    for name in APP_SERVICES:
+        env = service_env(services[name])
+        unknown = sorted(k for k in env if not is_known_env(k))
+        assert not unknown, f"{name}: environment variables no setting reads: {unknown}"
+        for var in CONNECTION_VARS:
+            assert env.get(var), f"{name}: {var} is not set"
+
+
+def test_compose_connection_settings_match_the_servers(monkeypatch):
+    services = compose_services()
+    env = service_env(services["api"])
+    for name in APP_SERVICES:
+        assert {k: service_env(services[name]).get(k) for k in CONNECTION_VARS} == {k: env[k] for k in CONNECTION_VARS}, (
+            f"{name} connects elsewhere than the api"
+        )
+
+    db = urlsplit(env["DATABASE_URL"])
+    pg = service_env(services["postgres"])
+    assert db.scheme in ("postgresql", "postgres", "postgresql+psycopg")
+    assert db.hostname == "postgres" and (db.port or 5432) == 5432
+    assert db.username == pg.get("POSTGRES_USER", "postgres")
+    assert db.password == pg["POSTGRES_PASSWORD"]
+    assert db.path.lstrip("/") == pg.get("POSTGRES_DB", db.username)
+
+    broker = urlsplit(env["BROKER_URL"])
+    redis_cmd = [str(a) for a in as_argv(services["redis"]["command"])]
+    assert broker.scheme == "redis" and broker.hostname == "redis"
+    assert "--requirepass" in redis_cmd, "redis runs without a password"
+    assert broker.password == redis_cmd[redis_cmd.index("--requirepass") + 1], "BROKER_URL has another password"
+    assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
+    assert redis_cmd[redis_cmd.index("--maxmemory-policy") + 1] == "noeviction"
+
+    storage = urlsplit(env["STORAGE_URL"])
+    query = dict(parse_qsl(storage.query))
+    minio = service_env(services["minio"])
+    assert storage.scheme == "s3"
+    assert urlsplit(query["endpoint_url"]).hostname == "minio"
+    assert env["AWS_ACCESS_KEY_ID"] == minio["MINIO_ROOT_USER"]
+    assert env["AWS_SECRET_ACCESS_KEY"] == minio["MINIO_ROOT_PASSWORD"]
+    bucket_job = " ".join(
+        " ".join(as_argv(s.get("entrypoint") or [])) + " " + " ".join(as_argv(s.get("command") or []))
+        for n, s in services.items()
+        if n != "minio"
+    )
+    assert re.search(rf"\bmc mb\b[^\n]*/{re.escape(storage.netloc)}\b", bucket_job), (
+        f"no one-shot job creates the bucket {storage.netloc!r}"
+    )
+
+    # The code accepts these values: Settings normalizes the URL, the store parses its query.
+    from service.settings import Settings
+    from service.storage import open_store
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    settings = Settings()
+    assert settings.resolved_database_url().startswith("postgresql+psycopg://")
+    assert settings.resolved_broker_url().startswith("redis://")
+    assert settings.home == Path(env["CISPO_HOME"])
+    store = open_store(settings.resolved_storage_url())
+    assert type(store).__name__ == "S3Store"
+
+
+def test_compose_cispo_home_is_a_mounted_volume():
+    services = compose_services()
+    for name in ("api", "worker"):
+        home = service_env(services[name])["CISPO_HOME"]
+        targets = [v.split(":")[1] if isinstance(v, str) else v.get("target") for v in services[name].get("volumes", [])]
+        assert home in targets, f"{name}: CISPO_HOME {home} is not on a volume"
+
+
+def test_compose_only_the_api_publishes_ports():
+    services = compose_services()
+    publishing = {name for name, svc in services.items() if svc.get("ports")}
+    assert publishing == {"api"}, f"services publishing ports on the host: {sorted(publishing)}"
+    host_net = {name for name, svc in services.items() if svc.get("network_mode") == "host"}
+    assert not host_net, f"services on the host network: {sorted(host_net)}"
+    ports = [str(p) if not isinstance(p, dict) else f"{p.get('published')}:{p.get('target')}" for p in services["api"]["ports"]]
+    api_port = parse_cispo(cispo_tail(as_argv(services["api"]["command"]))).port
+    assert any(p.split(":")[-1].split("/")[0] == str(api_port) for p in ports), (
+        f"the api publishes {ports}, but listens on {api_port}"
+    )
+
+
+def test_compose_worker_reserves_a_gpu():
+    worker = compose_services()["worker"]
+    devices = (((worker.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
+    gpus = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
+    assert gpus, "the worker reserves no nvidia GPU"
+    assert all(d.get("count") == 1 or d.get("device_ids") for d in gpus), "one GPU per worker (concurrency 1)"
+    for name, svc in compose_services().items():
+        if name != "worker":
+            assert "deploy" not in svc or "devices" not in str(svc["deploy"]), f"{name} reserves devices"
+
+
+def test_compose_healthchecks():
+    services = compose_services()
+    for name in ("postgres", "redis", "minio", "api"):
+        assert services[name].get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+    assert "pg_isready" in str(services["postgres"]["healthcheck"]["test"])
+    assert "/healthz" in str(services["api"]["healthcheck"]["test"])
+
+
+def test_compose_build_targets_exist():
+    stages = dockerfile_stages()
+    services = compose_services()
+    for name, target in (("migrate", "api"), ("api", "api"), ("worker", "worker")):
+        build = services[name].get("build")
+        assert isinstance(build, dict), f"{name} is not built from the Dockerfile"
+        assert build.get("target") == target, f"{name} builds target {build.get('target')!r}, not {target!r}"
+        assert build.get("target") in stages
+        assert (REPO / build.get("context", ".") / build.get("dockerfile", "Dockerfile")).resolve() == DOCKERFILE
+
+
+# -- Dockerfile -----------------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out, buf = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if line.startswith("#") or (not line and not buf):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        if buf.strip():
+            instr, _, rest = buf.strip().partition(" ")
+            out.append((instr.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def dockerfile_stages() -> dict[str, dict]:
+    stages: dict[str, dict] = {}
+    current = None
+    for instr, rest in dockerfile_instructions():
+        if instr == "FROM":
+            m = re.match(r"(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?\s*$", rest, re.I)
+            assert m, f"cannot read FROM {rest}"
+            name = (m.group(2) or str(len(stages))).lower()
+            current = stages[name] = {"base": m.group(1).lower(), "instructions": []}
+        elif current is not None:
+            current["instructions"].append((instr, rest))
+    return stages
+
+
+def stage_chain(stages: dict, name: str) -> list[tuple[str, str]]:
+    """A target's instructions, those of the stages it is built FROM first."""
+    chain, seen = [], set()
+    while name in stages and name not in seen:
+        seen.add(name)
+        chain = stages[name]["instructions"] + chain
+        name = stages[name]["base"]
+    return chain
+
+
+def exec_form(arguments: str) -> list[str]:
+    value = json.loads(arguments)
+    assert isinstance(value, list), f"not exec form: {arguments}"
+    return value
+
+
+def test_dockerfile_has_api_and_worker_targets():
+    stages = dockerfile_stages()
+    assert {"api", "worker"} <= set(stages), f"Dockerfile stages: {sorted(stages)}"
+
+
+def _pip_installs(chain) -> list[str]:
+    return [rest for instr, rest in chain if instr == "RUN" and "pip install" in rest]
+
+
+def test_api_target_does_not_install_the_worker_extra():
+    stages = dockerfile_stages()
+    api_runs = " ".join(rest for instr, rest in stage_chain(stages, "api") if instr == "RUN")
+    assert "[worker" not in api_runs, "the api image installs the [worker] extra"
+    assert not re.search(r"\btorch\b", api_runs), "the api image installs torch"
+    assert _pip_installs(stage_chain(stages, "api")), "the api image installs nothing"
+    worker_installs = " ".join(_pip_installs(stage_chain(stages, "worker")))
+    assert re.search(r"\.\[worker[\],]", worker_installs), "the worker image does not install the [worker] extra"
+
+
+def test_images_keep_the_repository_layout_for_migrations():
+    stages = dockerfile_stages()
+    for target in ("api", "worker"):
+        chain = stage_chain(stages, target)
+        workdirs = [rest for instr, rest in chain if instr == "WORKDIR"]
+        assert workdirs and workdirs[-1] == "/app", f"{target}: WORKDIR is not /app"
+        assert ("COPY", ". .") in chain, f"{target}: the source tree is not copied whole"
+        assert any(re.search(r"pip install[^&]*\s-e\s+\.(\s|$)", r) for r in _pip_installs(chain)), (
+            f"{target}: the project is not installed editable from /app"
+        )
+
+
+def test_images_run_as_a_non_root_user():
+    stages = dockerfile_stages()
+    for target in ("api", "worker"):
+        users = [rest for instr, rest in stage_chain(stages, target) if instr == "USER"]
+        assert users, f"{target} runs as root"
+        user = users[-1].split(":")[0]
+        assert user not in ("root", "0"), f"{target} runs as {user}"
+
+
+def test_image_commands_are_real_cispo_commands():
+    stages = dockerfile_stages()
+    expected = {"api": "api", "worker": "worker"}
+    for target, command in expected.items():
+        chain = stage_chain(stages, target)
+        cmds = [rest for instr, rest in chain if instr == "CMD"]
+        assert cmds, f"{target} has no CMD"
+        tail = cispo_tail(exec_form(cmds[-1]))
+        assert tail is not None, f"{target}'s CMD does not run cispo"
+        assert command_name(parse_cispo(tail)) == command
+
+
+def dockerignore_patterns() -> list[str]:
+    return [ln.strip() for ln in DOCKERIGNORE.read_text().splitlines() if ln.strip() and not ln.strip().startswith("#")]
+
+
+def _docker_match(pattern: str, path: str) -> bool:
+    """Go filepath.Match plus '**', as .dockerignore uses it; a pattern also covers what lies under a match."""
+    regex = ""
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            regex += "(?:.*/)?"
+            i += 3
+        elif pattern.startswith("**", i):
+            regex += ".*"
+            i += 2
+        elif pattern[i] == "*":
+            regex += "[^/]*"
+            i += 1
+        elif pattern[i] == "?":
+            regex += "[^/]"
+            i += 1
+        else:
+            regex += re.escape(pattern[i])
+            i += 1
+    parts = path.split("/")
+    return any(re.fullmatch(regex, "/".join(parts[:n])) for n in range(1, len(parts) + 1))
+
+
+def docker_ignored(path: str) -> bool:
+    ignored = False
+    for pat in dockerignore_patterns():
+        negate = pat.startswith("!")
+        pat = pat.lstrip("!").strip("/")
+        if _docker_match(pat, path):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_what_the_image_needs():
+    needed = ["pyproject.toml", "README.md", "service/settings.py", "service/db/migrate.py", "worker/cli.py",
+              "migrations/env.py"]
+    needed += [str(p.relative_to(REPO)) for p in (REPO / "migrations" / "versions").glob("*.py")]
+    dropped = [p for p in needed if docker_ignored(p)]
+    assert not dropped, f".dockerignore leaves out {dropped}"
+    for junk in (".git/HEAD", ".venv/bin/python", "service/__pycache__/x.pyc"):
+        assert docker_ignored(junk), f".dockerignore sends {junk} to the build"
+
+
+# -- helm chart -----------------------------------------------------------------
+
+
+def chart_values() -> dict:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def values_schema() -> dict:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+def template_files(pattern: str = "*") -> list[Path]:
+    files = sorted(p for p in TEMPLATES.glob(pattern) if p.is_file())
+    assert files, f"no templates matching {pattern}"
+    return files
+
+
+def test_chart_yaml():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart.get("apiVersion") == "v2"
+    assert chart.get("name") == "cispo" == CHART.name
+    assert re.fullmatch(r"\d+\.\d+\.\d+(?:[-+][0-9A-Za-z.-]+)?", str(chart.get("version", ""))), "version is not SemVer"
+    assert chart.get("type", "application") == "application"
+
+
+def test_values_validate_against_the_schema():
+    schema = values_schema()
+    jsonschema.Draft7Validator.check_schema(schema)
+    assert "draft-07" in schema.get("$schema", "")
+    assert schema.get("additionalProperties") is False
+    values = chart_values()
+    jsonschema.Draft7Validator(schema).validate(values)
+    assert set(schema.get("required", [])) >= {"api", "worker", "migrations", "config", "secrets"}
+    assert set(values) == set(schema["properties"]), "values.yaml and the schema describe different keys"
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda v: v.update(unknown=1), id="unknown-top-level-key"),
+        pytest.param(lambda v: v["api"].update(replica=3), id="misspelt-component-key"),
+        pytest.param(lambda v: v["api"]["image"].update(tag=1.0), id="numeric-image-tag"),
+        pytest.param(lambda v: v["worker"].update(pool="threads"), id="pool-cispo-does-not-offer"),
+        pytest.param(lambda v: v["worker"]["resources"]["limits"].update({"nvidia.com/gpu": 2}), id="gpu-set-twice"),
+        pytest.param(lambda v: v["config"]["extraEnv"].update(DATABASE_URL="x"), id="secret-in-configmap"),
+        pytest.param(lambda v: v["worker"].pop("image"), id="missing-image"),
+        pytest.param(lambda v: v["api"].update(port="8000"), id="port-as-string"),
+    ],
+)
+def test_schema_refuses_wrong_values(mutate):
+    values = copy.deepcopy(chart_values())
+    mutate(values)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(values_schema()).validate(values)
+
+
+def test_schema_allows_every_pool_the_cli_offers():
+    from worker.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    choices = next(a for a in sub.choices["worker"]._actions if a.dest == "pool").choices
+    assert set(values_schema()["properties"]["worker"]["properties"]["pool"]["enum"]) == set(choices)
+
+
+_VALUES_REF = re.compile(r"\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+
+
+def lookup_values(path: list[str]):
+    node = chart_values()
+    for i, key in enumerate(path):
+        assert isinstance(node, dict) and key in node, f".Values.{'.'.join(path)}: no {'.'.join(path[: i + 1])} in values.yaml"
+        node = node[key]
+    return node
+
+
+def test_every_values_reference_exists_in_values_yaml():
+    refs = 0
+    for path in template_files():
+        for m in _VALUES_REF.finditer(path.read_text()):
+            lookup_values(m.group(1)[1:].split("."))
+            refs += 1
+    assert refs > 20, "suspiciously few .Values references"
+
+
+# A template action: {{ ... }}, {{- ... -}}; comments {{/* */}} are dropped first.
+_ACTION = re.compile(r"\{\{-?\s*(.*?)\s*-?\}\}", re.S)
+_COMMENT = re.compile(r"\{\{-?\s*/\*.*?\*/\s*-?\}\}", re.S)
+_ONLY_VALUES = re.compile(r"^\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)((?:\s*\|\s*(?:quote|int|int64|toString))*)$")
+
+
+def render_template(text: str) -> tuple[list[dict], dict[str, str]]:
+    """Approximate a render: returns the YAML documents and {token: template expression}.
+
+    Lines holding nothing but template actions (if/with/range/end, include|nindent,
+    toYaml|nindent) are dropped; `.Values.x` expressions become their values.yaml
+    value; any other expression becomes a token TPL<n>X, mapped back in the table.
+    """
+    table: dict[str, str] = {}
+    text = _COMMENT.sub("", text)
+    lines = []
+    for line in text.splitlines():
+        if line.strip() and not _ACTION.sub("", line).strip():
+            continue
+        lines.append(line)
+
+    def sub(m: re.Match) -> str:
+        expr = m.group(1).strip()
+        only = _ONLY_VALUES.match(expr)
+        if only:
+            value = lookup_values(only.group(1)[1:].split("."))
+            if "quote" in only.group(2) or "toString" in only.group(2):
+                value = str(value)
+            return json.dumps(value)
+        token = f"TPL{len(table)}X"
+        table[token] = expr
+        return token
+
+    body = _ACTION.sub(sub, "\n".join(lines))
+    docs = [d for d in yaml.safe_load_all(body) if d]
+    return docs, table
+
+
+def manifests() -> list[tuple[Path, dict, dict]]:
+    out = []
+    for path in template_files("*.yaml"):
+        docs, table = render_template(path.read_text())
+        assert docs, f"{path.name} renders no manifest"
+        out.extend((path, d, table) for d in docs)
+    return out
+
+
+def expressions(value, table: dict) -> list[str]:
+    return [table[t] for t in re.findall(r"TPL\d+X", str(value))]
+
+
+def include_names(value, table: dict) -> list[str]:
+    return [m for e in expressions(value, table) for m in re.findall(r'include\s+"([^"]+)"', e)]
+
+
+def component_of(doc: dict) -> str | None:
+    return (doc["metadata"].get("labels") or {}).get("app.kubernetes.io/component")
+
+
+def find(kind: str, component: str | None = None) -> list[tuple[Path, dict, dict]]:
+    found = [(p, d, t) for p, d, t in manifests() if d.get("kind") == kind]
+    if component is not None:
+        found = [(p, d, t) for p, d, t in found if component_of(d) == component]
+    return found
+
+
+def one(kind: str, component: str | None = None) -> tuple[Path, dict, dict]:
+    found = find(kind, component)
+    assert len(found) == 1, f"expected one {kind} {component or ''}, found {[p.name for p, _, _ in found]}"
+    return found[0]
+
+
+def containers(doc: dict) -> list[dict]:
+    spec = doc["spec"]["template"]["spec"] if doc["kind"] in ("Deployment", "Job", "StatefulSet", "DaemonSet") else doc["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def test_templates_parse_as_kubernetes_manifests():
+    kinds = []
+    for path, doc, _ in manifests():
+        assert isinstance(doc, dict), f"{path.name}: not a mapping"
+        for key in ("apiVersion", "kind", "metadata"):
+            assert doc.get(key), f"{path.name}: no {key}"
+        assert doc["metadata"].get("name"), f"{path.name}: no metadata.name"
+        kinds.append(doc["kind"])
+        if doc["kind"] in ("Deployment", "Job"):
+            for c in containers(doc):
+                assert c.get("name") and c.get("image"), f"{path.name}: a container without name or image"
+    for kind in ("Deployment", "Service", "Job", "ConfigMap", "Secret"):
+        assert kind in kinds, f"the chart renders no {kind}"
+
+
+def test_helpers_define_every_included_template():
+    helpers = (TEMPLATES / "_helpers.tpl").read_text()
+    defined = set(re.findall(r'define\s+"([^"]+)"', helpers))
+    for path in template_files():
+        for name in re.findall(r'(?:include|template)\s+"([^"]+)"', path.read_text()):
+            assert name in defined, f"{path.name} includes {name!r}, which _helpers.tpl does not define"
+
+
+def define_body(name: str) -> str:
+    """The text of `{{ define "name" }} ... {{ end }}` in _helpers.tpl, nesting respected."""
+    text = (TEMPLATES / "_helpers.tpl").read_text()
+    start = re.search(r'\{\{-?\s*define\s+"' + re.escape(name) + r'"\s*-?\}\}', text)
+    assert start, f"_helpers.tpl does not define {name}"
+    depth = 1
+    for m in _ACTION.finditer(text, start.end()):
+        word = m.group(1).split(" ", 1)[0]
+        if word in ("if", "with", "range", "define", "block"):
+            depth += 1
+        elif word == "end":
+            depth -= 1
+            if depth == 0:
+                return text[start.end() : m.start()]
+    pytest.fail(f"define {name} is not closed")
+
+
+def test_cispo_commands_in_templates_parse_with_the_real_parser():
+    seen = {}
+    for path, doc, _ in manifests():
+        if doc["kind"] not in ("Deployment", "Job"):
+            continue
+        for c in containers(doc):
+            argv = list(c.get("command") or []) + list(c.get("args") or [])
+            tail = cispo_tail(argv)
+            if tail is not None:
+                seen[(doc["kind"], component_of(doc))] = command_name(parse_cispo(tail))
+    assert seen == {
+        ("Deployment", "api"): "api",
+        ("Deployment", "worker"): "worker",
+        ("Job", "migrations"): "db upgrade",
+    }, seen
+    notes = (TEMPLATES / "NOTES.txt").read_text()
+    for line in notes.splitlines():
+        if re.search(r"\s--\s+cispo\s", line):
+            parse_cispo(cispo_tail(shlex.split(line.split(" -- ", 1)[1])))
+
+
+def test_containers_keep_the_image_entrypoint():
+    # command: would replace the image's ENTRYPOINT (tini, which forwards SIGTERM and reaps children).
+    for path, doc, _ in manifests():
+        if doc["kind"] in ("Deployment", "Job"):
+            for c in containers(doc):
+                assert "command" not in c, f"{path.name}: {c['name']} overrides the image entrypoint; use args"
+
+
+def test_images_per_component():
+    expected = {("Deployment", "api"): ".Values.api.image", ("Deployment", "worker"): ".Values.worker.image",
+                ("Job", "migrations"): ".Values.api.image"}  # migrations need no torch
+    for (kind, component), ref in expected.items():
+        _, doc, table = one(kind, component)
+        exprs = expressions(containers(doc)[0]["image"], table)
+        assert any(ref in e for e in exprs), f"{kind} {component} does not use {ref}: {exprs}"
+
+
+def test_api_probes_point_at_health_routes_that_exist():
+    path, doc, _ = one("Deployment", "api")
+    (c,) = containers(doc)
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    port_names = {p.get("name") for p in c["ports"]} | {p.get("containerPort") for p in c["ports"]}
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        if probe in c:
+            assert c[probe]["httpGet"]["port"] in port_names, f"{probe} targets a port the container lacks"
+    # the routes: plain text search, the API is written alongside these files
+    sources = "\n".join(p.read_text() for p in (REPO / "service" / "api").rglob("*.py"))
+    for route in ("/healthz", "/readyz"):
+        assert f'"{route}"' in sources or f"'{route}'" in sources, f"no {route} route in service/api"
+
+
+def test_api_port_service_and_args_agree():
+    _, dep, _ = one("Deployment", "api")
+    (c,) = containers(dep)
+    args = parse_cispo(cispo_tail(c["args"]))
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert args.port == ports["http"], f"the API listens on {args.port}, the container port is {ports['http']}"
+    assert args.host == "0.0.0.0"
+    _, svc, _ = one("Service", "api")
+    assert svc["spec"]["selector"].get("app.kubernetes.io/component") == "api", "the Service would also select workers"
+    for port in svc["spec"]["ports"]:
+        assert port["targetPort"] in ports or port["targetPort"] in ports.values()
+
+
+def test_selectors_match_pod_labels():
+    for path, doc, table in find("Deployment"):
+        selector = doc["spec"]["selector"]["matchLabels"]
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        for k, v in selector.items():
+            assert labels.get(k) == v, f"{path.name}: selector {k}={v} is not on the pods"
+        assert selector.get("app.kubernetes.io/component"), f"{path.name}: selector without a component"
+    # the dropped include lines: selector and pod labels come from the same helper
+    for path in template_files("*deployment*.yaml"):
+        text = path.read_text()
+        sel = re.findall(r'include\s+"(cispo\.[A-Za-z]*[Ll]abels)"', text.split("template:", 1)[0].split("selector:", 1)[1])
+        pod = re.findall(r'include\s+"(cispo\.[A-Za-z]*[Ll]abels)"', text.split("template:", 1)[1].split("spec:", 1)[0])
+        assert sel == pod == ["cispo.selectorLabels"], f"{path.name}: selector {sel}, pod labels {pod}"
+    components = [d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] for _, d, _ in find("Deployment")]
+    assert len(components) == len(set(components)), "two Deployments select the same pods"
+
+
+def test_worker_gets_one_gpu_and_time_to_stop():
+    _, doc, _ = one("Deployment", "worker")
+    spec = doc["spec"]["template"]["spec"]
+    (c,) = containers(doc)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert spec["terminationGracePeriodSeconds"] >= 600
+    assert doc["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, "a rollout would need a spare GPU"
+    assert parse_cispo(cispo_tail(c["args"])).pool == "prefork"
+    for path, other, _ in manifests():
+        if other["kind"] in ("Deployment", "Job") and component_of(other) != "worker":
+            for oc in containers(other):
+                assert "nvidia.com/gpu" not in str(oc.get("resources")), f"{path.name} asks for a GPU"
+
+
+def _hook(doc: dict) -> tuple[set[str], int, set[str]]:
+    ann = doc["metadata"].get("annotations") or {}
+    events = {e.strip() for e in str(ann.get("helm.sh/hook", "")).split(",") if e.strip()}
+    weight = int(ann.get("helm.sh/hook-weight", "0"))
+    policies = {p.strip() for p in str(ann.get("helm.sh/hook-delete-policy", "")).split(",") if p.strip()}
+    return events, weight, policies
+
+
+def test_migration_job_is_a_pre_install_pre_upgrade_hook():
+    _, job, table = one("Job", "migrations")
+    events, weight, policies = _hook(job)
+    assert {"pre-install", "pre-upgrade"} <= events, f"hook events {events}"
+    assert "before-hook-creation" in policies, f"hook delete policy {policies}"
+    assert job["spec"]["template"]["spec"]["restartPolicy"] in ("Never", "OnFailure")
+    for path, doc, _ in manifests():
+        if doc["kind"] in ("Deployment", "Job", "Service") and (doc["kind"], component_of(doc)) != ("Job", "migrations"):
+            assert not _hook(doc)[0], f"{path.name}: only the migrations run as a hook"
+
+
+def test_migration_job_can_read_its_settings_before_the_release_exists():
+    """Pre-install hooks run before the chart's ordinary objects: what the Job reads must be a hook too."""
+    _, job, jtable = one("Job", "migrations")
+    _, jweight, _ = _hook(job)
+    (c,) = containers(job)
+    hook_secrets = {}
+    ordinary = set()
+    for path, doc, table in manifests():
+        if doc["kind"] in ("Secret", "ConfigMap"):
+            names = tuple(expressions(doc["metadata"]["name"], table))
+            events, weight, _ = _hook(doc)
+            if {"pre-install", "pre-upgrade"} <= events:
+                hook_secrets[names] = weight
+            else:
+                ordinary.add(names)
+    env_names = {e["name"] for e in c.get("env") or []}
+    for source in c.get("envFrom") or []:
+        ref = source.get("secretRef") or source.get("configMapRef")
+        names = tuple(expressions(ref["name"], jtable))
+        assert names not in ordinary, f"the migration Job reads {names}, which does not exist yet at pre-install"
+        assert names in hook_secrets, f"the migration Job reads {names}, which is no pre-install/pre-upgrade hook"
+        assert hook_secrets[names] < jweight, "the Job's Secret must be created before the Job (lower hook weight)"
+    assert "configMapRef" not in str(c.get("envFrom")), "the ConfigMap does not exist at pre-install"
+    # The non-secret settings come as plain env, rendered from the ConfigMap's own helper.
+    job_text = _COMMENT.sub("", (TEMPLATES / "migrations-job.yaml").read_text())
+    assert re.search(r'\benv:\s*\n\s*\{\{-?\s*include\s+"cispo\.configEnv"', job_text) or env_names, (
+        "the Job gets no CISPO_* settings"
+    )
+    assert 'include "cispo.config"' in define_body("cispo.configEnv")
+    assert 'include "cispo.config"' in (TEMPLATES / "configmap.yaml").read_text()
+    secret_helper = define_body("cispo.migrationsSecretName")
+    assert ".Values.secrets.existingSecret" in secret_helper
+
+
+def test_configmap_and_secret_keys_are_settings():
+    config_keys = re.findall(r"^([A-Z][A-Z0-9_]*):", define_body("cispo.config"), re.M)
+    secret_keys = re.findall(r"^([A-Z][A-Z0-9_]*):", define_body("cispo.secretData"), re.M)
+    assert config_keys and secret_keys
+    unknown = [k for k in config_keys + secret_keys if not is_known_env(k)]
+    assert not unknown, f"keys no setting reads: {unknown}"
+    assert set(CONNECTION_VARS) <= set(secret_keys), "the Secret lacks a connection URL"
+    assert not set(CONNECTION_VARS) & set(config_keys), "connection URLs (with passwords) belong in the Secret"
+    assert "CISPO_HOME" in config_keys
+    # values the templates set directly
+    for path, doc, _ in manifests():
+        if doc["kind"] in ("Deployment", "Job"):
+            for c in containers(doc):
+                for e in c.get("env") or []:
+                    assert is_known_env(e["name"]), f"{path.name}: env {e['name']} is no setting"
+
+
+def test_app_pods_read_the_configmap_and_the_secret():
+    configmaps = {tuple(expressions(d["metadata"]["name"], t)) for _, d, t in find("ConfigMap")}
+    for component in ("api", "worker"):
+        _, doc, table = one("Deployment", component)
+        (c,) = containers(doc)
+        refs = c.get("envFrom") or []
+        cm = [tuple(expressions(r["configMapRef"]["name"], table)) for r in refs if "configMapRef" in r]
+        sec = [include_names(r["secretRef"]["name"], table) for r in refs if "secretRef" in r]
+        assert cm and all(n in configmaps for n in cm), f"{component} does not read the chart's ConfigMap"
+        assert sec == [["cispo.secretName"]], f"{component} reads secrets {sec}"
+    body = define_body("cispo.secretName")
+    assert ".Values.secrets.existingSecret" in body
+    secret_names = [expressions(d["metadata"]["name"], t) for _, d, t in find("Secret") if not _hook(d)[0]]
+    assert secret_names and all(any(e.replace(" ", "") in body.replace(" ", "") for e in n) for n in secret_names), (
+        "cispo.secretName does not name the chart's Secret"
+    )
+
+
+def test_home_is_writable_under_a_read_only_root():
+    values = chart_values()
+    for path, doc, _ in manifests():
+        if doc["kind"] not in ("Deployment", "Job"):
+            continue
+        volumes = {v["name"] for v in doc["spec"]["template"]["spec"].get("volumes", [])}
+        for c in containers(doc):
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            assert values["config"]["home"] in mounts, f"{path.name}: CISPO_HOME is not a volume"
+            assert "/tmp" in mounts, f"{path.name}: no writable /tmp"
+            assert set(mounts.values()) <= volumes, f"{path.name}: mounts a volume it does not define"
+    assert values["containerSecurityContext"]["readOnlyRootFilesystem"] is True
+    assert values["podSecurityContext"]["runAsNonRoot"] is True
+
+
+def test_dockerfile_user_matches_the_chart():
+    stages = dockerfile_stages()
+    uid = chart_values()["podSecurityContext"]["runAsUser"]
+    for target in ("api", "worker"):
+        user = [rest for instr, rest in stage_chain(stages, target) if instr == "USER"][-1].split(":")[0]
+        assert user == str(uid), f"{target} runs as {user}, the chart as {uid}"
+    env = " ".join(rest for instr, rest in stage_chain(stages, "api") if instr == "ENV")
+    assert f"CISPO_HOME={chart_values()['config']['home']}" in env
