@@ -1,0 +1,95 @@
+# syntax=docker/dockerfile:1
+#
+# Two images from one file:
+#
+#   docker build --target api    -t cispo-api .     # HTTP API + `cispo db upgrade`; no torch
+#   docker build --target worker -t cispo-worker .  # Celery GPU worker: torch + CUDA
+#
+# Both keep the repository layout under /app and install it editable, because
+# service/db/migrate.py finds the migrations at <repo>/migrations.
+#
+# CUDA: the worker gets its CUDA runtime (cudart, cuBLAS, cuDNN, NCCL) from the
+# torch wheels, which depend on the nvidia-* wheels; only the host's NVIDIA
+# driver is needed, and the NVIDIA container toolkit mounts it (compose's GPU
+# reservation, Kubernetes' nvidia.com/gpu). The default PyPI torch wheel for
+# linux/x86_64 is a CUDA build; pass --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# (or another cuXXX index) to pick a CUDA version. Both targets share one
+# Python 3.11 base, the version the project is tested with.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS base
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    CISPO_HOME=/var/lib/cispo \
+    HF_HOME=/var/lib/cispo/huggingface
+
+# tini: PID 1 that forwards SIGTERM (graceful Celery shutdown) and reaps the
+# processes reward code leaves behind. (psycopg[binary] brings its own libpq.)
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends tini ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && python -m venv /opt/venv \
+ && groupadd --system --gid 10001 cispo \
+ && useradd --system --uid 10001 --gid cispo --home-dir /var/lib/cispo --shell /usr/sbin/nologin cispo \
+ && mkdir -p /var/lib/cispo \
+ && chown cispo:cispo /var/lib/cispo
+
+WORKDIR /app
+
+# ---------------------------------------------------------------------------
+# The API: `pip install .` dependencies only (no [worker] extra, so no torch).
+FROM base AS api
+
+# Dependencies first, from pyproject.toml alone, so a source change does not
+# reinstall them: install the project once with empty packages, then drop it.
+COPY pyproject.toml README.md ./
+RUN mkdir -p service worker \
+ && touch service/__init__.py worker/__init__.py \
+ && pip install . \
+ && pip uninstall -y cispo-service \
+ && rm -rf service worker build ./*.egg-info
+
+# The whole tree (see .dockerignore): service/, worker/, migrations/ side by side.
+COPY . .
+# Import what a deployment uses, so an image with a missing dependency fails here, not at run time.
+RUN pip install --no-deps -e . \
+ && python -c "import uvicorn, psycopg, redis, service.api.app, service.queue, worker.cli; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS"
+
+USER 10001:10001
+EXPOSE 8000
+ENTRYPOINT ["/usr/bin/tini", "--"]
+CMD ["cispo", "api", "--host", "0.0.0.0", "--port", "8000"]
+
+# ---------------------------------------------------------------------------
+# The GPU worker: the [worker] extra (torch, transformers, peft, ...).
+FROM base AS worker
+
+ARG TORCH_INDEX_URL=""
+
+ENV NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+COPY pyproject.toml README.md ./
+RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "torch>=2.4,<3"; fi \
+ && mkdir -p service worker \
+ && touch service/__init__.py worker/__init__.py \
+ && pip install ".[worker]" \
+ && pip uninstall -y cispo-service \
+ && rm -rf service worker build ./*.egg-info
+
+# The whole tree (see .dockerignore): service/, worker/, migrations/ side by side.
+COPY . .
+# Import what a deployment uses, so an image with a missing dependency fails here, not at run time.
+RUN pip install --no-deps -e . \
+ && python -c "import torch, transformers, peft, psycopg, redis, worker.cli, worker.job_runner; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS"
+
+USER 10001:10001
+ENTRYPOINT ["/usr/bin/tini", "--"]
+CMD ["cispo", "worker", "--pool", "prefork"]

@@ -1,0 +1,110 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "cispo.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-qualified name. */}}
+{{- define "cispo.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Name of one component's objects: (dict "ctx" $ "component" "api"). */}}
+{{- define "cispo.componentName" -}}
+{{- $base := include "cispo.fullname" .ctx | trunc (int (sub 62 (len .component))) | trimSuffix "-" }}
+{{- printf "%s-%s" $base .component }}
+{{- end }}
+
+{{- define "cispo.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels every object carries. */}}
+{{- define "cispo.labels" -}}
+helm.sh/chart: {{ include "cispo.chart" . }}
+{{ include "cispo.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector labels; each workload adds app.kubernetes.io/component. */}}
+{{- define "cispo.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "cispo.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* repository:tag of one component: (dict "image" .Values.api.image "ctx" $). */}}
+{{- define "cispo.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{/* The Secret the API and the workers read. */}}
+{{- define "cispo.secretName" -}}
+{{- if .Values.secrets.existingSecret }}
+{{- .Values.secrets.existingSecret }}
+{{- else }}
+{{- include "cispo.fullname" . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Secret the migration hook reads. The chart's own Secret is not created
+before pre-install hooks run, so the hook gets a copy of its own (a hook with a
+lower weight, deleted once the hooks succeed).
+*/}}
+{{- define "cispo.migrationsSecretName" -}}
+{{- if .Values.secrets.existingSecret }}
+{{- .Values.secrets.existingSecret }}
+{{- else }}
+{{- include "cispo.componentName" (dict "ctx" . "component" "migrations") }}
+{{- end }}
+{{- end }}
+
+{{/* Secret data (base64), shared by the Secret and the migration hook's copy. */}}
+{{- define "cispo.secretData" -}}
+DATABASE_URL: {{ required "set secrets.databaseUrl (or secrets.existingSecret)" .Values.secrets.databaseUrl | b64enc | quote }}
+BROKER_URL: {{ required "set secrets.brokerUrl (or secrets.existingSecret)" .Values.secrets.brokerUrl | b64enc | quote }}
+STORAGE_URL: {{ required "set secrets.storageUrl (or secrets.existingSecret)" .Values.secrets.storageUrl | b64enc | quote }}
+{{- with .Values.secrets.awsAccessKeyId }}
+AWS_ACCESS_KEY_ID: {{ . | b64enc | quote }}
+{{- end }}
+{{- with .Values.secrets.awsSecretAccessKey }}
+AWS_SECRET_ACCESS_KEY: {{ . | b64enc | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Non-secret settings (service/settings.py), shared by the ConfigMap and the migration hook. */}}
+{{- define "cispo.config" -}}
+CISPO_HOME: {{ .Values.config.home | quote }}
+CISPO_LEASE_TTL_S: {{ .Values.config.leaseTtlS | toString | quote }}
+CISPO_HEARTBEAT_S: {{ .Values.config.heartbeatS | toString | quote }}
+CISPO_MAX_UPLOAD_BYTES: {{ .Values.config.maxUploadBytes | int64 | toString | quote }}
+{{- range $key, $value := .Values.config.extraEnv }}
+{{ $key }}: {{ $value | toString | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The config as a container's env list (for the hook, which runs before the ConfigMap exists). */}}
+{{- define "cispo.configEnv" -}}
+{{- $env := list }}
+{{- range $key, $value := (include "cispo.config" . | fromYaml) }}
+{{- $env = append $env (dict "name" $key "value" (toString $value)) }}
+{{- end }}
+{{- toYaml $env }}
+{{- end }}
+
+{{/* Pod annotations that roll the pods when the config or the chart's Secret change. */}}
+{{- define "cispo.checksums" -}}
+checksum/config: {{ include "cispo.config" . | sha256sum }}
+{{- if not .Values.secrets.existingSecret }}
+checksum/secret: {{ include "cispo.secretData" . | sha256sum }}
+{{- end }}
+{{- end }}
