@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 DEMO   := runs/demo
 
-.PHONY: demo test install clean
+.PHONY: demo demo-local test install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The toy job through the service on the embedded default (SQLite, no broker or database server).
 demo: install
+	$(PY) -m worker.toy.demo --root $(DEMO)
+
+# The same job without the service, straight through the trainer.
+demo-local: install
 	$(PY) -m worker.toy $(DEMO)
 	$(VENV)/bin/cispo train $(DEMO)/spec.yaml --no-resume
 
