@@ -26,6 +26,7 @@ from service.db.models import File, new_id
 from service.errors import Conflict, InvalidRequest, NotFound
 from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
+from service.schemas.dataset import row_problem
 from service.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -51,23 +52,7 @@ def row_error(line: bytes) -> str | None:
         return "not valid UTF-8"
     except json.JSONDecodeError as e:
         return f"invalid JSON ({e.msg} at column {e.colno})"
-    if not isinstance(row, dict):
-        return f"a row must be a JSON object, got {type(row).__name__}"
-    if "prompt" not in row:
-        return "missing 'prompt' (a string or a list of chat messages)"
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        return None if prompt else "'prompt' is an empty string"
-    if isinstance(prompt, list):
-        if not prompt:
-            return "'prompt' is an empty list of messages"
-        for i, m in enumerate(prompt):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m.get("role"):
-                return f"'prompt'[{i}] needs a non-empty string 'role'"
-            if not isinstance(m.get("content"), str):
-                return f"'prompt'[{i}] needs a string 'content'"
-        return None
-    return f"'prompt' must be a string or a list of chat messages, got {type(prompt).__name__}"
+    return row_problem(row)
 
 
 def scan_jsonl(src: BinaryIO, copy_to: Path) -> Scan:

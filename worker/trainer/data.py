@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from service.schemas.dataset import row_problem
 from service.schemas.job_spec import DataSpec
 
 
@@ -27,17 +28,9 @@ def read_rows(path: str | Path) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{line_no}: a row must be a JSON object")
-            prompt = row.get("prompt")
-            if isinstance(prompt, str):
-                if not prompt:
-                    raise DataError(f"{path}:{line_no}: 'prompt' is empty")
-            elif isinstance(prompt, list):
-                if not prompt or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt):
-                    raise DataError(f"{path}:{line_no}: 'prompt' messages need 'role' and 'content'")
-            else:
-                raise DataError(f"{path}:{line_no}: 'prompt' must be a string or a list of chat messages")
+            problem = row_problem(row)
+            if problem:
+                raise DataError(f"{path}:{line_no}: {problem}")
             rows.append(row)
     if not rows:
         raise DataError(f"{path}: no rows")
