@@ -292,3 +292,8 @@ def requeue_expired(session: Session) -> list[str]:
             add_event(session, job_id, "The worker stopped responding; the job is queued again", level="warn")
             requeued.append(job_id)
     return requeued
+
+
+def queued_before(session: Session, created_before: int) -> list[str]:
+    """Queued jobs older than a moment: candidates for a lost broker message."""
+    return list(session.scalars(select(Job.id).where(Job.status == "queued", Job.created_at < created_before)))

@@ -178,3 +178,16 @@ def test_reconciler_requeues_a_job_whose_worker_died(database_url, toy_dir, tmp_
     assert reconciler.reconcile_once(settings) == []  # nothing twice
     assert run_job(job_id, settings) == "succeeded"
     assert job_row(settings, job_id).attempts == 2
+
+
+def test_reconciler_resends_a_job_whose_message_was_lost(database_url, toy_dir, tmp_path, monkeypatch):
+    from worker import reconciler
+
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=1)
+    sent = []
+    monkeypatch.setattr(reconciler, "enqueue_job", sent.append)
+    memory: dict[str, float] = {}
+    assert reconciler.reconcile_once(settings, resend_after_s=3600, sent=memory) == []  # too young to worry
+    assert reconciler.reconcile_once(settings, resend_after_s=-1, sent=memory) == [job_id]
+    assert sent == [job_id]
