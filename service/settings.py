@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(15.0, gt=0)
     max_attempts: int = Field(3, ge=1)
     work_dir: Path | None = Field(None, description="Worker scratch space (default HOME/work).")
+    egress_allow: str = Field(
+        "", description="Comma-separated hosts, IPs or CIDRs that remote rewards and environments may reach "
+        "even though they are not public addresses (e.g. an in-cluster grader)."
+    )
 
     @field_validator("database_url")
     @classmethod

@@ -1,0 +1,99 @@
+"""Remote reward/environment URLs cannot reach loopback, private or link-local addresses unless allow-listed."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from service.egress import EgressPolicy, EgressRefused, check_url, post_json
+
+
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1:6379/", "https://127.0.0.1:5432/", "https://localhost/x", "https://10.1.2.3/",
+    "https://192.168.0.10/", "https://172.16.5.5/", "https://169.254.169.254/latest/meta-data/",
+    "https://[::1]/", "https://[fd00::1]/", "https://[::ffff:127.0.0.1]/", "https://0.0.0.0/",
+    "https://100.64.0.1/",
+])
+def test_non_public_addresses_are_refused(url):
+    with pytest.raises(EgressRefused, match="non-public"):
+        check_url(url, EgressPolicy())
+
+
+@pytest.mark.parametrize("url,reason", [
+    ("ftp://8.8.8.8/x", "only http"), ("http://8.8.8.8/x", "https is required"),
+    ("https://user:pw@8.8.8.8/", "credentials"), ("https:///nohost", "no host"),
+])
+def test_other_unsafe_urls_are_refused(url, reason):
+    with pytest.raises(EgressRefused, match=reason):
+        check_url(url, EgressPolicy())
+
+
+def test_public_https_is_pinned_to_the_checked_address():
+    target = check_url("https://8.8.8.8/score?x=1", EgressPolicy())
+    assert target.pinned_url == "https://8.8.8.8:443/score?x=1" and target.host == "8.8.8.8"
+
+
+def test_operators_can_allow_list_hosts_and_networks():
+    assert check_url("http://127.0.0.1:9/x", EgressPolicy.from_setting("127.0.0.0/8")).host == "127.0.0.1"
+    assert check_url("http://localhost:9/x", EgressPolicy.from_setting("localhost, 10.0.0.0/8"))
+    with pytest.raises(EgressRefused):
+        check_url("http://127.0.0.1:9/x", EgressPolicy.from_setting("10.0.0.0/8"))
+
+
+class _Handler(BaseHTTPRequestHandler):
+    mode = "echo"
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.server.mode == "slow":
+            time.sleep(2)
+        if self.server.mode == "redirect":
+            self.send_response(302)
+            self.send_header("Location", "http://127.0.0.1:1/")
+            self.end_headers()
+            return
+        payload = {"echo": json.loads(body), "auth": self.headers.get("Authorization")}
+        data = {"echo": json.dumps(payload).encode(), "garbage": b"<html>not json", "huge": b"[" + b"1," * 100000 + b"1]",
+                "slow": b"{}"}[self.server.mode]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+
+
+def _call(server, mode, **policy):
+    server.mode = mode
+    pol = EgressPolicy.from_setting("127.0.0.1", **policy)
+    return post_json(check_url(f"http://127.0.0.1:{server.server_port}/score", pol), {"a": 1}, pol,
+                     headers={"Authorization": "Bearer s3cret"})
+
+
+def test_post_json_round_trip_with_auth_header(server):
+    assert _call(server, "echo") == {"echo": {"a": 1}, "auth": "Bearer s3cret"}
+
+
+def test_timeouts_garbage_size_and_redirects(server):
+    with pytest.raises(httpx.TimeoutException):
+        _call(server, "slow", read_timeout_s=0.3)
+    with pytest.raises(ValueError, match="not JSON"):
+        _call(server, "garbage")
+    with pytest.raises(EgressRefused, match="larger than"):
+        _call(server, "huge", max_response_bytes=1000)
+    with pytest.raises(httpx.HTTPStatusError, match="302"):
+        _call(server, "redirect")
