@@ -94,6 +94,31 @@ class RewardFunction(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
 
+class Environment(Base):
+    """A registered multi-turn environment (a sandboxed Python class or a remote HTTP one)."""
+
+    __tablename__ = "environment"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("env-"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    spec: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class Secret(Base):
+    """A value (e.g. a remote grader's auth header) that jobs may use and the API never returns."""
+
+    __tablename__ = "secret"
+    __table_args__ = (UniqueConstraint("project_id", "name"),)
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("secret-"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    value: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
 class Job(Base):
     __tablename__ = "job"
     __table_args__ = (UniqueConstraint("project_id", "idempotency_key"),)
@@ -105,6 +130,7 @@ class Job(Base):
     training_file: Mapped[str] = mapped_column(String(40))
     validation_file: Mapped[str | None] = mapped_column(String(40))
     reward_function_id: Mapped[str | None] = mapped_column(String(40), index=True)
+    environment_id: Mapped[str | None] = mapped_column(String(40), index=True)
     spec: Mapped[dict] = mapped_column(JSON)  # the resolved JobSpec the worker runs
     method: Mapped[dict] = mapped_column(JSON)  # the request's method, echoed back
     seed: Mapped[int] = mapped_column(BigInteger)
