@@ -77,6 +77,9 @@ def seed_everything(seed: int) -> None:
 
 def _resume_mismatch(saved: dict, spec: JobSpec) -> list[str]:
     now = spec.model_dump(mode="json")
+    # Dataset files may live at another path on another worker; what they hold is the job's.
+    now["data"] = {**now["data"], "train_file": None, "validation_file": None}
+    saved = {**saved, "data": {**saved.get("data", {}), "train_file": None, "validation_file": None}}
     diffs = [k for k in now if k != "training" and now[k] != saved.get(k)]
     diffs += [
         f"training.{k}"
