@@ -1,4 +1,4 @@
-"""token_logprobs (chunked, checkpointed) against the naive full log-softmax."""
+"""token_logprobs (chunked: fused for linear heads, checkpointed otherwise) against the naive full log-softmax."""
 
 from __future__ import annotations
 
@@ -90,3 +90,20 @@ def test_low_precision_head_scored_in_float32():
     assert logp.dtype == entropy.dtype == torch.float32
     torch.testing.assert_close(logp, ref_logp, **TOL)
     torch.testing.assert_close(entropy, ref_entropy.detach(), **TOL)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+def test_any_head_module_goes_through_the_checkpointed_path(chunk_size):
+    """A head that is not a plain Linear (e.g. one with its own adapter) gets the same values and gradients."""
+    head, hidden, targets = _setup(3)
+    wrapped = torch.nn.Sequential(head)  # not `type(head) is Linear`: takes the checkpointed path
+    logp, entropy = token_logprobs(wrapped, hidden, targets, temperature=0.8, chunk_size=chunk_size)
+    (logp * torch.arange(B * T).view(B, T)).sum().backward()
+    got_h, got_w = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    want, want_entropy = _naive(head, hidden, targets, 0.8)
+    (want * torch.arange(B * T).view(B, T)).sum().backward()
+    torch.testing.assert_close(logp, want, **TOL)
+    torch.testing.assert_close(entropy, want_entropy, **TOL)
+    torch.testing.assert_close(got_h, hidden.grad, **TOL)
+    torch.testing.assert_close(got_w, head.weight.grad, **TOL)

@@ -1,9 +1,14 @@
 """Log-probabilities of the taken tokens without a full float32 [B, T, V] logits tensor.
 
-The LM head is applied chunk by chunk over token rows; each chunk's logits
-live in float32 only inside the chunk, and under autograd the chunk is
-recomputed in backward (activation checkpointing), so peak extra memory is
-one chunk of logits instead of the whole batch.
+The LM head is applied chunk by chunk over token rows, so float32 logits
+exist for one chunk at a time, in the forward pass and again in backward.
+
+For a plain linear head (the usual case: LoRA leaves the LM head alone) a
+custom autograd function does this with the closed-form gradient
+d logp / d logits = onehot(target) - softmax(logits): backward recomputes
+each chunk's logits once and nothing of size V is saved between the passes.
+Any other head (say, one with its own adapter) goes through activation
+checkpointing per chunk, which is slower but equally frugal.
 """
 
 from __future__ import annotations
@@ -15,10 +20,60 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk(head: Callable[[Tensor], Tensor], hidden_NH: Tensor, targets_N: Tensor, temperature: float):
-    logits_NV = head(hidden_NH).float()
-    if temperature != 1.0:
-        logits_NV = logits_NV / temperature
+def _chunk_stats(logits_NV: Tensor, targets_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp of the targets, log-partition, entropy) of float32 logits already divided by temperature."""
+    log_z_N = torch.logsumexp(logits_NV, dim=-1)
+    logp_N = logits_NV.gather(-1, targets_N[:, None]).squeeze(-1) - log_z_N
+    probs_NV = torch.softmax(logits_NV, dim=-1)
+    entropy_N = log_z_N - (probs_NV * logits_NV).sum(-1)
+    return logp_N, log_z_N, entropy_N
+
+
+class _LinearHeadLogprobs(torch.autograd.Function):
+    """Chunked log_softmax(h @ W^T + b)[target] with its exact gradient and no saved logits."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, temperature: float, chunk_size: int):
+        logps, entropies = [], []
+        for s in range(0, hidden_NH.shape[0], chunk_size):
+            logits = torch.nn.functional.linear(hidden_NH[s : s + chunk_size], weight_VH, bias_V).float() / temperature
+            logp, _, entropy = _chunk_stats(logits, targets_N[s : s + chunk_size])
+            logps.append(logp)
+            entropies.append(entropy)
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        entropy_N = torch.cat(entropies)
+        ctx.mark_non_differentiable(entropy_N)
+        return torch.cat(logps), entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_logp_N, _grad_entropy):
+        hidden_NH, weight_VH, bias_V, targets_N = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden_NH) if need_h else None
+        grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias_V, dtype=torch.float32) if need_b and bias_V is not None else None
+        for s in range(0, hidden_NH.shape[0], ctx.chunk_size):
+            h = hidden_NH[s : s + ctx.chunk_size]
+            logits = torch.nn.functional.linear(h, weight_VH, bias_V).float() / ctx.temperature
+            # d logp / d logits = onehot - softmax, scaled by the incoming gradient and 1/T
+            g_NV = -torch.softmax(logits, dim=-1)
+            g_NV.scatter_add_(-1, targets_N[s : s + ctx.chunk_size, None],
+                              torch.ones_like(g_NV[:, :1]))
+            g_NV *= grad_logp_N[s : s + ctx.chunk_size, None].float() / ctx.temperature
+            if need_h:
+                grad_h[s : s + ctx.chunk_size] = (g_NV.to(weight_VH.dtype) @ weight_VH).to(hidden_NH.dtype)
+            if need_w:
+                grad_w += g_NV.T @ h.float()
+            if grad_b is not None:
+                grad_b += g_NV.sum(0)
+        grad_w = grad_w.to(weight_VH.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias_V.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def _checkpointed_chunk(head: Callable[[Tensor], Tensor], hidden_NH: Tensor, targets_N: Tensor, temperature: float):
+    logits_NV = head(hidden_NH).float() / temperature
     log_z_N = torch.logsumexp(logits_NV, dim=-1)
     logp_N = logits_NV.gather(-1, targets_N[:, None]).squeeze(-1) - log_z_N
     with torch.no_grad():  # entropy is a metric only
@@ -42,14 +97,18 @@ def token_logprobs(
     B, T, H = hidden_BTH.shape
     hidden_NH = hidden_BTH.reshape(B * T, H)
     targets_N = targets_BT.reshape(B * T)
+    if type(head) is torch.nn.Linear:
+        logp_N, entropy_N = _LinearHeadLogprobs.apply(hidden_NH, head.weight, head.bias, targets_N, temperature,
+                                                      chunk_size)
+        return logp_N.view(B, T), entropy_N.view(B, T).detach()
     use_checkpoint = torch.is_grad_enabled() and hidden_NH.requires_grad
     logps, entropies = [], []
     for start in range(0, B * T, chunk_size):
         h, t = hidden_NH[start : start + chunk_size], targets_N[start : start + chunk_size]
         if use_checkpoint:
-            logp, ent = checkpoint(_chunk, head, h, t, temperature, use_reentrant=False)
+            logp, ent = checkpoint(_checkpointed_chunk, head, h, t, temperature, use_reentrant=False)
         else:
-            logp, ent = _chunk(head, h, t, temperature)
+            logp, ent = _checkpointed_chunk(head, h, t, temperature)
         logps.append(logp)
         entropies.append(ent)
     return torch.cat(logps).view(B, T), torch.cat(entropies).view(B, T).detach()
