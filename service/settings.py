@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -32,10 +33,17 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(15.0, gt=0)
     max_attempts: int = Field(3, ge=1)
     work_dir: Path | None = Field(None, description="Worker scratch space (default HOME/work).")
+    sandbox: Literal["auto", "namespaces", "off"] = Field("auto", description="User code: 'off' refuses it.")
+    sandbox_uid: int = Field(65534, ge=1, description="The unprivileged uid sandboxed user code runs as.")
     egress_allow: str = Field(
         "", description="Comma-separated hosts, IPs or CIDRs that remote rewards and environments may reach "
         "even though they are not public addresses (e.g. an in-cluster grader)."
     )
+    judge_base_url: str = Field(
+        "", description="OpenAI-compatible base URL (…/v1) that score_model graders call, e.g. an in-cluster "
+        "vLLM server; empty: such graders must name their own base_url."
+    )
+    judge_api_key: str = Field("", description="Bearer key for judge_base_url; never shown by the API.")
 
     @field_validator("database_url")
     @classmethod

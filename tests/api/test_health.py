@@ -9,6 +9,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
+from service.sandbox_probe import probe
 from tests.api.conftest import make_settings
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -23,7 +24,16 @@ def test_readyz_checks_database_broker_and_store(database_url, tmp_path):
     app = create_app(make_settings(database_url, tmp_path, BROKER_URL=REDIS_URL), enqueue=lambda _: None)
     r = TestClient(app).get("/readyz")
     assert r.status_code == 200, r.text
-    assert r.json() == {"status": "ready", "checks": {"database": "ok", "broker": "ok", "object_store": "ok"}}
+    assert r.json() == {"status": "ready", "checks": {"database": "ok", "broker": "ok", "object_store": "ok",
+                                                      "sandbox": probe().level}}
+
+
+def test_readyz_reports_the_sandbox_without_failing_on_it(database_url, tmp_path):
+    app = create_app(make_settings(database_url, tmp_path, BROKER_URL=REDIS_URL, sandbox="off"),
+                     enqueue=lambda _: None)
+    r = TestClient(app).get("/readyz")
+    assert r.status_code == 200, r.text
+    assert r.json()["checks"]["sandbox"] == "none"  # user code refused; the API is still ready
 
 
 def test_readyz_is_503_naming_what_failed(database_url, tmp_path):
@@ -33,7 +43,7 @@ def test_readyz_is_503_naming_what_failed(database_url, tmp_path):
     r = TestClient(app).get("/readyz")
     assert r.status_code == 503
     assert r.json() == {"status": "not_ready", "checks": {"database": "ok", "broker": "failed",
-                                                          "object_store": "failed"}}
+                                                          "object_store": "failed", "sandbox": probe().level}}
 
 
 def test_importing_the_api_loads_neither_torch_nor_the_worker():

@@ -1,4 +1,7 @@
-"""User Python rewards in the sandbox child: scoring, failures, timeouts, isolation, cleanup."""
+"""User Python rewards in the sandbox child: scoring, failures, timeouts, isolation, cleanup.
+
+The containment itself (network, files, fork bombs, ...) is tests/worker/test_sandbox_containment.py.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from worker.rewards.sandbox import PythonRewardProcess, RewardLoadError
+from worker.rewards.sandbox import PythonRewardPool, PythonRewardProcess, RewardLoadError
+from worker.sandbox import sandbox_level
+
+pytestmark = pytest.mark.skipif(sandbox_level() != "namespaces",
+                                reason="this host cannot sandbox user code (sandbox_level() is 'none')")
 
 ROWS = [{"answer": "a"}, {"answer": "b"}, {"answer": "c"}]
 
@@ -197,6 +204,11 @@ def reward(completion, **row):
         assert proc.score(["db", "aws", "allow-list"], [{}] * 3).scores == [0.0, 0.0, 1.0]
 
 
+def _host_pid(proc: PythonRewardProcess, ns_pid: int) -> int:
+    """The host pid of the sandbox process that sees itself as ns_pid (pids user code reports are these)."""
+    return {inner: host for host, inner in proc.sandbox.members().items()}[ns_pid]
+
+
 def test_cwd_is_a_private_temp_dir_removed_after_close():
     source = """
 import os
@@ -216,7 +228,9 @@ def reward(completion, **row):
         workdir = proc.workdir
         assert workdir.is_dir() and (workdir / "sub" / "deeper" / "out.txt").is_file()
         assert stat.S_IMODE(workdir.stat().st_mode) == 0o700
-        assert Path(os.readlink(f"/proc/{proc.pid}/cwd")) == workdir
+        assert workdir.stat().st_uid == 65534  # the sandbox uid owns it
+        child = _host_pid(proc, 2)  # the reward child; pid 1 is the sandbox's init
+        assert Path(os.readlink(f"/proc/{child}/cwd")) == workdir
         assert workdir != Path.cwd()
     finally:
         proc.close()
@@ -260,31 +274,28 @@ def test_double_forked_daemon_does_not_survive_close():
     proc = PythonRewardProcess(_DAEMON)
     try:
         result = proc.score(["daemon"], [{}])
-        daemon, child = int(result.scores[0]), proc.pid
-        assert daemon not in (os.getpid(), child)
+        daemon, holder = _host_pid(proc, int(result.scores[0])), proc.pid
+        assert daemon not in (os.getpid(), holder)
         os.kill(daemon, 0)  # alive while the job runs
-        assert os.getpgid(daemon) == child  # still in the child's process group
     finally:
         proc.close()
-    assert _gone(child)
+    assert _gone(holder)
     assert _gone(daemon)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: setsid() leaves the process group; a pid namespace closes it")
 def test_setsid_daemon_does_not_survive_close():
+    """setsid() leaves the process group, not the pid namespace: killing its init kills the daemon."""
     proc = PythonRewardProcess(_DAEMON)
     daemon = None
     try:
-        daemon = int(proc.score(["setsid"], [{}]).scores[0])
+        daemon = _host_pid(proc, int(proc.score(["setsid"], [{}]).scores[0]))
+        assert os.getsid(daemon) != os.getsid(proc.pid)  # it did leave the session
         proc.close()
         assert _gone(daemon, wait_s=1.0)
     finally:
         proc.close()
-        if daemon:
-            try:
-                os.kill(daemon, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if daemon and not _gone(daemon, wait_s=0):
+            os.kill(daemon, signal.SIGKILL)
 
 
 def test_source_that_fails_to_load_raises():
@@ -322,3 +333,25 @@ def test_trainer_scorer_maps_failures_to_the_failure_score():
     scores = builtin.score(["is 4", "is 5", "is 4"], [{"answer": 4}, {"answer": 4}, {}], failure_score=-1.0)
     assert scores.rewards.tolist() == [1.0, 0.0, -1.0]
     assert len(scores.errors) == 1 and scores.errors[0].startswith("KeyError")
+
+
+def test_pool_splits_a_batch_in_order_and_fails_only_the_broken_chunk():
+    source = """
+import os
+def reward(completion, **row):
+    if completion == "crash":
+        os._exit(3)
+    return float(completion)
+"""
+    with PythonRewardPool(source, processes=3) as pool:
+        first = pool.score([str(i) for i in range(10)], [{}] * 10)
+        assert first.scores == [float(i) for i in range(10)] and first.errors == [None] * 10
+        holders = {child.pid for child in pool.children}
+        assert len(holders) == 3 and None not in holders  # three sandboxes
+
+        mixed = pool.score(["1", "2", "3", "4", "crash", "6", "7", "8", "9"], [{}] * 9)  # chunks of 3
+        assert mixed.scores == [1.0, 2.0, 3.0, None, None, None, 7.0, 8.0, 9.0]
+        assert mixed.errors[3:6] == ["reward process died (exit code 3)"] * 3
+        assert pool.score(["5"], [{}]).scores == [5.0]  # fewer rows than children
+        assert pool.score([], []).scores == []
+    assert all(child.pid is None for child in pool.children) and all(_gone(pid) for pid in holders)

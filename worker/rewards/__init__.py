@@ -5,6 +5,6 @@ built from these.
 """
 
 from worker.rewards.builtins import BUILTINS, builtin_reward
-from worker.rewards.sandbox import BatchResult, PythonRewardProcess, RewardLoadError
+from worker.rewards.sandbox import BatchResult, PythonRewardPool, PythonRewardProcess, RewardLoadError
 
-__all__ = ["BUILTINS", "BatchResult", "PythonRewardProcess", "RewardLoadError", "builtin_reward"]
+__all__ = ["BUILTINS", "BatchResult", "PythonRewardPool", "PythonRewardProcess", "RewardLoadError", "builtin_reward"]

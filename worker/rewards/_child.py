@@ -1,16 +1,17 @@
 """The reward child: runs one job's user reward function, one batch at a time.
 
-Started by worker/rewards/sandbox.py as ``python -I -S _child.py`` in its own
-session, with an allow-listed environment and a private working directory.
-Standard library only: it must not import torch or project code, and user
-code sees no site packages.
+Started by worker/rewards/sandbox.py as ``python -I -S -B -c <this source>``
+inside a sandbox (worker/sandbox.py), which has already set the rlimits,
+the unprivileged uid, the namespaces and the private working directory.
+Standard library only: it must not import torch or project code (they are
+not in its file system), and user code sees no site packages.
 
 Protocol, one JSON object per line on the original stdin/stdout, which are
 moved to private descriptors before any user code runs (fds 0-2 and
 sys.stdin/stdout/stderr then point at /dev/null, so user prints cannot
 corrupt it):
 
-  parent: {"source": str, "entry_point": str, "timeout_s": float, "limits": {name: int}}
+  parent: {"source": str, "entry_point": str, "timeout_s": float}
   child:  {"ok": true} | {"ok": false, "error": str}
   parent: {"completions": [str...], "rows": [{...}...], "cpu_s": float}
   child:  {"scores": [float|null...], "errors": [null|str...]}
@@ -31,27 +32,12 @@ import sys
 
 MAX_ERROR_CHARS = 500
 
-_LIMITS = {
-    "as": resource.RLIMIT_AS,
-    "fsize": resource.RLIMIT_FSIZE,
-    "nofile": resource.RLIMIT_NOFILE,
-    "core": resource.RLIMIT_CORE,
-}
-
-
 class SampleTimeout(BaseException):
     """Raised by the SIGALRM handler; a BaseException so `except Exception` in user code lets it through."""
 
 
 def _on_alarm(signum, frame):
     raise SampleTimeout
-
-
-def _set_limit(resource_id, value):
-    _, hard = resource.getrlimit(resource_id)
-    if hard != resource.RLIM_INFINITY:
-        value = min(value, hard)
-    resource.setrlimit(resource_id, (value, value))
 
 
 def _cpu_budget(seconds):
@@ -133,8 +119,6 @@ def main():
     proto_in, proto_out = _private_protocol()
     signal.signal(signal.SIGALRM, _on_alarm)
     init = json.loads(proto_in.readline())
-    for name, value in init.get("limits", {}).items():
-        _set_limit(_LIMITS[name], int(value))
     timeout = float(init["timeout_s"])
     _cpu_budget(timeout + 1)
 

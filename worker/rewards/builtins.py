@@ -10,9 +10,11 @@ from __future__ import annotations
 import functools
 import math
 import re
+import unicodedata
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from service.schemas.reward_checks import LengthReward
 from service.schemas.rewards import (
     BuiltinRewardSpec,
     ContainsReward,
@@ -55,9 +57,23 @@ def _normalise(text: str, *, case_sensitive: bool, strip: bool = False) -> str:
     return text if case_sensitive else text.casefold()
 
 
+_WHITESPACE = re.compile(r"\s+")
+
+
+def _without_punctuation(text: str) -> str:
+    return "".join(ch for ch in text if not unicodedata.category(ch).startswith("P"))
+
+
 def exact_match(completion: str, row: Mapping[str, Any], spec: ExactMatchReward) -> float:
     expected = str(_field(row, spec.field))
-    norm = functools.partial(_normalise, case_sensitive=spec.case_sensitive, strip=spec.strip)
+
+    def norm(text: str) -> str:
+        if spec.strip_punctuation:
+            text = _without_punctuation(text)
+        if spec.collapse_whitespace:
+            text = _WHITESPACE.sub(" ", text)
+        return _normalise(text, case_sensitive=spec.case_sensitive, strip=spec.strip)
+
     return 1.0 if norm(completion) == norm(expected) else 0.0
 
 
@@ -132,11 +148,28 @@ def numeric_match(completion: str, row: Mapping[str, Any], spec: NumericMatchRew
     return 1.0 if abs(got - expected) <= spec.tolerance else 0.0
 
 
+def length(completion: str, row: Mapping[str, Any], spec: LengthReward) -> float:
+    """See LengthReward for the formula."""
+    n = len(completion.split()) if spec.unit == "words" else len(completion)
+    over, under = n - spec.target, spec.target - n
+    if spec.penalize == "over":
+        distance = over
+    elif spec.penalize == "under":
+        distance = under
+    else:
+        distance = abs(over)
+    d = max(0, distance - spec.tolerance)
+    if spec.penalty == "linear":
+        return max(0.0, 1.0 - d / spec.scale)
+    return math.exp(-(d * d) / (2 * spec.scale * spec.scale))
+
+
 BUILTINS: dict[str, BuiltinFn] = {
     "exact_match": exact_match,
     "contains": contains,
     "regex": regex,
     "numeric_match": numeric_match,
+    "length": length,
 }
 
 

@@ -1,37 +1,32 @@
-"""User Python rewards, run in a separate, restricted child process.
+"""User Python rewards, run contained in a sandbox (worker/sandbox.py).
 
 ``PythonRewardProcess`` keeps ONE long-lived child per job (worker/rewards/_child.py,
 standard library only) and sends it batches over JSON lines. User code never
-runs in the API, Celery or trainer process.
+runs in the API, Celery or trainer process. ``PythonRewardPool`` splits each
+batch over several such children.
 
-What this version guarantees:
+The containment is worker/sandbox.py's: own pid, network, mount and IPC
+namespaces, an unprivileged uid, a new root with only the system, the
+interpreter and a private 0700 working directory (also HOME and TMPDIR, the
+only writable place, deleted when that child stops), an allow-listed
+environment, rlimits (address space 1 GiB, file size 16 MiB, 64 open files,
+64 processes, no core). Where the host cannot provide that, or
+CISPO_SANDBOX=off, constructing a PythonRewardProcess raises SandboxUnavailable:
+user code is refused, never run unconfined.
 
-- the child runs ``python -I -S`` (no site packages, no PYTHON* variables, no
-  script directory on sys.path) in its own session and process group;
-- its environment is an allow-list (PATH, LANG, PYTHONHASHSEED, HOME and
-  TMPDIR); nothing else of the trainer's environment (database URLs, cloud
-  keys) is passed on, and no other file descriptor is inherited;
-- its working directory, HOME and TMPDIR are a fresh private (0700) temporary
-  directory, deleted when that child is stopped;
-- before user code runs it sets RLIMIT_AS (1 GiB), RLIMIT_FSIZE (16 MiB),
-  RLIMIT_NOFILE (64), RLIMIT_CORE (0) and a per-batch RLIMIT_CPU budget, and
-  moves the protocol to private descriptors, so user output cannot corrupt it;
-- each sample has a cooperative timeout in the child (``timeout_s``), and each
-  batch a hard wall-clock deadline in the parent (``timeout_s`` per sample plus
-  slack, capped at ``max_batch_timeout_s``). On a missed deadline, a crash or
-  a malformed answer the whole process group is SIGKILLed and reaped, every
-  sample of the batch becomes an error, and the next batch starts a new child;
-- ``close()`` (and garbage collection, as a fallback) SIGKILLs the process
-  group and removes the directory. Processes the user code starts stay in the
-  group, double-forked daemons included, and die with it.
+On top of that, this module:
 
-Known gaps, for the hardening work: a process that calls setsid() (or
-setpgid()) leaves the group and survives close(); the filesystem outside the
-temporary directory and the network are reachable with the worker's uid and
-permissions; there is no limit on the number of processes (RLIMIT_NPROC counts
-per uid, so it needs its own uid or a pid namespace). A pid namespace (or a
-cgroup with cgroup.kill), its own uid, a mount namespace and an empty network
-namespace close these.
+- moves the protocol to private descriptors in the child before user code
+  runs (user output goes to /dev/null and cannot corrupt it), and caps the
+  answer's size;
+- gives each sample a cooperative timeout in the child (``timeout_s``) and
+  each batch a hard wall-clock deadline in the parent (``timeout_s`` per
+  sample plus slack, capped at ``max_batch_timeout_s``), with a matching soft
+  CPU budget in the child. On a missed deadline, a crash or a malformed answer
+  the sandbox is killed (every process in it, daemons included), every sample
+  of the batch becomes an error, and the next batch starts a new child;
+- ``close()`` (and garbage collection, as a fallback) kills the sandbox and
+  removes the directory.
 """
 
 from __future__ import annotations
@@ -41,19 +36,17 @@ import math
 import os
 import selectors
 import shutil
-import signal
 import stat
-import subprocess
-import sys
-import tempfile
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from worker.sandbox import Limits, SandboxProcess, exit_status, kill, new_workdir, python_argv, require_sandbox, spawn
+
 CHILD_SCRIPT = Path(__file__).with_name("_child.py")
-DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # plus RESPONSE_BYTES_PER_SAMPLE per sample
 RESPONSE_BYTES_PER_SAMPLE = 1024
 START_SLACK_S = 5.0  # interpreter start-up, on top of timeout_s for loading the source
@@ -75,33 +68,22 @@ class _Failed(Exception):
 
 
 class _Child:
-    """One running child: the process, its pipes and its private directory."""
+    """One running sandbox: the process, its pipes and its private directory."""
 
-    def __init__(self, workdir: Path, proc: subprocess.Popen):
-        self.workdir, self.proc = workdir, proc
+    def __init__(self, proc: SandboxProcess):
+        self.proc, self.workdir = proc, proc.workdir
         self.buffer = b""
         # Non-blocking, so a write to a full pipe or a read can never outlast the deadline.
         os.set_blocking(proc.stdin.fileno(), False)
         os.set_blocking(proc.stdout.fileno(), False)
 
     def stop(self) -> int | None:
-        """SIGKILL the whole process group, reap the child, remove the directory; returns its exit code."""
-        # Kill the group before reaping: until then the child's pid (the group id) cannot be reused.
+        """Kill everything in the sandbox, reap it, remove the directory; returns the child's exit status."""
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
-        try:
-            code = self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # stuck in the kernel; the group was SIGKILLed all the same
-            code = None
-        _remove_tree(self.workdir)
-        return code
+            kill(self.proc)
+        finally:
+            _remove_tree(self.workdir)
+        return exit_status(self.proc.returncode)
 
     def exchange(self, message: dict[str, Any], deadline: float, max_bytes: int) -> dict[str, Any]:
         """Send one line, read one line back, both before the deadline (time.monotonic())."""
@@ -168,16 +150,6 @@ def _remove_tree(root: Path) -> None:
         shutil.rmtree(top, ignore_errors=True)
 
 
-def _child_env(workdir: Path) -> dict[str, str]:
-    return {
-        "PATH": DEFAULT_PATH,
-        "LANG": "C.UTF-8",
-        "PYTHONHASHSEED": "0",
-        "HOME": str(workdir),
-        "TMPDIR": str(workdir),
-    }
-
-
 class _State:
     """What close() and the GC fallback need, kept off the PythonRewardProcess so a finalizer may hold it."""
 
@@ -197,10 +169,11 @@ class _State:
 class PythonRewardProcess:
     """Scores batches with a user's ``reward(completion, **row)`` in a sandboxed child process.
 
-    The child starts on the first ``score()`` and lives until ``close()``;
-    after a timeout, crash or malformed answer it is killed and the next
-    ``score()`` starts a new one. A source that fails to load raises
-    ``RewardLoadError`` from ``score()``.
+    Constructing it raises SandboxUnavailable where user code cannot be
+    contained (fail closed). The child starts on the first ``score()`` and
+    lives until ``close()``; after a timeout, crash or malformed answer it is
+    killed and the next ``score()`` starts a new one. A source that fails to
+    load raises ``RewardLoadError`` from ``score()``.
     """
 
     def __init__(
@@ -213,20 +186,29 @@ class PythonRewardProcess:
         memory_bytes: int = 1 << 30,
         file_size_bytes: int = 16 << 20,
         open_files: int = 64,
+        max_processes: int = 64,
     ):
         if not (timeout_s > 0 and max_batch_timeout_s > 0):
             raise ValueError("timeouts must be positive")
+        require_sandbox()
         self.source, self.entry_point = source, entry_point
         self.timeout_s, self.max_batch_timeout_s = float(timeout_s), float(max_batch_timeout_s)
-        self.limits = {"as": memory_bytes, "fsize": file_size_bytes, "nofile": open_files, "core": 0}
+        # No hard CPU limit: the child budgets CPU per batch (soft), the parent's deadline is the hard stop.
+        self.limits = Limits(cpu_s=None, address_space_bytes=memory_bytes, file_size_bytes=file_size_bytes,
+                             open_files=open_files, max_processes=max_processes)
         self._state = _State()
         self._finalizer = weakref.finalize(self, _State.close, self._state)
 
     # -- public ---------------------------------------------------------------
 
     @property
+    def sandbox(self) -> SandboxProcess | None:
+        """The running sandbox (its ``members()`` are the processes in it), or None."""
+        return self._state.child.proc if self._state.child else None
+
+    @property
     def pid(self) -> int | None:
-        """The running child's pid (also its process group id), or None."""
+        """The running sandbox's pid on this host (its holder process), or None."""
         return self._state.child.proc.pid if self._state.child else None
 
     @property
@@ -263,7 +245,7 @@ class PythonRewardProcess:
         return BatchResult([None] * n, [error] * n)
 
     def close(self) -> None:
-        """Kill the child's process group and remove its directory. Idempotent."""
+        """Kill the sandbox (every process in it) and remove its directory. Idempotent."""
         self._finalizer()
 
     def __enter__(self) -> PythonRewardProcess:
@@ -277,24 +259,14 @@ class PythonRewardProcess:
     def _ensure_started(self) -> _Child:
         if self._state.child is not None:
             return self._state.child
-        workdir = Path(tempfile.mkdtemp(prefix="cispo-reward-"))  # mode 0700
+        workdir = new_workdir("cispo-reward-")
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", str(CHILD_SCRIPT)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                cwd=workdir,
-                env=_child_env(workdir),
-                close_fds=True,
-                start_new_session=True,
-            )
+            proc = spawn(python_argv(CHILD_SCRIPT), workdir=workdir, limits=self.limits)
         except BaseException:
             _remove_tree(workdir)
             raise
-        child = self._state.child = _Child(workdir, proc)
-        init = {"source": self.source, "entry_point": self.entry_point, "timeout_s": self.timeout_s,
-                "limits": self.limits}
+        child = self._state.child = _Child(proc)
+        init = {"source": self.source, "entry_point": self.entry_point, "timeout_s": self.timeout_s}
         try:
             answer = child.exchange(init, time.monotonic() + self.timeout_s + START_SLACK_S, MAX_RESPONSE_BYTES)
         except _Failed as e:
@@ -305,6 +277,50 @@ class PythonRewardProcess:
             self._state.stop_child()
             raise RewardLoadError(f"reward source failed to load: {answer.get('error', answer)}")
         return child
+
+
+class PythonRewardPool:
+    """Several PythonRewardProcess children; each batch is split into contiguous chunks scored in parallel.
+
+    Same API as PythonRewardProcess. Each child is its own sandbox; a failure
+    fails only its chunk's samples, and that child restarts on the next batch.
+    """
+
+    def __init__(self, source: str, entry_point: str = "reward", *, processes: int = 2, **options):
+        if processes < 1:
+            raise ValueError("processes must be at least 1")
+        self.children = [PythonRewardProcess(source, entry_point, **options) for _ in range(processes)]
+        self._threads = ThreadPoolExecutor(processes, thread_name_prefix="reward-pool")
+
+    def score(self, completions: list[str], rows: list[dict]) -> BatchResult:
+        if len(completions) != len(rows):
+            raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
+        size = -(-len(completions) // len(self.children)) or 1
+        chunks = [(completions[i:i + size], rows[i:i + size]) for i in range(0, len(completions), size)]
+        futures = [self._threads.submit(child.score, c, r) for child, (c, r) in zip(self.children, chunks)]
+        result, error = BatchResult([], []), None
+        for future in futures:  # await every one, so no child is left mid-exchange when one raises
+            try:
+                part = future.result()
+            except BaseException as e:  # RewardLoadError, SandboxError: the same for every child
+                error = error or e
+                continue
+            result.scores += part.scores
+            result.errors += part.errors
+        if error is not None:
+            raise error
+        return result
+
+    def close(self) -> None:
+        for child in self.children:
+            child.close()
+        self._threads.shutdown(wait=True)
+
+    def __enter__(self) -> PythonRewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _death(code: int | None) -> str:

@@ -1,4 +1,9 @@
-"""Probes: /healthz says the process answers; /readyz says it can reach what a request needs."""
+"""Probes: /healthz says the process answers; /readyz says it can reach what a request needs.
+
+/readyz also reports how this host contains user code ("namespaces", or "none":
+user Python is refused). That is informational: readiness is about the
+database, the broker and the object store, so "none" does not fail it.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from service.repositories import health
+from service.sandbox_probe import effective_level
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
@@ -41,5 +47,7 @@ def readyz(request: Request) -> JSONResponse:
         "object_store": _check("object_store", state.store.ping),
     }
     ready = all(v == "ok" for v in checks.values())
+    settings = state.settings
+    checks["sandbox"] = effective_level(settings.sandbox, settings.sandbox_uid)  # probed once per process
     return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks},
                         status_code=200 if ready else 503)

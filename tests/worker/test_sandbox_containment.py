@@ -1,0 +1,463 @@
+"""Hostile user code in the sandbox: every attack returns, is recorded as a failure, and leaves nothing behind.
+
+Each containment test checks that the call returns (in bounded time), that the
+sample gets an error (or the attack visibly failed inside), that no process of
+the sandbox survives close() (its pid namespace is empty, and pids the user
+code reported are gone), that no directory, cgroup or process of the sandbox
+uid leaks, and that this process (standing for the trainer) kept running.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from service.sandbox_probe import Probe
+from service.settings import get_settings
+from worker import sandbox
+from worker.rewards.sandbox import PythonRewardProcess
+from worker.sandbox import Limits, SandboxError, SandboxUnavailable, members, python_argv, sandbox_level
+
+SANDBOX_UID = 65534
+needs_sandbox = pytest.mark.skipif(sandbox_level() != "namespaces",
+                                   reason="this host cannot sandbox user code (sandbox_level() is 'none')")
+
+
+def _uid_processes(uid: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        uid_line = next((line for line in status.splitlines() if line.startswith("Uid:")), "")
+        state = next((line for line in status.splitlines() if line.startswith("State:")), "")
+        if uid_line.split()[1:2] == [str(uid)] and " Z " not in state + " ":
+            found.add(int(entry))
+    return found
+
+
+def _leftovers() -> dict[str, set]:
+    cgroups = sandbox._pids_cgroup_root()
+    return {
+        "sandbox uid processes": _uid_processes(SANDBOX_UID),
+        "workdirs": {p.name for p in Path("/tmp").glob("cispo-reward-*")},
+        "cgroups": {p.name for p in cgroups.glob("cispo-sandbox-*")} if cgroups else set(),
+    }
+
+
+@pytest.fixture
+def trainer():
+    """Stands for the trainer: a thread of this process that must keep ticking; nothing new left after the test."""
+    before = _leftovers()
+    ticks, stop = [0], threading.Event()
+
+    def beat():
+        while not stop.wait(0.02):
+            ticks[0] += 1
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    yield ticks
+    stop.set()
+    thread.join()
+    assert ticks[0] > 0
+    deadline = time.monotonic() + 5
+    while _new_since(before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _new_since(before) == {}
+
+
+def _new_since(before: dict[str, set]) -> dict[str, set]:
+    """What appeared since `before` and is still there (what others' sandboxes removed meanwhile is fine)."""
+    return {k: v - before[k] for k, v in _leftovers().items() if v - before[k]}
+
+
+class Run:
+    """Scores one batch, then closes; keeps what the checks need (namespace, host pids, timing)."""
+
+    def __init__(self, source: str, completions: list[str], rows: list[dict] | None = None, **options):
+        self.proc = PythonRewardProcess(source, **options)
+        rows = rows if rows is not None else [{}] * len(completions)
+        try:
+            self.proc._ensure_started()
+            self.pid_ns = self.proc.sandbox.pid_ns
+            self.holder = self.proc.pid
+            self.workdir = self.proc.workdir
+            started = time.monotonic()
+            self.result = self.proc.score(completions, rows)
+            self.elapsed = time.monotonic() - started
+            self.budget = self.proc.batch_timeout(len(completions))
+            self.peak = len(members(self.pid_ns))  # processes in the sandbox once the call returned
+        finally:
+            self.proc.close()
+
+    def assert_nothing_survives(self, reported_host_pids=()):
+        assert members(self.pid_ns) == {}
+        for pid in (self.holder, *reported_host_pids):
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert not self.workdir.exists()
+
+
+@needs_sandbox
+class TestContainment:
+    def test_infinite_loop_is_killed_at_the_batch_deadline(self, trainer):
+        source = ("import signal\ndef reward(completion, **row):\n"
+                  "    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n    while True:\n        pass\n")
+        run = Run(source, ["a", "b"], timeout_s=0.5)
+        assert run.budget <= run.elapsed < run.budget + 2
+        assert run.result.scores == [None, None]
+        assert run.result.errors == [f"timeout after {run.budget:g} s"] * 2
+        run.assert_nothing_survives()
+
+    def test_memory_bomb_is_a_sample_error(self, trainer):
+        source = """
+def reward(completion, **row):
+    if completion == "bytes":
+        b"x" * 10**10
+    hoard = []
+    while True:
+        hoard.append(bytearray(10**7))
+"""
+        run = Run(source, ["bytes", "grow"], memory_bytes=256 << 20)
+        assert run.result.scores == [None, None]
+        assert [e.split(":")[0] for e in run.result.errors] == ["MemoryError", "MemoryError"]
+        run.assert_nothing_survives()
+
+    def test_fork_bomb_stops_at_the_process_limit_and_dies_at_close(self, trainer):
+        source = """
+import os, time
+def reward(completion, **row):
+    made = 0
+    while True:
+        try:
+            pid = os.fork()
+        except OSError:
+            if completion == "count":
+                return float(made)
+            time.sleep(0.01)
+            continue
+        if pid == 0:  # every child keeps forking too, forever
+            while True:
+                try:
+                    os.fork()
+                except OSError:
+                    time.sleep(0.01)
+        made += 1
+"""
+        run = Run(source, ["count"], timeout_s=2, max_processes=32)
+        assert 0 < run.result.scores[0] <= 32
+        assert run.peak <= 32 + 2  # the bound held: its init and the reward child, plus at most the limit
+        run.assert_nothing_survives()
+
+        bomb = Run(source, ["bomb"], timeout_s=1, max_processes=32)
+        assert bomb.elapsed < bomb.budget + 2
+        assert bomb.result.scores == [None] and bomb.result.errors[0].startswith("timeout")
+        bomb.assert_nothing_survives()
+
+    def test_network_is_unreachable(self, trainer):
+        canary = socket.socket()
+        canary.bind(("127.0.0.1", 0))
+        canary.listen(8)
+        canary.setblocking(False)
+        targets = [("8.8.8.8", 53), ("127.0.0.1", 6379), ("127.0.0.1", 5432), ("127.0.0.1", canary.getsockname()[1])]
+        reachable_here = []
+        for host, port in targets[1:3]:  # control: Redis and PostgreSQL do listen on this machine's loopback
+            try:
+                socket.create_connection((host, port), timeout=2).close()
+                reachable_here.append(port)
+            except OSError:
+                pass
+        source = """
+import socket
+def reward(completion, host, port, **row):
+    try:
+        if host == "unix":
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(2)
+            s.connect(port)
+        elif host == "dns":
+            socket.getaddrinfo("example.com", 443)
+        else:
+            socket.create_connection((host, port), timeout=2)
+    except OSError as e:
+        raise RuntimeError(f"errno {e.errno}") from None
+    return 1.0
+"""
+        rows = [{"host": h, "port": p} for h, p in targets]
+        rows += [{"host": "unix", "port": "/run/postgresql/.s.PGSQL.5432"}, {"host": "dns", "port": 0}]
+        run = Run(source, ["x"] * len(rows), rows)
+        assert run.result.scores == [None] * len(rows)
+        for row, error in zip(rows[:4], run.result.errors):
+            assert error == f"RuntimeError: errno {errno.ENETUNREACH}", row
+        assert run.result.errors[4] == f"RuntimeError: errno {errno.ENOENT}"  # no /run in its file system
+        assert run.result.errors[5].startswith("RuntimeError: errno")
+        with pytest.raises(BlockingIOError):
+            canary.accept()  # nothing ever connected to the host's loopback
+        canary.close()
+        assert reachable_here == [6379, 5432] or not reachable_here  # the control, where the servers run
+        run.assert_nothing_survives()
+
+    def test_planted_secrets_are_invisible(self, trainer, monkeypatch):
+        canaries = {"DATABASE_URL": "postgresql://canary-db-secret", "AWS_SECRET_ACCESS_KEY": "canary-aws-secret"}
+        for k, v in canaries.items():
+            monkeypatch.setenv(k, v)
+        source = """
+import os
+def reward(completion, **row):
+    seen = [repr(dict(os.environ))]
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                seen.append(open(f"/proc/{pid}/environ", "rb").read().decode())
+            except OSError as e:
+                seen.append(f"{pid}: {e.strerror}")
+    raise RuntimeError(" | ".join(seen))
+"""
+        run = Run(source, ["x"])
+        error = run.result.errors[0]
+        assert "PATH" in error and "Permission denied" in error  # it looked: its own env, and /proc/1 refused
+        for value in canaries.values():
+            assert value not in error
+        for name in canaries:
+            assert name not in error
+        run.assert_nothing_survives()
+
+    def test_service_files_are_unreadable(self, trainer, tmp_path):
+        secret = tmp_path / "settings.env"  # stands for the service's settings / database, outside the sandbox
+        secret.write_text("DATABASE_URL=postgresql://canary\n")
+        secret.chmod(0o600)
+        source = """
+import os
+def reward(completion, path, **row):
+    try:
+        with open(path) as f:
+            return 1.0 if f.read() else 2.0
+    except OSError as e:
+        raise RuntimeError(e.strerror) from None
+"""
+        paths = [str(secret), "/etc/shadow", "/proc/1/environ", "/work/main/service/settings.py", "inside.secret"]
+        proc = PythonRewardProcess(source)
+        try:
+            proc._ensure_started()
+            pid_ns, workdir = proc.sandbox.pid_ns, proc.workdir
+            inside = workdir / "inside.secret"  # root-owned 0600, in its own directory: the uid still blocks it
+            inside.write_text("canary")
+            inside.chmod(0o600)
+            result = proc.score(["x"] * len(paths), [{"path": p} for p in paths])
+        finally:
+            proc.close()
+        assert result.scores == [None] * len(paths)
+        assert result.errors == ["RuntimeError: No such file or directory", "RuntimeError: Permission denied",
+                                 "RuntimeError: Permission denied", "RuntimeError: No such file or directory",
+                                 "RuntimeError: Permission denied"]
+        assert members(pid_ns) == {}
+
+    def test_writes_outside_its_directory_are_refused(self, trainer, tmp_path):
+        name = f"cispo-escape-{os.getpid()}"
+        targets = [str(tmp_path / name), f"/tmp/{name}", f"/{name}", f"/etc/{name}", f"/dev/shm/{name}",
+                   f"/var/tmp/{name}", f"../{name}"]
+        source = """
+import os
+def reward(completion, path, **row):
+    if path == "big":
+        with open("big", "wb") as f:
+            for _ in range(64):
+                f.write(b"x" * (1 << 20))
+        return 1.0
+    try:
+        with open(path, "w") as f:
+            f.write("escaped")
+    except OSError as e:
+        raise RuntimeError(e.strerror) from None
+    return 1.0
+"""
+        run = Run(source, ["x"] * (len(targets) + 1), [{"path": p} for p in [*targets, "big"]])
+        assert run.result.scores == [None] * (len(targets) + 1)
+        assert all(e in ("RuntimeError: Read-only file system", "RuntimeError: No such file or directory",
+                         "RuntimeError: Permission denied") for e in run.result.errors[:-1]), run.result.errors
+        assert run.result.errors[-1] == "OSError: [Errno 27] File too large"  # RLIMIT_FSIZE, 16 MiB
+        for t in targets:
+            assert not os.path.exists(t if t.startswith("/") else run.workdir.parent / name)
+        run.assert_nothing_survives()
+
+    def test_printing_gigabytes_goes_nowhere_and_floods_are_capped(self, trainer):
+        source = """
+import os, sys
+def reward(completion, **row):
+    if completion == "print":
+        chunk = "x" * (1 << 26)
+        for _ in range(16):  # 1 GiB on stdout, more on fds 1 and 2
+            sys.stdout.write(chunk)
+        for fd in (1, 2):
+            os.write(fd, b"y" * (1 << 26))
+        return 1.0
+    for fd in range(3, 64):  # the protocol is among these: flood every one of them
+        try:
+            os.set_blocking(fd, True)
+            for _ in range(16):
+                os.write(fd, b"z" * (1 << 20))
+        except OSError:
+            pass
+    return 2.0
+"""
+        proc = PythonRewardProcess(source, timeout_s=30)
+        try:
+            assert proc.score(["print", "print"], [{}] * 2).scores == [1.0, 1.0]  # the protocol survived
+            pid_ns = proc.sandbox.pid_ns
+            flooded = proc.score(["flood"], [{}])
+            assert flooded.scores == [None] and "larger than" in flooded.errors[0]
+            assert members(pid_ns) == {}  # that sandbox is gone; the next batch gets a new one
+            assert proc.score(["print"], [{}]).scores == [1.0]
+        finally:
+            proc.close()
+
+    def test_bad_values_and_raising_are_per_sample_errors(self, trainer):
+        source = """
+def reward(completion, **row):
+    if completion == "string":
+        return "1.0"
+    if completion == "nan":
+        return float("nan")
+    if completion == "raise":
+        raise KeyError("boom")
+    return 0.5
+"""
+        run = Run(source, ["string", "nan", "raise", "ok"])
+        assert run.result.scores == [None, None, None, 0.5]
+        assert run.result.errors[:3] == ["TypeError: returned str, not a number", "ValueError: returned nan",
+                                         "KeyError: 'boom'"]
+        run.assert_nothing_survives()
+
+    def test_setsid_double_forked_daemon_dies_with_the_sandbox(self, trainer):
+        source = """
+import os, time
+def reward(completion, **row):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            signal = __import__("signal")
+            for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                signal.signal(s, signal.SIG_IGN)
+            os.write(w, str(os.getpid()).encode())
+            while True:
+                time.sleep(1)
+        os._exit(0)
+    os.wait()
+    return float(os.read(r, 64))
+"""
+        proc = PythonRewardProcess(source)
+        try:
+            ns_pid = int(proc.score(["x"], [{}]).scores[0])
+            pid_ns = proc.sandbox.pid_ns
+            daemon = {inner: host for host, inner in proc.sandbox.members().items()}[ns_pid]
+            os.kill(daemon, 0)  # alive while the job runs
+            holder, workdir = proc.pid, proc.workdir
+        finally:
+            proc.close()
+        assert members(pid_ns) == {}
+        for pid in (daemon, holder):
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert not workdir.exists()
+
+    def test_the_sandbox_dies_with_its_parent(self, trainer, tmp_path):
+        """If the worker itself is SIGKILLed, its sandboxes end too (the launcher watches a socket)."""
+        script = tmp_path / "parent.py"
+        script.write_text(
+            "import sys, time\n"
+            "from worker.sandbox import Limits, new_workdir, sandbox_python, spawn\n"
+            "proc = spawn([sandbox_python(), '-I', '-S', '-c', 'import time\\nwhile True: time.sleep(1)'],\n"
+            "             workdir=new_workdir('cispo-reward-'), limits=Limits())\n"
+            "print(proc.pid_ns, proc.workdir, proc.cgroup or '-', flush=True)\n"
+            "time.sleep(60)\n")
+        parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                                  cwd=Path(__file__).resolve().parents[2])
+        try:
+            pid_ns, workdir, cgroup = parent.stdout.readline().split()
+            assert len(members(pid_ns)) == 2
+        finally:
+            parent.kill()
+            parent.wait()
+        deadline = time.monotonic() + 5
+        while members(pid_ns) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert members(pid_ns) == {}
+        Path(workdir).rmdir()  # the dead parent could not; the sandbox never wrote to it
+        if cgroup != "-":
+            Path(cgroup).rmdir()  # succeeds only when no task is left in it (a later spawn sweeps such dirs)
+
+    def test_spawn_is_reusable_for_other_children(self, trainer, tmp_path):
+        """The API an environment runner uses: its own stdlib script, its own protocol, then kill()."""
+        script = tmp_path / "echo_child.py"
+        script.write_text("import os, sys\nfor line in sys.stdin:\n"
+                          "    sys.stdout.write(f'{os.getuid()} {os.getpid()} {line}')\n    sys.stdout.flush()\n")
+        workdir = sandbox.new_workdir("cispo-reward-")
+        proc = sandbox.spawn(python_argv(script), workdir=workdir, limits=Limits(cpu_s=5))
+        try:
+            proc.stdin.write(b"reset 7\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline() == b"65534 2 reset 7\n"
+        finally:
+            sandbox.kill(proc)
+            sandbox.kill(proc)  # idempotent
+        assert members(proc.pid_ns) == {}
+
+        quick = sandbox.spawn(["/bin/true"], workdir=workdir, limits=Limits())  # ends before spawn() returns
+        assert quick.wait(timeout=5) == 0
+        sandbox.kill(quick)
+        workdir.rmdir()
+
+        with pytest.raises(SandboxError, match="did not start.*No such file"):
+            sandbox.spawn(["/nonexistent/program"], workdir=tmp_path / "w", limits=Limits())
+        (tmp_path / "w").rmdir()
+
+
+@pytest.fixture
+def fresh_settings():
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def test_sandbox_off_refuses_user_code(monkeypatch, fresh_settings):
+    monkeypatch.setenv("CISPO_SANDBOX", "off")
+    with pytest.raises(SandboxUnavailable, match=r"^user Python code is refused: the sandbox is turned off"):
+        PythonRewardProcess("def reward(c, **r):\n    return 1.0\n")
+    assert sandbox_level() == "none"
+    with pytest.raises(SandboxUnavailable):
+        sandbox.spawn(["/bin/true"], workdir=Path("/nonexistent"), limits=Limits())
+
+
+def test_a_host_without_namespaces_refuses_user_code(monkeypatch, fresh_settings):
+    monkeypatch.setenv("CISPO_SANDBOX", "auto")
+    monkeypatch.setattr(sandbox, "probe", lambda uid: Probe("none", "unshare failed"))
+    with pytest.raises(SandboxUnavailable,
+                       match=r"^user Python code is refused: this host cannot isolate it \(no namespaces\)"):
+        PythonRewardProcess("def reward(c, **r):\n    return 1.0\n")
+
+
+def test_a_refused_sandbox_fails_the_job_with_that_message(monkeypatch, fresh_settings):
+    pytest.importorskip("torch")
+    from service.schemas.rewards import PythonReward
+    from worker.trainer.rewards import make_scorer
+
+    monkeypatch.setenv("CISPO_SANDBOX", "off")
+    with pytest.raises(ValueError, match="user Python code is refused"):  # job_runner: ValueError -> failed job
+        make_scorer(PythonReward(source="def reward(c, **r):\n    return 1.0\n"))
+
+
+def test_exit_status_maps_the_launchers_signal_codes():
+    assert sandbox.exit_status(128 + signal.SIGSEGV) == -signal.SIGSEGV
+    assert sandbox.exit_status(3) == 3 and sandbox.exit_status(-9) == -9 and sandbox.exit_status(None) is None

@@ -1,0 +1,113 @@
+"""The ``score_model`` reward: a judge model on an OpenAI-compatible chat completions endpoint.
+
+Per sample: render the messages, ask the judge, read a number from the
+reply, clip it to the range. OpenAI forces its graders' replies into
+``{"result": float, "steps": [...]}`` with structured outputs, which not
+every compatible server offers, so we ask for that JSON in a first system
+message and read the reply leniently: a JSON object with "result" (or
+"score"), else the last number in the text. ``developer`` messages are sent
+as ``system``, which more servers accept. Samples are judged concurrently
+(``max_concurrency``), and the judge's token usage is added up per model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from service.egress import EgressPolicy
+from service.schemas.reward_remote import ScoreModelReward
+from service.schemas.templates import SampleParseError, TemplateError, render
+from worker.rewards.builtins import last_number
+from worker.rewards.errors import ScoringError, truncate
+from worker.rewards.json_checks import extract_fenced
+from worker.rewards.outcome import Outcome, add_usage
+from worker.rewards.remote import post_with_retries
+
+INSTRUCTION = ('You are grading a response. Reply with only a JSON object {{"result": <a number from {low:g} to '
+               '{high:g}>, "steps": [{{"description": "...", "conclusion": "..."}}]}}.')
+
+
+@dataclass(frozen=True)
+class JudgeEndpoint:
+    """Where score_model rewards are sent: an OpenAI-compatible base URL (…/v1) and its API key."""
+
+    base_url: str
+    api_key: str | None = None
+
+
+def read_score(reply: str) -> float | None:
+    """The judge's number: {"result": x} / {"score": x} as JSON (fenced or not), else the last number in the text."""
+    try:
+        parsed = json.loads(extract_fenced(reply).strip())
+    except (ValueError, RecursionError):
+        parsed = None
+    if isinstance(parsed, dict):
+        for key in ("result", "score"):
+            value = parsed.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+    if isinstance(parsed, (int, float)) and not isinstance(parsed, bool):
+        return float(parsed)
+    return last_number(reply)
+
+
+def _sampling(spec: ScoreModelReward) -> dict[str, Any]:
+    params = spec.sampling_params.model_dump(exclude_none=True)
+    if "max_completions_tokens" in params:
+        params["max_tokens"] = params.pop("max_completions_tokens")
+    return params
+
+
+class JudgeBatchScorer:
+    def __init__(self, spec: ScoreModelReward, endpoint: JudgeEndpoint, policy: EgressPolicy):
+        self.spec, self.endpoint = spec, endpoint
+        self.policy = dataclasses.replace(policy, read_timeout_s=spec.timeout_s)
+        self.url = endpoint.base_url.rstrip("/") + "/chat/completions"
+        self.headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+        low, high = spec.range
+        self.instruction = {"role": "system", "content": INSTRUCTION.format(low=low, high=high)}
+
+    def score(self, completions: list[str], rows: list[dict]) -> Outcome:
+        out = Outcome.empty(len(completions))
+        if not completions:
+            return out
+        with ThreadPoolExecutor(max_workers=min(self.spec.max_concurrency, len(completions))) as pool:
+            results = list(pool.map(self._judge_one, completions, rows))
+        for i, (score, error, usage) in enumerate(results):
+            out.scores[i], out.errors[i] = score, error
+            if usage is not None:
+                add_usage(out.usage, self.spec.model, usage)
+        return out
+
+    def _judge_one(self, completion: str, row: dict) -> tuple[float | None, str | None, dict | None]:
+        try:
+            messages = [{"role": "system" if m.role == "developer" else m.role,
+                         "content": render(m.content, completion, row)} for m in self.spec.input]
+        except (TemplateError, SampleParseError) as e:
+            return None, str(e), None
+        body = {"model": self.spec.model, "messages": [self.instruction, *messages], **_sampling(self.spec)}
+        try:
+            answer = post_with_retries(self.url, body, self.policy, headers=self.headers, retries=self.spec.retries,
+                                       prefix="judge:", secret=self.endpoint.api_key)
+        except ScoringError as e:
+            return None, str(e), None
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        try:
+            message = answer["choices"][0]["message"]
+            content = message.get("content")
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return None, "judge reply: the answer has no choices[0].message", usage
+        if message.get("refusal"):
+            return None, truncate(f"judge refused: {message['refusal']}"), usage
+        value = read_score(content) if isinstance(content, str) else None
+        if value is None:
+            return None, truncate(f"judge reply: no number in the reply {content!r}"), usage
+        low, high = self.spec.range
+        return min(max(value, low), high), None, usage
+
+    def close(self) -> None:
+        pass
