@@ -31,9 +31,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/var/lib/cispo/huggingface
 
 # tini: PID 1 that forwards SIGTERM (graceful Celery shutdown) and reaps the
-# processes reward code leaves behind. (psycopg[binary] brings its own libpq.)
+# processes reward code leaves behind. util-linux: `unshare`, which starts the
+# user-code sandbox (worker/sandbox.py); Debian ships it already, it is named
+# so that it stays. (psycopg[binary] brings its own libpq.)
 RUN apt-get update \
- && apt-get install -y --no-install-recommends tini ca-certificates \
+ && apt-get install -y --no-install-recommends tini ca-certificates util-linux \
  && rm -rf /var/lib/apt/lists/* \
  && python -m venv /opt/venv \
  && groupadd --system --gid 10001 cispo \
@@ -88,8 +90,18 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL
 COPY . .
 # Import what a deployment uses, so an image with a missing dependency fails here, not at run time.
 RUN pip install --no-deps -e . \
- && python -c "import torch, transformers, peft, psycopg, redis, worker.cli, worker.job_runner; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS"
+ && python -c "import torch, transformers, peft, psycopg, redis, worker.cli, worker.job_runner; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS" \
+ && python -c "import shutil; from service.sandbox_probe import SYSTEM_SEARCH; assert shutil.which('unshare', path=SYSTEM_SEARCH), 'no unshare: the sandbox cannot start'"
 
-USER 10001:10001
+# The worker runs as root, unlike the API. User Python code (python rewards,
+# environments) is only ever run in a sandbox (worker/sandbox.py), and building
+# one takes root: new network/pid/mount/IPC namespaces, mounts, a chroot, and a
+# switch of the user code to an unprivileged uid (CISPO_SANDBOX_UID, default
+# 65534) with no capabilities and no_new_privs. As any other user the worker
+# refuses user code (fail closed). The trainer itself needs no root, yet runs
+# as root too, with the container's capabilities: a flaw in the trainer (not
+# in user code) would have them. So the container gets what the sandbox needs
+# and nothing more (docker-compose.yml, the chart's worker.*SecurityContext).
+USER 0:0
 ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["cispo", "worker", "--pool", "prefork"]

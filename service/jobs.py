@@ -16,13 +16,16 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Checkpoint, File, Job
 from service.errors import Conflict, InvalidRequest, NotFound, Unprocessable
+from service.environments import resolve_for_job
 from service.jobs_spec import build_spec, grader_reward
 from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
 from service.repositories.pagination import Page
+from service.reward_references import check_reward_references
 from service.schemas.job_request import JobCreate
 from service.schemas.job_spec import JobSpec
+from service.settings import Settings
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
@@ -31,6 +34,7 @@ IDEMPOTENCY_HEADER = "Idempotency-Key"
 class Prepared:
     spec: JobSpec
     reward_function_id: str | None
+    environment_id: str | None = None
 
 
 def _dataset(session: Session, project_id: str, file_id: str, param: str) -> File:
@@ -43,15 +47,20 @@ def _dataset(session: Session, project_id: str, file_id: str, param: str) -> Fil
     return file
 
 
-def prepare(session: Session, project_id: str, body: JobCreate) -> Prepared:
+def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Settings | None = None) -> Prepared:
     """Check every reference in the request and resolve the JobSpec (creates nothing)."""
     training = _dataset(session, project_id, body.training_file, "training_file")
     if body.validation_file is not None:
         _dataset(session, project_id, body.validation_file, "validation_file")
-    reward_function_id = None
+    reward_function_id = environment_id = None
+    environment = None
     if body.method.type == "cispo":
         cispo = body.method.cispo
-        if cispo.reward_function is not None:
+        if cispo.environment is not None:
+            reward = None
+            environment, environment_id = resolve_for_job(session, project_id, cispo.environment,
+                                                          param="method.cispo.environment", settings=settings)
+        elif cispo.reward_function is not None:
             fn = rf_repo.get(session, project_id, cispo.reward_function)
             if fn is None:
                 raise InvalidRequest(f"method.cispo.reward_function: no such reward function: "
@@ -62,8 +71,12 @@ def prepare(session: Session, project_id: str, body: JobCreate) -> Prepared:
     else:
         reward = grader_reward(body.method.reinforcement.grader)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
-    spec = build_spec(body, seed=seed, training_rows=training.rows, reward=reward)
-    return Prepared(spec=spec, reward_function_id=reward_function_id)
+    spec = build_spec(body, seed=seed, training_rows=training.rows, reward=reward, environment=environment)
+    if spec.reward is not None:
+        where = {"cispo": "method.cispo.reward_function" if reward_function_id else "method.cispo.reward",
+                 "reinforcement": "method.reinforcement.grader"}[body.method.type]
+        check_reward_references(session, project_id, spec.reward, param=where, settings=settings)
+    return Prepared(spec=spec, reward_function_id=reward_function_id, environment_id=environment_id)
 
 
 def request_digest(body: JobCreate) -> str:
@@ -81,16 +94,18 @@ def replay(session: Session, project_id: str, key: str, digest: str) -> Job | No
     return job
 
 
-def create(session: Session, project_id: str, body: JobCreate, *, idempotency_key: str | None) -> tuple[Job, bool]:
+def create(session: Session, project_id: str, body: JobCreate, *, idempotency_key: str | None,
+           settings: Settings | None = None) -> tuple[Job, bool]:
     """(job, created): an idempotent replay returns the earlier job and created=False."""
     digest = request_digest(body)
     if idempotency_key and (earlier := replay(session, project_id, idempotency_key, digest)):
         return earlier, False
-    prepared = prepare(session, project_id, body)
+    prepared = prepare(session, project_id, body, settings=settings)
     spec = prepared.spec
     job = jobs_repo.add(session, Job(
         project_id=project_id, status="queued", model=body.model, training_file=body.training_file,
         validation_file=body.validation_file, reward_function_id=prepared.reward_function_id,
+        environment_id=prepared.environment_id,
         spec=spec.model_dump(mode="json"), method=body.method.model_dump(mode="json", exclude_unset=True),
         seed=spec.seed, suffix=body.suffix, metadata_=body.metadata, idempotency_key=idempotency_key,
         request_sha256=digest if idempotency_key else None, total_steps=spec.training.steps,

@@ -3,8 +3,8 @@
 Two request shapes lead here. `cispo` passes JobSpec sections through as they
 are. `reinforcement` is OpenAI's RFT shape, mapped onto CISPO:
 
-    grader string_check eq / like / ilike -> exact_match (case-sensitive, no strip)
-                                             / contains (case-sensitive / case-insensitive)
+    grader (string_check, text_similarity, python, score_model, multi)
+                             -> reward (service/schemas/graders.py)
     batch_size               -> training.batch_size
     n_epochs ("auto" = 1)    -> training.steps = ceil(n_epochs * training rows / batch_size)
     learning_rate_multiplier -> optimizer.lr = 1e-5 * multiplier
@@ -19,13 +19,11 @@ under the request field the client wrote, not the spec's internal name.
 from __future__ import annotations
 
 import math
-import re
-from typing import Literal
 
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
-from service.errors import InvalidRequest, Unprocessable, unprocessable
-from service.schemas.api import Request
+from service.errors import Unprocessable, unprocessable
+from service.schemas import graders
 from service.schemas.job_request import JobCreate, ReinforcementMethod
 from service.schemas.job_spec import JobSpec, TrainingSpec
 
@@ -48,42 +46,9 @@ _RFT_SOURCES = {
 }
 
 
-class StringCheckGrader(Request):
-    type: Literal["string_check"]
-    name: str = Field(min_length=1)
-    input: str
-    reference: str
-    operation: Literal["eq", "ne", "like", "ilike"]
-
-
-_SAMPLE_OUTPUT = re.compile(r"^\{\{\s*sample\.output_text\s*\}\}$")
-_ITEM_FIELD = re.compile(r"^\{\{\s*item\.([A-Za-z_]\w*)\s*\}\}$")
-
-
 def grader_reward(grader: dict) -> dict:
-    """The reward spec a string_check grader means; anything else is refused by name."""
-    kind = grader.get("type")
-    if kind != "string_check":
-        raise InvalidRequest(f"{GRADER}.type: grader type {kind!r} is not supported yet (supported: string_check)",
-                             param=f"{GRADER}.type", code="unsupported_grader")
-    try:
-        g = StringCheckGrader.model_validate(grader)
-    except ValidationError as e:
-        raise unprocessable(e, grader, path=lambda p: f"{GRADER}.{p}") from None
-    if not _SAMPLE_OUTPUT.match(g.input):
-        raise InvalidRequest(f"{GRADER}.input: only '{{{{sample.output_text}}}}' is supported, got {g.input!r}",
-                             param=f"{GRADER}.input")
-    field = _ITEM_FIELD.match(g.reference)
-    if not field:
-        raise InvalidRequest(f"{GRADER}.reference: must be '{{{{item.<field>}}}}' naming a top-level field of "
-                             f"the dataset row, got {g.reference!r}", param=f"{GRADER}.reference")
-    name = field.group(1)
-    if g.operation == "eq":
-        return {"type": "exact_match", "field": name, "case_sensitive": True, "strip": False}
-    if g.operation in ("like", "ilike"):
-        return {"type": "contains", "field": name, "case_sensitive": g.operation == "like"}
-    raise InvalidRequest(f"{GRADER}.operation: operation {g.operation!r} is not supported yet "
-                         "(supported: eq, like, ilike)", param=f"{GRADER}.operation")
+    """The reward spec an OpenAI grader means (service/schemas/graders.py); errors name the grader's fields."""
+    return graders.grader_reward(grader, param=GRADER)
 
 
 def _reinforcement_sections(method: ReinforcementMethod, training_rows: int) -> dict:
@@ -119,13 +84,17 @@ def _request_path(method_type: str, spec_path: str) -> str:
             if spec_path == prefix or spec_path.startswith(prefix + "."):
                 return _RFT_SOURCES[prefix]
         return RFT_HP
-    if spec_path == "reward" or spec_path.startswith("reward."):
+    if spec_path.split(".")[0] in ("reward", "environment"):
         return "method.cispo." + spec_path
+    if not spec_path:  # a rule across sections (e.g. reward vs environment); the message names the fields
+        return "method.cispo"
     return "method.cispo.hyperparameters." + spec_path
 
 
-def build_spec(body: JobCreate, *, seed: int, training_rows: int, reward: dict) -> JobSpec:
-    """The resolved spec; `reward` is the reward spec (inline, registered, or mapped from a grader)."""
+def build_spec(body: JobCreate, *, seed: int, training_rows: int, reward: dict | None,
+               environment: dict | None = None) -> JobSpec:
+    """The resolved spec; `reward` is the reward spec (inline, registered, or mapped from a grader), or
+    `environment` the environment spec (inline or registered)."""
     method = body.method
     if method.type == "cispo":
         hp = method.cispo.hyperparameters
@@ -137,7 +106,8 @@ def build_spec(body: JobCreate, *, seed: int, training_rows: int, reward: dict) 
         "model": body.model,
         "seed": seed,
         "data": {"train_file": body.training_file, "validation_file": body.validation_file},
-        "reward": reward,
+        **({"reward": reward} if reward is not None else {}),
+        **({"environment": environment} if environment is not None else {}),
         **sections,
     }
     try:

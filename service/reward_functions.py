@@ -13,10 +13,14 @@ from service.db.models import RewardFunction
 from service.errors import Conflict, NotFound
 from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
+from service.reward_references import check_reward_references
 from service.schemas.api import RewardFunctionCreate
+from service.settings import Settings
 
 
-def create(session: Session, project_id: str, body: RewardFunctionCreate) -> RewardFunction:
+def create(session: Session, project_id: str, body: RewardFunctionCreate, *,
+           settings: Settings | None = None) -> RewardFunction:
+    check_reward_references(session, project_id, body.spec, param="spec", settings=settings)
     return rf_repo.add(session, RewardFunction(project_id=project_id, name=body.name,
                                                spec=body.spec.model_dump(mode="json")))
 

@@ -67,6 +67,12 @@ class ProgressCallbacks:
     def on_checkpoint(self, step, path):
         self.bar.write(f"step {step}: checkpoint {path}")
 
+    def on_reward_errors(self, step, errors):
+        from worker.rewards.errors import summarize
+
+        top = "; ".join(f"{m} (x{c})" for m, c in summarize(errors, limit=3))
+        self.bar.write(f"step {step}: {len(errors)} samples failed to score: {top}")
+
     def should_stop(self):
         return False
 
@@ -79,16 +85,23 @@ def cmd_train(args) -> int:
     spec = load_spec(args.spec)
     output = args.output or args.spec.parent / args.spec.stem
     output.mkdir(parents=True, exist_ok=True)
+    from service.settings import get_settings
+    from worker.rewards.engine import ScoringContext
+    from worker.rewards.errors import RewardErrorRateExceeded
     from worker.trainer.loop import Trainer
 
-    try:
-        trainer = Trainer(spec, output, resume=not args.no_resume)
+    try:  # egress allow-list and judge endpoint from the CISPO_* settings; no project secrets locally
+        trainer = Trainer(spec, output, resume=not args.no_resume,
+                          scoring=ScoringContext.from_settings(get_settings()))
     except ValueError as e:  # data, reward or checkpoint problems carry their own message
         print(f"error: {e}", file=sys.stderr)
         return 2
     callbacks = ProgressCallbacks(spec.training.steps, trainer.step, output / "metrics.jsonl")
     try:
         result = trainer.run(callbacks)
+    except RewardErrorRateExceeded as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         callbacks.close()
     if result.first_eval and result.last_eval:

@@ -21,17 +21,22 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.session import session_factory
 from service.repositories import jobs
+from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
+from service.schemas.rewards import secret_names
 from service.settings import Settings
 from service.storage import ObjectStore, open_store
 from worker.artifacts import download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
+from worker.rewards.engine import ScoringContext
+from worker.rewards.errors import RewardErrorRateExceeded, summarize
 from worker.trainer.data import DataError
 
 log = logging.getLogger(__name__)
 
 # Metrics worth a line in the job's event stream (all of them go to the metrics table).
 EVENT_METRICS = ("reward_mean", "loss", "clip_fraction", "kl_old", "completion_length_mean", "step_seconds")
+REWARD_WARN_EVERY = 10  # steps between warn events that repeat already-shown reward errors
 
 
 class LeaseLost(Exception):
@@ -51,6 +56,8 @@ class JobReporter:
         self.sessions, self.store, self.job_id, self.epoch = sessions, store, job_id, epoch
         self.settings, self.total_steps = settings, total_steps
         self.cancel = self.pause = self.lost = False
+        self._reward_errors_seen: set[str] = set()  # messages already shown in a warn event
+        self._reward_warned_at: int | None = None
         self._stop_beat = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{job_id}", daemon=True)
 
@@ -124,6 +131,28 @@ class JobReporter:
                 return
             jobs.add_event(s, self.job_id, f"Checkpoint saved at step {step}", data={"checkpoint": ckpt.id, "step": step})
 
+    def on_reward_errors(self, step: int, errors: list[str]) -> None:
+        """A warn event with the step's most frequent reward errors (up to 5 distinct, truncated) and counts.
+
+        A reward that fails a little on every step would otherwise add a warn event per step: a step whose
+        errors were all shown already gets one only every REWARD_WARN_EVERY steps (every step's count is
+        in the reward_errors metric).
+        """
+        if self.lost or not errors:
+            return
+        top = summarize(errors, limit=5)
+        new = {m for m, _ in top} - self._reward_errors_seen
+        if not new and self._reward_warned_at is not None and step - self._reward_warned_at < REWARD_WARN_EVERY:
+            return
+        self._reward_errors_seen |= new
+        self._reward_warned_at = step
+        listed = "; ".join(f"{message} (x{count})" for message, count in top)
+        more = len({*errors}) - len(top)
+        tail = f"; and {more} other distinct errors" if more > 0 else ""
+        self.event(f"Reward errors at step {step}: {len(errors)} samples failed to score: {listed}{tail}",
+                   level="warn", data={"step": step, "reward_errors": len(errors),
+                                       "errors": [{"message": m, "count": c} for m, c in top]})
+
     def should_stop(self) -> bool:
         return self.cancel or self.pause or self.lost
 
@@ -162,6 +191,11 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         spec = JobSpec.model_validate(job.spec)
         latest = jobs.latest_checkpoint(s, job_id)
         latest = (latest.step, latest.storage_prefix, dict(latest.files)) if latest else None
+        # Secret values live only in this process's memory, never in the spec, events or errors.
+        needed = secret_names(spec.reward) if spec.reward else set()
+        if getattr(spec.environment, "auth_secret", None):  # an http environment's auth header
+            needed.add(spec.environment.auth_secret)
+        secrets = secrets_repo.values(s, job.project_id, needed)
         jobs.add_event(s, job_id, f"Job started (attempt {job.attempts}) on {owner}")
 
     reporter = JobReporter(sessions, store, job_id, epoch, settings, spec.training.steps)
@@ -175,7 +209,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         run_dir = work / "run"
         if latest is not None:  # resume from the committed checkpoint, wherever it was written
             download_checkpoint(store, latest[1], latest[2], run_dir / "checkpoints" / checkpoint_name(latest[0]))
-        trainer = Trainer(local_spec, run_dir)
+        trainer = Trainer(local_spec, run_dir, scoring=ScoringContext.from_settings(settings, secrets))
         if trainer.step:
             reporter.event(f"Resumed from the checkpoint at step {trainer.step}")
         result = trainer.run(reporter)
@@ -192,6 +226,8 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     except LeaseLost:
         log.warning("job %s: lease lost; another worker owns it now", job_id)
         return None
+    except RewardErrorRateExceeded as e:
+        error = ("reward_error_rate", str(e))
     except (DataError, CheckpointError, ValueError) as e:
         error = ("invalid_job", str(e))
     except Exception as e:  # the job fails with a message; the worker lives on

@@ -9,6 +9,7 @@ from fastapi import Depends, Header, Request
 from sqlalchemy.orm import Session
 
 from service.auth import Principal, authenticate
+from service.settings import Settings
 from service.storage import ObjectStore
 
 
@@ -48,3 +49,10 @@ def _enqueue(request: Request) -> Enqueue:
 
 
 EnqueueDep = Annotated[Enqueue, Depends(_enqueue)]
+
+
+def _settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+SettingsDep = Annotated[Settings, Depends(_settings)]

@@ -64,6 +64,7 @@ def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
         metadata=row.metadata_, user_provided_suffix=row.suffix,
         hyperparameters=public_hyperparameters(row.spec, training_rows), method=row.method,
         steps_done=row.steps_done, total_steps=row.total_steps, reward_function=row.reward_function_id,
+        environment=row.environment_id,
     )
 
 

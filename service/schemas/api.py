@@ -26,7 +26,8 @@ def refuse_import_reward(value: Any) -> Any:
     if isinstance(value, dict) and value.get("type") == "import":
         raise ValueError(
             "reward type 'import' runs arbitrary code inside the worker and is only for local CLI runs; "
-            "use 'python' (sandboxed) or a builtin type (exact_match, contains, regex, numeric_match)"
+            "use 'python' (sandboxed), a builtin type (exact_match, contains, regex, numeric_match, json_valid, "
+            "json_schema, length, similarity, string_check), http, score_model or multi"
         )
     return value
 
@@ -166,6 +167,7 @@ class JobObject(BaseModel):
     steps_done: int
     total_steps: int
     reward_function: str | None
+    environment: str | None = None  # the registered environment's id (env-...), when the job uses one
 
 
 class DryRunObject(BaseModel):

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from service.schemas.api import Metadata, Request, ServiceReward, Text
+from service.schemas.environments import EnvironmentRef
 from service.schemas.job_spec import (
     AdvantageSpec,
     CispoLossSpec,
@@ -45,12 +46,16 @@ class CispoHyperparameters(Request):
 class CispoMethod(Request):
     reward_function: Text | None = Field(None, description="Id of a registered reward function (rwfn-...).")
     reward: ServiceReward | None = Field(None, description="An inline reward spec.")
+    environment: EnvironmentRef | None = Field(
+        None, description="A multi-turn environment instead of a reward: a registered id (env-...) or an inline spec.")
     hyperparameters: CispoHyperparameters = CispoHyperparameters()
 
     @model_validator(mode="after")
     def _one_reward(self) -> CispoMethod:
-        if (self.reward_function is None) == (self.reward is None):
-            raise ValueError("give exactly one of reward_function (a registered id) or reward (an inline spec)")
+        given = [x for x in (self.reward_function, self.reward, self.environment) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of reward_function (a registered id), reward (an inline spec) or "
+                             "environment (a registered id or an inline spec)")
         return self
 
 
@@ -74,7 +79,8 @@ class ReinforcementHyperparameters(Request):
 
 
 class ReinforcementMethod(Request):
-    grader: dict[str, Any] = Field(description="An OpenAI grader; only string_check is supported yet.")
+    grader: dict[str, Any] = Field(description="An OpenAI grader: string_check, text_similarity, python, "
+                                   "score_model or multi (service/schemas/graders.py).")
     hyperparameters: ReinforcementHyperparameters = ReinforcementHyperparameters()
     response_format: None = Field(None, description="Structured outputs are not supported yet; must be null.")
 

@@ -2,7 +2,7 @@
 
 Torch-free on purpose, so the API process can validate a job without CUDA.
 Every field has a default, a bound and an error that names it; unknown fields
-are refused. Choices with their own knobs (schedule, reward) are
+are refused. Choices with their own knobs (schedule, reward, environment) are
 discriminated unions on a ``type`` field.
 """
 
@@ -13,13 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from service.schemas.rewards import (
-    ContainsReward,
-    ExactMatchReward,
-    NumericMatchReward,
-    PythonReward,
-    RegexReward,
-)
+from service.schemas.environments import EnvironmentSpec
+from service.schemas.rewards import AnyReward
 
 
 class Strict(BaseModel):
@@ -75,6 +70,12 @@ class AdvantageSpec(Strict):
     clip: float | None = Field(None, gt=0.0, description="Clip advantages to [-clip, clip].")
     drop_zero_groups: bool = Field(
         False, description="Leave out groups whose rewards are all equal (they carry no signal)."
+    )
+    per_turn: bool = Field(
+        False,
+        description="Environments: each turn's actions get the group-relative advantage of their reward-to-go "
+        "(the sum of the rewards from that turn on), compared within the group at the same turn index. "
+        "Off: every action token gets the episode's advantage (episode reward = sum of turn rewards).",
     )
 
 
@@ -152,7 +153,7 @@ class ImportReward(Strict):
 # 'import' runs a trusted callable inside the trainer: local CLI runs only, the
 # service refuses it. The others are the service's RewardSpec (schemas/rewards.py).
 Reward = Annotated[
-    ImportReward | PythonReward | ExactMatchReward | ContainsReward | RegexReward | NumericMatchReward,
+    ImportReward | AnyReward,
     Field(discriminator="type"),
 ]
 
@@ -183,6 +184,16 @@ class TrainingSpec(Strict):
     eval_max_rows: int = Field(64, ge=1)
     checkpoint_interval: int = Field(0, ge=0, description="Checkpoint every N steps (0: only the last).")
     reward_failure_score: float = 0.0
+    reward_error_threshold: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="Fail the job when more than this fraction of a step's samples fail to score. 0.5 by default: "
+        "a reward failing on most samples is broken (a bug, a dead endpoint) and every further step wastes the "
+        "GPU, while failures on fewer samples are usually sample-specific (odd completions early in training) "
+        "and still leave a learning signal; they are counted and shown in events. 1 never fails.",
+    )
+    max_turns: int = Field(
+        1, ge=1, le=64, description="Assistant turns per episode (environments; a reward function scores one turn)."
+    )
 
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainingSpec:
@@ -206,7 +217,8 @@ class JobSpec(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = Field(0, ge=0, le=2**32 - 1)
     data: DataSpec
-    reward: Reward
+    reward: Reward | None = Field(None, description="Scores the completion; give this or environment.")
+    environment: EnvironmentSpec | None = Field(None, description="Multi-turn environment; give this or reward.")
     lora: LoraSpec = LoraSpec()
     sampling: SamplingSpec = SamplingSpec()
     advantages: AdvantageSpec = AdvantageSpec()
@@ -217,3 +229,12 @@ class JobSpec(Strict):
     init_from: str | None = Field(
         None, description="Warm start: a checkpoint whose adapter starts the policy and becomes the reference."
     )
+
+    @model_validator(mode="after")
+    def _one_feedback(self) -> JobSpec:
+        if (self.reward is None) == (self.environment is None):
+            raise ValueError("give exactly one of reward (scores a single completion) or environment (multi-turn)")
+        if self.reward is not None and self.training.max_turns > 1:
+            raise ValueError(f"training.max_turns is {self.training.max_turns}, but a reward function scores a "
+                             "single turn; more turns need an environment")
+        return self

@@ -1,4 +1,4 @@
-"""Reward specs a job may name: user Python code and builtin verifiers.
+"""Reward specs a job may name: user Python, builtin checks, remote scorers, and combinations of them.
 
 Torch-free, and never runs user code: the API validates these specs, the
 worker scores with them (worker/rewards/). Each spec is a ``type``-tagged,
@@ -15,6 +15,13 @@ service refuses it, since it would run arbitrary code in the worker.
   parses the source; it never executes it.
 - ``exact_match``, ``contains``, ``regex``, ``numeric_match``: builtin
   verifiers (worker/rewards/builtins.py) that give 1.0 or 0.0.
+- ``json_valid``, ``json_schema``, ``length``, ``similarity``, ``string_check``:
+  builtin graded checks (reward_checks.py).
+- ``http``, ``score_model``: a remote scoring endpoint or a judge model (reward_remote.py).
+- ``multi``: named sub-rewards of the types above combined by weights or a
+  formula; each sub-reward is also reported as its own metric.
+
+OpenAI's graders map onto these types (service/schemas/graders.py).
 """
 
 from __future__ import annotations
@@ -24,15 +31,22 @@ import keyword
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
+
+from service.schemas.formula import FormulaError, compile_formula
+from service.schemas.reward_base import RewardBase as _RewardBase
+from service.schemas.reward_checks import (
+    JsonSchemaReward,
+    JsonValidReward,
+    LengthReward,
+    SimilarityReward,
+    StringCheckReward,
+)
+from service.schemas.reward_remote import HttpReward, ScoreModelReward
 
 MAX_SOURCE_BYTES = 256 * 1024
 MAX_PATTERN_CHARS = 1000
-
-
-class _RewardBase(BaseModel):
-    # Same rules as job_spec.Strict; kept separate so job_spec can import this module.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+MAX_SUB_REWARDS = 16
 
 
 class PythonReward(_RewardBase):
@@ -88,14 +102,18 @@ class PythonReward(_RewardBase):
 class ExactMatchReward(_RewardBase):
     """1.0 if the completion equals ``str(row[field])`` after normalisation, else 0.0.
 
-    Normalisation applies to both sides: surrounding whitespace is stripped
-    when ``strip``; case is folded unless ``case_sensitive``.
+    Normalisation applies to both sides, in this order: punctuation (Unicode
+    category P*) is removed when ``strip_punctuation``; runs of whitespace
+    become one space when ``collapse_whitespace``; surrounding whitespace is
+    stripped when ``strip``; case is folded unless ``case_sensitive``.
     """
 
     type: Literal["exact_match"] = "exact_match"
     field: str = Field("answer", min_length=1, description="Row field holding the expected answer.")
     case_sensitive: bool = False
     strip: bool = True
+    collapse_whitespace: bool = False
+    strip_punctuation: bool = False
 
 
 class ContainsReward(_RewardBase):
@@ -145,12 +163,68 @@ class NumericMatchReward(_RewardBase):
     source: Literal["last_number", "boxed"] = "last_number"
 
 
-RewardSpec = Annotated[
-    PythonReward | ExactMatchReward | ContainsReward | RegexReward | NumericMatchReward,
-    Field(discriminator="type"),
-]
+SingleReward = (
+    PythonReward | ExactMatchReward | ContainsReward | RegexReward | NumericMatchReward | JsonValidReward
+    | JsonSchemaReward | LengthReward | SimilarityReward | StringCheckReward | HttpReward | ScoreModelReward
+)
+"""Every service reward type except multi (a multi's parts)."""
+
+SubRewardName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")]
+
+
+class MultiReward(_RewardBase):
+    """Named sub-rewards combined into one score; each is also reported per step as ``reward/<name>_mean``.
+
+    The combined score is the ``formula`` (service/schemas/formula.py) over
+    the sub-reward names, or else the weighted sum of the sub-rewards
+    (``weights``, 1 for each name left out; not normalised, so give 1/n each
+    for a mean). A sample fails when a sub-reward it needs fails, or when the
+    formula is undefined for it (division by zero, log of 0).
+    """
+
+    type: Literal["multi"] = "multi"
+    rewards: dict[SubRewardName, Annotated[SingleReward, Field(discriminator="type")]] = Field(
+        min_length=1, max_length=MAX_SUB_REWARDS)
+    weights: dict[str, float] | None = None
+    formula: str | None = Field(None, min_length=1, max_length=1000)
+
+    @model_validator(mode="after")
+    def _combination(self) -> MultiReward:
+        if self.weights is not None and self.formula is not None:
+            raise ValueError("give weights or formula, not both")
+        unknown = sorted(set(self.weights or {}) - set(self.rewards))
+        if unknown:
+            raise ValueError(f"weights name {', '.join(map(repr, unknown))}, which are not in rewards")
+        if self.formula is not None:
+            try:
+                compile_formula(self.formula, self.rewards)
+            except FormulaError as e:
+                raise ValueError(f"formula: {e}") from None
+        return self
+
+    def used_names(self) -> list[str]:
+        """The sub-rewards the combined score depends on."""
+        if self.formula is not None:
+            return sorted(compile_formula(self.formula, self.rewards).variables)
+        return [name for name in self.rewards if (self.weights or {}).get(name, 1.0) != 0.0]
+
+
+AnyReward = SingleReward | MultiReward
+
+RewardSpec = Annotated[AnyReward, Field(discriminator="type")]
 """The reward specs the service accepts."""
 
 BuiltinRewardSpec = ExactMatchReward | ContainsReward | RegexReward | NumericMatchReward
 
-SERVICE_REWARD_TYPES = frozenset({"python", "exact_match", "contains", "regex", "numeric_match"})
+SERVICE_REWARD_TYPES = frozenset({
+    "python", "exact_match", "contains", "regex", "numeric_match", "json_valid", "json_schema", "length",
+    "similarity", "string_check", "http", "score_model", "multi",
+})
+
+
+def secret_names(spec) -> set[str]:
+    """The project secrets a reward spec needs (it may hold names, never values)."""
+    if isinstance(spec, MultiReward):
+        return set().union(*(secret_names(s) for s in spec.rewards.values()))
+    name = getattr(spec, "auth_secret", None)
+    return {name} if name else set()

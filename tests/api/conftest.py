@@ -4,6 +4,8 @@ object store in tmp_path, and an `enqueue` that records what it was sent instead
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -58,10 +60,11 @@ def _key(database_url: str, name: str) -> str:
     return key
 
 
-@pytest.fixture
-def api(database_url, tmp_path) -> Api:
+@contextmanager
+def running_api(database_url: str, tmp_path, **settings) -> Iterator[Api]:
+    """The app with two projects' clients; `settings` are extra Settings fields (e.g. egress_allow)."""
     recorder = RecordingEnqueue(database_url)
-    app = create_app(make_settings(database_url, tmp_path), enqueue=recorder)
+    app = create_app(make_settings(database_url, tmp_path, **settings), enqueue=recorder)
 
     def client(key: str | None) -> TestClient:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -70,6 +73,12 @@ def api(database_url, tmp_path) -> Api:
     with client(_key(database_url, "alpha")) as a, client(_key(database_url, "beta")) as b, client(None) as anon:
         yield Api(app=app, client=a, other=b, anonymous=anon, enqueued=recorder, database_url=database_url,
                   store=app.state.store)
+
+
+@pytest.fixture
+def api(database_url, tmp_path) -> Api:
+    with running_api(database_url, tmp_path) as built:
+        yield built
 
 
 def jsonl(rows) -> bytes:

@@ -87,7 +87,8 @@ def test_reinforcement_string_check_maps_onto_cispo(api):
     job = r.json()
     with api.session() as s:
         spec = JobSpec.model_validate(s.scalar(select(Job.spec).where(Job.id == job["id"])))
-    assert spec.reward.model_dump() == {"type": "contains", "field": "answer", "case_sensitive": False}
+    assert spec.reward.model_dump() == {"type": "string_check", "input": "{{sample.output_text}}",
+                                        "reference": "{{ item.answer }}", "operation": "ilike"}
     assert spec.training.batch_size == 2
     assert spec.training.steps == math.ceil(3 * len(TRAIN_ROWS) / 2)
     assert math.isclose(spec.optimizer.lr, 2e-5)
@@ -105,10 +106,11 @@ def test_string_check_operations(api):
                        "reference": "{{item.answer}}", "operation": operation}}}}
         return api.client.post(JOBS, params={"dry_run": "true"}, json=body)
 
-    assert reward("eq").json()["spec"]["reward"] == {"type": "exact_match", "field": "answer",
-                                                     "case_sensitive": True, "strip": False}
-    assert reward("like").json()["spec"]["reward"] == {"type": "contains", "field": "answer", "case_sensitive": True}
-    assert_error(reward("ne"), 400, "method.reinforcement.grader.operation", "not supported")
+    for operation in ("eq", "ne", "like", "ilike"):
+        assert reward(operation).json()["spec"]["reward"] == {
+            "type": "string_check", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
+            "operation": operation}
+    assert_error(reward("contains"), 422, "method.reinforcement.grader.operation")
 
 
 def test_unsupported_graders_and_rft_options_are_refused_by_name(api):
@@ -121,11 +123,14 @@ def test_unsupported_graders_and_rft_options_are_refused_by_name(api):
 
     grader = {"type": "string_check", "name": "g", "input": "{{sample.output_text}}",
               "reference": "{{item.answer}}", "operation": "eq"}
-    error = assert_error(post({"grader": {"type": "python", "name": "p", "source": "x"}}), 400,
-                         "method.reinforcement.grader.type", "not supported")
+    error = assert_error(post({"grader": {"type": "label_model", "name": "p"}}), 400,
+                         "method.reinforcement.grader.type", "label_model", "not supported")
     assert error["param"] == "method.reinforcement.grader.type"
-    assert_error(post({"grader": {**grader, "reference": "{{item.a.b}}"}}), 400, "grader.reference")
-    assert_error(post({"grader": {**grader, "input": "{{sample.output_json}}"}}), 400, "grader.input")
+    assert_error(post({"grader": {"type": "python", "name": "p", "source": "x"}}), 422,
+                 "method.reinforcement.grader.source", "def grade")
+    assert_error(post({"grader": {**grader, "reference": "{{row.a}}"}}), 422, "grader.reference", "row.a")
+    assert_error(post({"grader": {**grader, "input": "{{sample.output_tools}}"}}), 422, "grader.input",
+                 "sample.output_tools")
     assert_error(post({"grader": {**grader, "extra": 1}}), 422, "method.reinforcement.grader.extra", "unknown")
     assert_error(post({"grader": grader, "hyperparameters": {"reasoning_effort": "high"}}), 422,
                  "reasoning_effort", "not supported")

@@ -414,15 +414,6 @@ def test_images_keep_the_repository_layout_for_migrations():
         )
 
 
-def test_images_run_as_a_non_root_user():
-    stages = dockerfile_stages()
-    for target in ("api", "worker"):
-        users = [rest for instr, rest in stage_chain(stages, target) if instr == "USER"]
-        assert users, f"{target} runs as root"
-        user = users[-1].split(":")[0]
-        assert user not in ("root", "0"), f"{target} runs as {user}"
-
-
 def test_image_commands_are_real_cispo_commands():
     stages = dockerfile_stages()
     expected = {"api": "api", "worker": "worker"}
@@ -530,6 +521,10 @@ def test_values_validate_against_the_schema():
         pytest.param(lambda v: v["config"]["extraEnv"].update(DATABASE_URL="x"), id="secret-in-configmap"),
         pytest.param(lambda v: v["worker"].pop("image"), id="missing-image"),
         pytest.param(lambda v: v["api"].update(port="8000"), id="port-as-string"),
+        pytest.param(lambda v: v["config"].update(sandbox="on"), id="sandbox-mode-cispo-does-not-know"),
+        pytest.param(lambda v: v["worker"].pop("containerSecurityContext"), id="worker-without-its-security-context"),
+        pytest.param(lambda v: v["worker"]["containerSecurityContext"].update(appArmorProfile={"type": "unconfined"}),
+                     id="apparmor-type-misspelt"),
     ],
 )
 def test_schema_refuses_wrong_values(mutate):
@@ -882,13 +877,241 @@ def test_home_is_writable_under_a_read_only_root():
             assert set(mounts.values()) <= volumes, f"{path.name}: mounts a volume it does not define"
     assert values["containerSecurityContext"]["readOnlyRootFilesystem"] is True
     assert values["podSecurityContext"]["runAsNonRoot"] is True
+    assert values["worker"]["containerSecurityContext"]["readOnlyRootFilesystem"] is True
 
 
-def test_dockerfile_user_matches_the_chart():
-    stages = dockerfile_stages()
+# -- privileges: only the worker runs as root, with what its sandbox needs ------
+#
+# User Python code runs only in the sandbox of worker/sandbox.py (launched by
+# service/_sandbox_launch.py, probed by service/sandbox_probe.py), which the
+# worker builds as root and which drops the user code to an unprivileged uid.
+# These are the capabilities building it takes; the worker is given exactly these.
+SANDBOX_CAPS = {
+    "SYS_ADMIN",  # unshare() of the network, pid, mount and IPC namespaces; mount()
+    "SYS_CHROOT",  # chroot() into the sandbox's new root
+    "SETUID",  # setuid() to the sandbox uid
+    "SETGID",  # setgroups() and setgid() to the sandbox gid
+    "CHOWN",  # chown() of the sandbox's 0700 directory to the sandbox uid
+    "FOWNER",  # chmod() of that directory once the sandbox uid owns it
+    "DAC_OVERRIDE",  # the probe's look into that directory, its removal afterwards
+    "SYS_PTRACE",  # /proc/PID/ns/pid of the sandbox uid's processes: members(), kill()'s survivor check
+}
+ROOT = ("root", "0")
+
+
+def dockerfile_user(target: str) -> str:
+    """The user (name or uid, without the group) a Dockerfile target runs as; root when it sets none."""
+    users = [rest for instr, rest in stage_chain(dockerfile_stages(), target) if instr == "USER"]
+    return users[-1].split(":")[0] if users else "root"
+
+
+def caps(names) -> set[str]:
+    return {str(n).upper().removeprefix("CAP_") for n in names or []}
+
+
+def test_api_image_runs_as_the_chart_s_non_root_user():
+    user = dockerfile_user("api")
     uid = chart_values()["podSecurityContext"]["runAsUser"]
-    for target in ("api", "worker"):
-        user = [rest for instr, rest in stage_chain(stages, target) if instr == "USER"][-1].split(":")[0]
-        assert user == str(uid), f"{target} runs as {user}, the chart as {uid}"
-    env = " ".join(rest for instr, rest in stage_chain(stages, "api") if instr == "ENV")
+    assert user not in ROOT, f"the api image runs as {user}"
+    assert user == str(uid), f"the api image runs as {user}, the chart's API and migrations as {uid}"
+    env = " ".join(rest for instr, rest in stage_chain(dockerfile_stages(), "api") if instr == "ENV")
     assert f"CISPO_HOME={chart_values()['config']['home']}" in env
+
+
+def test_worker_image_runs_as_root_and_has_the_sandbox_launcher():
+    user = dockerfile_user("worker")
+    assert user in ROOT, f"the worker image runs as {user}: it could not build the sandbox, user code would be refused"
+    runs = " ".join(rest for instr, rest in stage_chain(dockerfile_stages(), "worker") if instr == "RUN")
+    assert re.search(r"""python -c "[^"]*\bshutil\.which\('unshare'""", runs), (
+        "the worker build does not check that `unshare` is there"
+    )
+
+
+def test_compose_worker_has_what_the_sandbox_needs_and_no_more():
+    worker = compose_services()["worker"]
+    user = str(worker.get("user", dockerfile_user("worker"))).split(":")[0]
+    assert user in ROOT, f"the compose worker runs as {user}"
+    assert caps(worker.get("cap_drop")) == {"ALL"}, "the worker keeps Docker's default capabilities"
+    assert caps(worker.get("cap_add")) == SANDBOX_CAPS, f"worker capabilities {sorted(caps(worker.get('cap_add')))}"
+    assert not worker.get("privileged"), "the worker is privileged"
+    opts = [str(o).replace(":", "=", 1) for o in worker.get("security_opt") or []]
+    # docker-default's AppArmor profile denies mount(), SYS_ADMIN or not.
+    assert "apparmor=unconfined" in opts, f"security_opt {opts}"
+    # Docker's default seccomp profile admits unshare/mount to a container with SYS_ADMIN (and
+    # chroot with SYS_CHROOT); it is the only syscall filter the user code runs under: keep it.
+    assert not [o for o in opts if o.startswith("seccomp=")], f"the worker replaces the default seccomp profile: {opts}"
+    for key in ("pid", "ipc", "network_mode", "userns_mode", "cgroup"):
+        assert str(worker.get(key, "")) != "host", f"the worker shares the host's {key}"
+
+
+def test_compose_nothing_but_the_worker_is_privileged():
+    for name, svc in compose_services().items():
+        if name == "worker":
+            continue
+        for key in ("cap_add", "security_opt", "privileged", "devices"):
+            assert not svc.get(key), f"{name} sets {key}"
+        for key in ("pid", "ipc", "network_mode", "userns_mode", "cgroup"):
+            assert str(svc.get(key, "")) != "host", f"{name} shares the host's {key}"
+        if name in APP_SERVICES:
+            user = str(svc.get("user", dockerfile_user(svc["build"]["target"]))).split(":")[0]
+            assert user not in ROOT, f"{name} runs as {user}"
+
+
+def sandbox_branch(body: str, sandbox: str) -> str:
+    """The part of a helper's body that applies when config.sandbox is `sandbox`, if it branches on it."""
+    start = re.search(r'\{\{-?\s*if\s+eq\s+\.Values\.config\.sandbox\s+"off"\s*-?\}\}', body)
+    if not start:
+        return body
+    depth, middle = 1, None
+    for m in _ACTION.finditer(body, start.end()):
+        word = m.group(1).split(" ", 1)[0]
+        if word in ("if", "with", "range", "define", "block"):
+            depth += 1
+        elif word == "else" and depth == 1 and middle is None:
+            middle = m
+        elif word == "end":
+            depth -= 1
+            if depth == 0:
+                assert middle is not None, "the sandbox branch has no else"
+                return body[start.end() : middle.start()] if sandbox == "off" else body[middle.end() : m.start()]
+    pytest.fail("the sandbox branch is not closed")
+
+
+def security_contexts(kind: str, component: str, sandbox: str) -> tuple[dict, dict]:
+    """(pod securityContext, container securityContext) of one workload under config.sandbox = `sandbox`.
+
+    The rendering stand-in drops `toYaml`/`include` lines, so this follows them
+    to their values: the line after each `securityContext:` key, through the
+    _helpers.tpl define it includes, if any.
+    """
+    path, doc, _ = one(kind, component)
+    assert len(containers(doc)) == 1, f"{path.name}: one container expected"
+    lines = _COMMENT.sub("", path.read_text()).splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if line.strip() != "securityContext:":
+            continue
+        following = next(ln.strip() for ln in lines[i + 1 :] if ln.strip())
+        action = _ACTION.fullmatch(following)
+        assert action, f"{path.name}: securityContext is not taken from values.yaml: {following}"
+        expr = action.group(1)
+        include = re.match(r'include\s+"([^"]+)"', expr)
+        source = sandbox_branch(define_body(include.group(1)), sandbox) if include else expr
+        refs = set(re.findall(r"(?:toYaml|:=)\s+\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)", source))
+        assert len(refs) == 1, f"{path.name}: securityContext from {sorted(refs)}"
+        found.append((len(line) - len(line.lstrip()), lookup_values(refs.pop()[1:].split("."))))
+    assert len(found) == 2, f"{path.name}: {len(found)} securityContext keys, expected the pod's and the container's"
+    (_, pod), (_, container) = sorted(found, key=lambda f: f[0])
+    return pod, container
+
+
+def seccomp_type(pod: dict, container: dict) -> str | None:
+    return (container.get("seccompProfile") or pod.get("seccompProfile") or {}).get("type")
+
+
+def assert_unprivileged(where: str, pod: dict, container: dict, uid: int) -> None:
+    assert pod.get("runAsNonRoot") is True, f"{where}: runAsNonRoot is not set"
+    assert pod.get("runAsUser") == uid != 0, f"{where}: runs as {pod.get('runAsUser')}, the api image as {uid}"
+    assert caps((container.get("capabilities") or {}).get("drop")) == {"ALL"}, f"{where}: keeps capabilities"
+    assert not (container.get("capabilities") or {}).get("add"), f"{where}: adds capabilities"
+    assert container.get("allowPrivilegeEscalation") is False, f"{where}: may escalate privileges"
+    assert not container.get("privileged"), f"{where}: privileged"
+    assert container.get("readOnlyRootFilesystem") is True, f"{where}: writable root file system"
+    assert seccomp_type(pod, container) == "RuntimeDefault", f"{where}: seccomp {seccomp_type(pod, container)}"
+    assert "appArmorProfile" not in container, f"{where}: sets an AppArmor profile"
+
+
+def test_chart_api_and_migrations_run_as_the_api_image_s_non_root_user():
+    uid = int(dockerfile_user("api"))
+    for kind, component in (("Deployment", "api"), ("Job", "migrations")):
+        for sandbox in ("auto", "off"):
+            pod, container = security_contexts(kind, component, sandbox)
+            assert_unprivileged(f"{kind} {component}", pod, container, uid)
+
+
+def test_chart_worker_runs_as_root_with_what_the_sandbox_needs():
+    pod, container = security_contexts("Deployment", "worker", chart_values()["config"]["sandbox"])
+    assert pod.get("runAsUser") == 0 and pod.get("runAsNonRoot") is False, f"the worker pod runs as {pod}"
+    assert str(pod.get("runAsGroup", 0)) == "0"
+    capabilities = container.get("capabilities") or {}
+    assert caps(capabilities.get("drop")) == {"ALL"}, "the worker keeps the runtime's default capabilities"
+    assert caps(capabilities.get("add")) == SANDBOX_CAPS, f"worker capabilities {sorted(caps(capabilities.get('add')))}"
+    assert not container.get("privileged"), "the worker is privileged"
+    # Kubernetes: privilege escalation is always possible with SYS_ADMIN, and the API refuses
+    # allowPrivilegeEscalation: false next to CAP_SYS_ADMIN; false would be a claim, not a fact.
+    assert container.get("allowPrivilegeEscalation") is not False
+    assert container.get("readOnlyRootFilesystem") is True
+    # The runtimes' default AppArmor profiles deny mount(), SYS_ADMIN or not.
+    assert (container.get("appArmorProfile") or {}).get("type") == "Unconfined"
+    # The runtime's default seccomp profile admits unshare/mount with SYS_ADMIN; it is the user
+    # code's only syscall filter, so it stays.
+    assert seccomp_type(pod, container) == "RuntimeDefault", f"the worker's seccomp: {seccomp_type(pod, container)}"
+    # Before Kubernetes 1.30 the AppArmor field does not exist: the pod annotation, for this container.
+    text = (TEMPLATES / "worker-deployment.yaml").read_text()
+    annotations = text.split("annotations:", 1)[1].split("spec:", 1)[0]
+    assert 'include "cispo.workerAppArmorAnnotation"' in annotations, "no AppArmor annotation for clusters before 1.30"
+    annotation = define_body("cispo.workerAppArmorAnnotation")
+    (c,) = containers(one("Deployment", "worker")[1])
+    assert f"container.apparmor.security.beta.kubernetes.io/{c['name']}:" in annotation
+    assert '"<1.30-0"' in annotation and '"<1.30-0"' in define_body("cispo.workerContainerSecurityContext")
+
+
+def test_chart_worker_without_the_sandbox_is_as_strict_as_the_api():
+    assert security_contexts("Deployment", "worker", "off") == security_contexts("Deployment", "api", "off")
+    annotation = define_body("cispo.workerAppArmorAnnotation")
+    assert re.search(r'ne\s+\.Values\.config\.sandbox\s+"off"', annotation), "AppArmor unconfined with the sandbox off"
+
+
+def _walk(node, path=()):
+    yield path, node
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, path + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, path + (i,))
+
+
+def test_nothing_else_in_the_chart_is_privileged():
+    root_contexts = {}
+    for kind, component in (("Deployment", "api"), ("Job", "migrations"), ("Deployment", "worker")):
+        for sandbox in ("auto", "off"):
+            pod, container = security_contexts(kind, component, sandbox)
+            if pod.get("runAsUser") == 0 or pod.get("runAsNonRoot") is not True or (container.get("capabilities") or {}).get("add"):
+                root_contexts[(kind, component, sandbox)] = pod
+    assert set(root_contexts) == {("Deployment", "worker", "auto")}, f"root or capabilities in {sorted(root_contexts)}"
+    # values.yaml: root and added capabilities only in the worker's contexts, privileged nowhere
+    for path, node in _walk(chart_values()):
+        where = ".".join(map(str, path))
+        if path and path[-1] == "privileged":
+            assert node is not True, f"{where} is true"
+        if path and path[-1] == "add":
+            assert path[:2] == ("worker", "containerSecurityContext"), f"capabilities added at {where}"
+        if path and path[-1] in ("runAsUser", "runAsGroup") and node == 0:
+            assert path[:2] == ("worker", "podSecurityContext"), f"{where} is root"
+    # the manifests: no host namespaces, host paths or inline security settings
+    for path, doc, _ in manifests():
+        if doc["kind"] not in ("Deployment", "Job"):
+            continue
+        spec = doc["spec"]["template"]["spec"]
+        for key in ("hostPID", "hostIPC", "hostNetwork", "hostUsers"):
+            assert key not in spec, f"{path.name} sets {key}"
+        assert not [v for v in spec.get("volumes", []) if "hostPath" in v], f"{path.name} mounts a host path"
+    for path in template_files("*.yaml") + template_files("*.tpl"):
+        text = _COMMENT.sub("", path.read_text())
+        for word in ("privileged: true", "SYS_ADMIN", "hostPath", "Unconfined", "runAsUser: 0"):
+            assert word not in text, f"{path.name} writes {word!r} itself; it belongs in values.yaml"
+
+
+def test_sandbox_setting_is_one_cispo_knows():
+    from typing import get_args
+
+    from service.settings import Settings
+
+    known = set(get_args(Settings.model_fields["sandbox"].annotation))
+    enum = set(values_schema()["properties"]["config"]["properties"]["sandbox"]["enum"])
+    assert {"auto", "off"} <= enum <= known, f"config.sandbox allows {sorted(enum)}, Settings {sorted(known)}"
+    assert chart_values()["config"]["sandbox"] == "auto"
+    assert re.search(r"^CISPO_SANDBOX:\s*\{\{\s*\.Values\.config\.sandbox\b", define_body("cispo.config"), re.M)
+    for name in APP_SERVICES:
+        assert service_env(compose_services()[name]).get("CISPO_SANDBOX") == "auto", f"{name}: CISPO_SANDBOX"

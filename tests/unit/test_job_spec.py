@@ -41,9 +41,9 @@ def test_minimal_spec_gets_defaults():
     assert isinstance(job.schedule, ConstantSchedule)
 
 
-@pytest.mark.parametrize("missing", ["model", "data", "reward"])
+@pytest.mark.parametrize("missing", ["model", "data"])
 def test_required_fields(missing):
-    """model, data and reward have no default; the error's loc names the missing one."""
+    """model and data have no default; the error's loc names the missing one."""
     spec = _spec()
     del spec[missing]
     with pytest.raises(ValidationError) as info:
@@ -138,3 +138,25 @@ def test_reward_path_must_be_module_colon_function():
     """reward.path without ':function' is refused at reward.import.path."""
     errors = _errors(reward={"type": "import", "path": "pkg.mod"})
     assert [(e["type"], e["loc"]) for e in errors] == [("string_pattern_mismatch", ("reward", "import", "path"))]
+
+
+def test_exactly_one_of_reward_or_environment():
+    """Neither or both is refused with a message naming both fields; an environment alone is a valid job."""
+    env = {"type": "http", "url": "https://env.example.com/api/"}
+    spec = _spec()
+    del spec["reward"]
+    with pytest.raises(ValidationError, match="exactly one of reward .* or environment"):
+        JobSpec.model_validate(spec)
+    with pytest.raises(ValidationError, match="exactly one of reward .* or environment"):
+        JobSpec.model_validate(_spec(environment=env))
+    job = JobSpec.model_validate({**spec, "environment": env, "training": {"max_turns": 8},
+                                  "advantages": {"per_turn": True}})
+    assert job.reward is None and job.environment.url == "https://env.example.com/api"
+    assert job.training.max_turns == 8 and job.advantages.per_turn
+
+
+def test_max_turns_bounds_and_reward_jobs_are_single_turn():
+    assert _errors(training={"max_turns": 65})[0]["loc"] == ("training", "max_turns")
+    assert _errors(training={"max_turns": 0})[0]["loc"] == ("training", "max_turns")
+    with pytest.raises(ValidationError, match="max_turns is 2, but a reward function scores a single turn"):
+        JobSpec.model_validate(_spec(training={"max_turns": 2}))

@@ -28,12 +28,14 @@ def make_settings(tmp_path, database_url) -> Settings:
                     heartbeat_s=0.2, lease_ttl_s=30)
 
 
-def submit(settings: Settings, toy_dir, **training) -> str:
+def submit(settings: Settings, toy_dir, *, reward: dict | None = None, **training) -> str:
     """A queued job on the toy task, its dataset already uploaded, as the API would leave it."""
     store = open_store(settings.resolved_storage_url())
     store.put_file("files/file-train", toy_dir / "train.jsonl")
     store.put_file("files/file-val", toy_dir / "val.jsonl")
     raw = toy_spec(toy_dir)
+    if reward is not None:
+        raw["reward"] = reward
     raw["data"] = {"train_file": "file-train", "validation_file": "file-val"}
     raw["training"].update({"batch_size": 4, "group_size": 4, "micro_batch_size": 16, "mini_batches": 2,
                             "eval_interval": 0, "eval_max_rows": 8, "checkpoint_interval": 2, **training})
@@ -191,3 +193,85 @@ def test_reconciler_resends_a_job_whose_message_was_lost(database_url, toy_dir, 
     assert reconciler.reconcile_once(settings, resend_after_s=3600, sent=memory) == []  # too young to worry
     assert reconciler.reconcile_once(settings, resend_after_s=-1, sent=memory) == [job_id]
     assert sent == [job_id]
+
+
+# -- reward errors and secrets -------------------------------------------------------
+
+
+def _events(database_url, job_id) -> list[JobEvent]:
+    with session_factory(database_url).begin() as s:
+        rows = list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq)))
+        s.expunge_all()
+        return rows
+
+
+def test_reward_errors_become_warn_events(database_url, toy_dir, tmp_path):
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=2,
+                    reward={"type": "import", "path": "tests.trainer.test_reward_errors:fails_on_answer_a"})
+    assert run_job(job_id, settings) == "succeeded"
+    warns = [e for e in _events(database_url, job_id) if e.level == "warn"]
+    assert warns, "the toy data has answers 'a' in most batches"
+    for e in warns:
+        assert e.message.startswith(f"Reward errors at step {e.data['step']}: ")
+        assert "ValueError: no reward for a (x" in e.message
+        assert e.data["errors"] == [{"message": "ValueError: no reward for a", "count": e.data["reward_errors"]}]
+
+
+def test_a_broken_reward_fails_the_job_with_reward_error_rate(database_url, toy_dir, tmp_path):
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=3,
+                    reward={"type": "import", "path": "tests.trainer.test_reward_errors:always_fails"})
+    assert run_job(job_id, settings) == "failed"
+    job = job_row(settings, job_id)
+    assert job.error_code == "reward_error_rate" and job.steps_done == 0
+    assert job.error_message == ("reward function failed on 100% of samples at step 1 (threshold 50%; 16 of 16): "
+                                 "ZeroDivisionError: division by zero")
+    events = _events(database_url, job_id)
+    warn = next(e for e in events if e.level == "warn")
+    assert warn.data["errors"] == [{"message": "ZeroDivisionError: division by zero", "count": 16}]
+    assert events[-1].level == "error" and events[-1].message.startswith("Job failed: reward function failed on 100%")
+
+
+def test_the_worker_resolves_the_secret_and_never_records_it(database_url, toy_dir, tmp_path):
+    from service.db.models import Secret
+    from tests.worker.reward_servers import reward_server
+
+    settings = make_settings(tmp_path, database_url).model_copy(update={"egress_allow": "127.0.0.1"})
+    with reward_server() as (base, rec):
+        job_id = submit(settings, toy_dir, steps=1,
+                        reward={"type": "http", "url": f"{base}/good", "auth_secret": "grader", "batch_size": 64})
+        with session_factory(database_url).begin() as s:
+            project_id = jobs.get_for_worker(s, job_id).project_id
+            s.add(Secret(project_id=project_id, name="grader", value="Bearer sk-very-secret"))
+        assert run_job(job_id, settings) == "succeeded"
+    assert rec.requests and {r["headers"]["Authorization"] for r in rec.requests} == {"Bearer sk-very-secret"}
+    job = job_row(settings, job_id)
+    recorded = str(job.spec) + "".join(f"{e.message}{e.data}" for e in _events(database_url, job_id))
+    assert "grader" in str(job.spec) and "sk-very-secret" not in recorded
+
+
+def test_a_missing_secret_fails_the_job_by_name(database_url, toy_dir, tmp_path):
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=1,
+                    reward={"type": "http", "url": "https://example.com/score", "auth_secret": "gone"})
+    assert run_job(job_id, settings) == "failed"
+    job = job_row(settings, job_id)
+    assert job.error_code == "invalid_job" and "needs the secret 'gone'" in job.error_message
+
+
+def test_repeated_reward_errors_are_throttled_but_new_ones_are_shown(tmp_path):
+    from worker.job_runner import REWARD_WARN_EVERY, JobReporter
+
+    reporter = JobReporter(None, None, "ftjob-x", 1, Settings(home=tmp_path), total_steps=100)
+    shown = []
+    reporter.event = lambda message, **kw: shown.append((kw["data"]["step"], message))
+    long_message = "ValueError: " + "x" * 500
+    for step in range(1, 26):
+        reporter.on_reward_errors(step, ["KeyError: 'a'"] * 3 + ([long_message] if step == 5 else []))
+    assert [s for s, _ in shown] == [1, 5, 5 + REWARD_WARN_EVERY, 5 + 2 * REWARD_WARN_EVERY]
+    first, fifth = shown[0][1], shown[1][1]
+    assert first == "Reward errors at step 1: 3 samples failed to score: KeyError: 'a' (x3)"
+    assert "(x1)" in fifth and len(fifth) < 400  # each message is truncated
+    reporter.on_reward_errors(26, [f"E{i}: boom" for i in range(8)])
+    assert shown[-1][1].endswith("; and 3 other distinct errors")

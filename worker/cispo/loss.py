@@ -6,6 +6,10 @@ Per action token t of sequence i:
     w     = min(ratio, ratio_max)          detached; no lower bound (paper §3.1)
     loss  = -w * A_i * logp  [+ beta * k3(ref, logp)]
 
+A_i may also be given per token (multi-turn episodes with per-turn
+advantages, worker/cispo/turn_advantages.py). Tokens outside the action mask
+(prompt, environment turns, padding) get exactly zero gradient.
+
 Unlike PPO/GRPO clipping, the weight is clipped, not the update, so every
 token keeps a gradient. The paper sets the lower bound out of reach and
 tunes only the upper one; ratio_max is absolute (5.0 by default, see the
@@ -32,7 +36,7 @@ from torch import Tensor
 class LossInputs:
     logprobs_BT: Tensor  # current policy, carries the gradient
     old_logprobs_BT: Tensor  # policy that sampled the batch (frozen at rollout)
-    advantages_B: Tensor
+    advantages_B: Tensor  # (B,) per sequence, or (B, T) per token (per-turn advantages)
     action_mask_BT: Tensor  # 1 for generated tokens that are trained on
     ref_logprobs_BT: Tensor | None = None  # reference policy, when computed
 
@@ -68,7 +72,9 @@ def cispo_loss(
     log_ratio = (logp.detach() - inputs.old_logprobs_BT).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(max=ratio_max)  # detached: built from logp.detach()
-    per_token = -weight * inputs.advantages_B[:, None].to(logp.dtype) * logp
+    adv = inputs.advantages_B.to(logp.dtype)
+    adv_BT = adv[:, None] if adv.ndim == 1 else adv
+    per_token = -weight * adv_BT * logp
 
     kl_ref = None
     if inputs.ref_logprobs_BT is not None:
@@ -90,7 +96,7 @@ def cispo_loss(
             "tokens": mask.sum(),
             "clipped": ((ratio > ratio_max) & active).sum().to(logp.dtype),
             "kl_old": (k3_kl(logp.detach(), inputs.old_logprobs_BT) * mask).sum(),
-            "pg_loss": (-weight * inputs.advantages_B[:, None] * logp.detach() * mask).sum(),
+            "pg_loss": (-weight * adv_BT * logp.detach() * mask).sum(),
         }
         if kl_ref is not None:
             sums["kl_ref"] = (kl_ref.detach() * mask).sum()

@@ -1,7 +1,8 @@
-"""Reward scoring for the worker: builtin verifiers (in-process) and sandboxed user Python.
+"""Reward scoring: builtin verifiers and graders (in-process), sandboxed user Python, remote endpoints.
 
-Torch-free. ``worker.trainer.rewards`` turns a job's reward spec into a Scorer
-built from these.
+Torch-free. ``engine.build_scorer`` turns any service reward spec into a
+BatchScorer; ``worker.trainer.rewards`` wraps it for the trainer, and
+``runner`` serves the API's reward tests from a subprocess.
 """
 
 from worker.rewards.builtins import BUILTINS, builtin_reward

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from service.schemas.templates import SampleParseError, TemplateError
+
 MAX_MESSAGE_CHARS = 200
 
 # Substrings (checked in order) -> kind.
@@ -53,8 +55,6 @@ def error_kind(message: str) -> str:
 
 def describe(exc: BaseException) -> str:
     """A sample's error message: our own errors as they are, anything else as 'Type: message'."""
-    from service.schemas.templates import SampleParseError, TemplateError
-
     if isinstance(exc, (ScoringError, TemplateError, SampleParseError)):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"

@@ -1,7 +1,8 @@
 """The CISPO training loop, top to bottom.
 
 Each trainer step: draw batch_size prompts -> sample group_size completions
-each -> reward -> group-relative advantages -> update_epochs x mini_batches
+each (episodes of up to max_turns turns when the job has an environment) ->
+reward -> group-relative advantages -> update_epochs x mini_batches
 CISPO optimizer steps on that batch (logp_old frozen at rollout) -> metrics
 -> evaluation and checkpoint when due.
 
@@ -22,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from service.schemas.job_spec import JobSpec
 from worker.checkpoint import (
@@ -34,10 +36,13 @@ from worker.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from worker.cispo import group_advantages
 from worker.trainer.data import PromptSampler, load_splits
 from worker.trainer.policy import REFERENCE, Policy, load_policy
-from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, make_scorer
+from worker.rewards.engine import ScoringContext
+from worker.rewards.errors import RewardErrorRateExceeded, error_rate_message
+from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, Scores, component_metrics, make_scorer
+from worker.envs import Environment, make_environment
+from worker.trainer.feedback import Feedback, assign_advantages, collect_feedback
 from worker.trainer.rollout import generate
 from worker.trainer.schedule import lr_multiplier
 from worker.trainer.update import Updater
@@ -51,12 +56,15 @@ class Callbacks(Protocol):
     def on_eval(self, step: int, metrics: dict[str, float]) -> None: ...
     def on_checkpoint(self, step: int, path: Path) -> None: ...
     def should_stop(self) -> bool: ...
+    # Optional: on_reward_errors(step, errors: list[str]), the messages of a step's samples that failed to
+    # score (callbacks without it are skipped, see _report_reward_errors).
 
 
 class NoCallbacks:
     def on_step(self, step, metrics): pass
     def on_eval(self, step, metrics): pass
     def on_checkpoint(self, step, path): pass
+    def on_reward_errors(self, step, errors): pass
     def should_stop(self): return False
 
 
@@ -77,6 +85,10 @@ def seed_everything(seed: int) -> None:
 
 def _resume_mismatch(saved: dict, spec: JobSpec) -> list[str]:
     now = spec.model_dump(mode="json")
+    try:  # fields added to the spec since the checkpoint, at their defaults, are not changes
+        saved = JobSpec.model_validate(saved).model_dump(mode="json")
+    except ValidationError:
+        pass
     # Dataset files may live at another path on another worker; what they hold is the job's.
     now["data"] = {**now["data"], "train_file": None, "validation_file": None}
     saved = {**saved, "data": {**saved.get("data", {}), "train_file": None, "validation_file": None}}
@@ -92,11 +104,24 @@ def _resume_mismatch(saved: dict, spec: JobSpec) -> list[str]:
 class Trainer:
     """Composes policy, data, reward, updater and checkpoints for one job."""
 
-    def __init__(self, spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None, resume: bool = True):
+    def __init__(self, spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None, resume: bool = True,
+                 scoring: ScoringContext | None = None, environment: Environment | None = None):
+        """`reward_fn` / `environment`: trusted in-process stand-ins for the spec's reward or environment."""
         self.spec, self.output_dir = spec, Path(output_dir)
         self.checkpoint_root = self.output_dir / "checkpoints"
         seed_everything(spec.seed)
-        self.scorer: Scorer = InProcessScorer.from_callable(reward_fn) if reward_fn else make_scorer(spec.reward)
+        self.callbacks: Callbacks = NoCallbacks()
+        self.environment: Environment | None = None
+        self.scorer: Scorer | None = None
+        if reward_fn is not None:
+            self.scorer = InProcessScorer.from_callable(reward_fn)
+        elif environment is not None:
+            self.environment = environment
+        elif spec.environment is not None:
+            self.environment = make_environment(spec.environment, egress=scoring.egress if scoring else None,
+                                                secrets=scoring.secrets if scoring else None)
+        else:
+            self.scorer = make_scorer(spec.reward, scoring)
         self.train_rows, self.val_rows = load_splits(spec.data, seed=spec.seed)
 
         found = latest_checkpoint(self.checkpoint_root) if resume else None
@@ -124,14 +149,23 @@ class Trainer:
 
     # -- phases ---------------------------------------------------------------
 
+    def _episodes(self, seeds: list[int]) -> dict:
+        """generate()'s environment arguments: none for a reward-function job."""
+        if self.environment is None:
+            return {}
+        return {"environment": self.environment, "max_turns": self.spec.training.max_turns, "seeds": seeds}
+
     def evaluate(self) -> dict[str, float]:
         """Greedy completions on the held-out rows (or the first training rows when there are none)."""
         rows = (self.val_rows or self.train_rows)[: self.spec.training.eval_max_rows]
-        rollout = generate(self.policy, rows, self.spec.sampling, group_size=1, greedy=True)
-        scores = self.scorer.score(rollout.completions, rollout.rows, failure_score=self.spec.training.reward_failure_score)
+        seeds = [(self.spec.seed + i) % 2**31 for i in range(len(rows))]  # the same episodes at every evaluation
+        rollout = generate(self.policy, rows, self.spec.sampling, group_size=1, greedy=True, **self._episodes(seeds))
+        feedback = collect_feedback(rollout, self.scorer, failure_score=self.spec.training.reward_failure_score)
         return {
-            "eval_reward_mean": float(scores.rewards.mean()),
-            "eval_completion_length": sum(map(len, rollout.completion_ids)) / len(rollout),
+            "eval_reward_mean": float(feedback.rewards.mean()),
+            "eval_reward_errors": float(len(feedback.errors)),
+            "eval_completion_length": sum(rollout.action_counts) / len(rollout),
+            "eval_turns_mean": sum(rollout.turns) / len(rollout),
             "eval_rows": float(len(rows)),
         }
 
@@ -143,33 +177,39 @@ class Trainer:
             group["lr"] = lr
 
         rows = self.sampler.next_batch(tc.batch_size)
-        rollout = generate(self.policy, rows, spec.sampling, group_size=tc.group_size)
+        # Episode seeds come from the job's RNG (saved in checkpoints), one per prompt, shared by its group.
+        seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist() if self.environment is not None else []
+        rollout = generate(self.policy, rows, spec.sampling, group_size=tc.group_size, **self._episodes(seeds))
         rollout_s = time.perf_counter() - started
 
-        scores = self.scorer.score(rollout.completions, rollout.rows, failure_score=tc.reward_failure_score)
+        feedback = collect_feedback(rollout, self.scorer, failure_score=tc.reward_failure_score)
+        self._check_reward_errors(self.step + 1, feedback, len(rollout))
+        rewards = feedback.rewards
         adv = spec.advantages
-        advantages_PG, zero_P = group_advantages(
-            scores.rewards.view(tc.batch_size, tc.group_size), scale=adv.scale, eps=adv.eps, clip=adv.clip
-        )
+        advantages = assign_advantages(rollout, feedback, adv, tc.group_size)
+        advantages_PG, zero_P = advantages.episode_PG, advantages.zero_P
         keep_P = ~zero_P if adv.drop_zero_groups else torch.ones_like(zero_P)
         indices = [i for i in range(len(rollout)) if keep_P[i // tc.group_size]]
 
         update_started = time.perf_counter()
-        stats = self.updater.run(rollout, advantages_PG.flatten(), indices)
+        stats = self.updater.run(rollout, advantages.per_token, indices)
         update_s = time.perf_counter() - update_started
         step_s = time.perf_counter() - started
 
-        completion_tokens = sum(map(len, rollout.completion_ids))
-        all_tokens = completion_tokens + sum(map(len, rollout.prompt_ids))
+        completion_tokens = sum(rollout.action_counts)
+        all_tokens = sum(map(len, rollout.token_ids))
         self.step += 1
         return {
-            "reward_mean": float(scores.rewards.mean()),
-            "reward_std": float(scores.rewards.std(unbiased=False)),
-            "reward_errors": float(len(scores.errors)),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)),
+            "reward_errors": float(len(feedback.errors)),
+            "reward_error_fraction": len(feedback.errors) / len(rollout),
+            **(component_metrics(feedback.scores) if feedback.scores is not None else {}),
             "advantage_mean": float(advantages_PG.mean()),
             "advantage_std": float(advantages_PG.std(unbiased=False)),
             "zero_advantage_group_fraction": float(zero_P.float().mean()),
             "completion_length_mean": completion_tokens / len(rollout),
+            "turns_mean": sum(rollout.turns) / len(rollout),
             "truncated_fraction": sum(rollout.truncated) / len(rollout),
             "lr": lr,
             **stats.metrics(),
@@ -179,6 +219,18 @@ class Trainer:
             "sampled_tokens_per_second": completion_tokens / max(rollout_s, 1e-9),
             "tokens_per_second": all_tokens / max(step_s, 1e-9),
         }
+
+    def _check_reward_errors(self, step: int, scores: Scores | Feedback, samples: int) -> None:
+        """Report a step's reward errors; stop the job when more than the threshold's share of samples failed."""
+        if not scores.errors:
+            return
+        report = getattr(self.callbacks, "on_reward_errors", None)
+        if report is not None:
+            report(step, scores.errors)
+        threshold = self.spec.training.reward_error_threshold
+        if len(scores.errors) > threshold * samples:
+            message = error_rate_message(step, len(scores.errors), samples, threshold, scores.errors)
+            raise RewardErrorRateExceeded(message)
 
     def save(self) -> Path:
         rng_json, rng_tensors = capture_rng()
@@ -204,10 +256,12 @@ class Trainer:
         try:
             return self._run(callbacks)
         finally:
-            self.scorer.close()  # stops a sandboxed reward's child process
+            for owner in (self.scorer, self.environment):  # sandboxed children, connection pools
+                if owner is not None:
+                    owner.close()
 
     def _run(self, callbacks: Callbacks | None) -> TrainResult:
-        cb = callbacks or NoCallbacks()
+        cb = self.callbacks = callbacks or NoCallbacks()
         tc = self.spec.training
         first_eval = last_eval = None
         if self.step == 0:
@@ -230,5 +284,6 @@ class Trainer:
 
 
 def train(spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None,
-          callbacks: Callbacks | None = None, resume: bool = True) -> TrainResult:
-    return Trainer(spec, output_dir, reward_fn=reward_fn, resume=resume).run(callbacks)
+          callbacks: Callbacks | None = None, resume: bool = True,
+          scoring: ScoringContext | None = None) -> TrainResult:
+    return Trainer(spec, output_dir, reward_fn=reward_fn, resume=resume, scoring=scoring).run(callbacks)

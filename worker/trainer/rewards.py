@@ -1,25 +1,22 @@
 """Scoring a rollout with the job's reward.
 
-``make_scorer(spec.reward)`` gives a Scorer for the job:
+``make_scorer(spec.reward, context)`` gives a Scorer for the job:
 
 - ``import``: a trusted callable imported into this process (local CLI runs only;
   the service refuses this type);
-- builtins (``exact_match``, ``contains``, ``regex``, ``numeric_match``): our own
-  pure functions, in-process;
-- ``python``: user source, run in a sandboxed child process
-  (worker/rewards/sandbox.py), never in this one.
+- every service type (builtins, templates, python, http, score_model, multi):
+  the torch-free engine in worker/rewards/engine.py, which keeps user Python
+  in a sandboxed child process and remote calls behind the egress policy.
 
 A reward that raises, times out, or returns something that is not a finite
 number gives that sample the job's failure score and is counted, never
 crashes the step or poisons the advantages with NaN. Close the scorer when
-the job ends: it owns the sandbox child.
+the job ends: it owns the sandbox children.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -27,16 +24,18 @@ import torch
 
 from service.schemas.job_spec import ImportReward, Reward
 from service.schemas.rewards import PythonReward
-from worker.rewards.builtins import builtin_reward
-from worker.rewards.sandbox import PythonRewardProcess
+from worker.rewards.engine import FunctionBatchScorer, ScoringContext, as_score, build_scorer
+from worker.rewards.outcome import BatchScorer, Outcome
 
 RewardFn = Callable[..., float]  # fn(completion, **row) -> float
+_as_score = as_score  # kept for callers of the old name
 
 
 @dataclass
 class Scores:
     rewards: torch.Tensor  # (sequences,)
     errors: list[str] = field(default_factory=list)  # one message per failed sample
+    components: dict[str, list[float | None]] = field(default_factory=dict)  # a multi reward's parts
 
 
 class Scorer(Protocol):
@@ -44,55 +43,51 @@ class Scorer(Protocol):
     def close(self) -> None: ...
 
 
-def _as_score(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"returned {type(value).__name__}, not a number")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"returned {value}")
-    return value
+def component_metrics(scores: Scores) -> dict[str, float]:
+    """``reward/<name>_mean`` over the samples each part scored, and ``reward/<name>_errors``."""
+    metrics = {}
+    for name, values in scores.components.items():
+        ok = [v for v in values if v is not None]
+        if ok:
+            metrics[f"reward/{name}_mean"] = sum(ok) / len(ok)
+        metrics[f"reward/{name}_errors"] = float(len(values) - len(ok))
+    return metrics
 
 
-class InProcessScorer:
-    """Calls ``fn(completion, row)`` here, for each sample: trusted code only (our builtins, 'import' rewards)."""
+class EngineScorer:
+    """A BatchScorer's Outcome as tensors, failed samples set to the failure score."""
+
+    def __init__(self, batch: BatchScorer):
+        self.batch = batch
+
+    def score(self, completions: list[str], rows: list[dict], *, failure_score: float) -> Scores:
+        outcome: Outcome = self.batch.score(completions, rows)
+        rewards = [failure_score if s is None else s for s in outcome.scores]
+        return Scores(rewards=torch.tensor(rewards, dtype=torch.float32), errors=outcome.error_list(),
+                      components={n: part.scores for n, part in outcome.components.items()})
+
+    def close(self) -> None:
+        self.batch.close()
+
+
+class InProcessScorer(EngineScorer):
+    """Calls ``fn(completion, row)`` here, for each sample: trusted code only ('import' rewards, tests)."""
 
     def __init__(self, fn: Callable[[str, dict], Any]):
-        self.fn = fn
+        super().__init__(FunctionBatchScorer(fn))
 
     @classmethod
     def from_callable(cls, fn: RewardFn) -> InProcessScorer:
         """For a ``fn(completion, **row)`` reward, as 'import' names and tests pass."""
         return cls(lambda completion, row: fn(completion, **row))
 
-    def score(self, completions: list[str], rows: list[dict], *, failure_score: float) -> Scores:
-        rewards, errors = [], []
-        for completion, row in zip(completions, rows, strict=True):
-            try:
-                value = _as_score(self.fn(completion, row))
-            except Exception as e:  # any failure is the sample's, not the job's
-                errors.append(f"{type(e).__name__}: {e}")
-                value = failure_score
-            rewards.append(value)
-        return Scores(rewards=torch.tensor(rewards, dtype=torch.float32), errors=errors)
 
-    def close(self) -> None:
-        pass
+class SandboxScorer(EngineScorer):
+    """A top-level ``python`` reward; ``process`` is its PythonRewardProcess."""
 
-
-class SandboxScorer:
-    """User Python source, scored batch by batch in a PythonRewardProcess child."""
-
-    def __init__(self, process: PythonRewardProcess):
-        self.process = process
-
-    def score(self, completions: list[str], rows: list[dict], *, failure_score: float) -> Scores:
-        result = self.process.score(completions, rows)
-        rewards = [failure_score if s is None else s for s in result.scores]
-        errors = [e for e in result.errors if e is not None]
-        return Scores(rewards=torch.tensor(rewards, dtype=torch.float32), errors=errors)
-
-    def close(self) -> None:
-        self.process.close()
+    @property
+    def process(self):
+        return self.batch.process
 
 
 def resolve_import(spec: ImportReward) -> RewardFn:
@@ -106,9 +101,8 @@ def resolve_import(spec: ImportReward) -> RewardFn:
     return fn
 
 
-def make_scorer(spec: Reward) -> Scorer:
+def make_scorer(spec: Reward, context: ScoringContext | None = None) -> Scorer:
     if isinstance(spec, ImportReward):
         return InProcessScorer.from_callable(resolve_import(spec))
-    if isinstance(spec, PythonReward):
-        return SandboxScorer(PythonRewardProcess(spec.source, spec.entry_point))
-    return InProcessScorer(builtin_reward(spec))
+    batch = build_scorer(spec, context)
+    return SandboxScorer(batch) if isinstance(spec, PythonReward) else EngineScorer(batch)

@@ -1,13 +1,41 @@
-"""Rollouts with transformers generation: group_size completions per prompt."""
+"""Rollouts with transformers generation: group_size episodes per prompt, one or more turns each.
+
+One path for both kinds of job. Without an environment an episode is one
+assistant turn after the row's prompt (the reward function then scores the
+completion). With one, an episode starts from reset's observation (or the
+row's prompt), and each turn the assistant's text goes to env.step, whose
+observation is appended as the next user turn, until the environment ends
+the episode, max_turns is reached, or the next turn would not fit in
+max_model_len. Generation is batched across the episodes still running.
+
+Each sequence keeps its full token ids and an action mask: 1 on the ids the
+policy generated (kept verbatim, never re-tokenized), 0 on the prompt and on
+environment turns, which therefore never get a gradient.
+
+``truncated`` flags an episode cut by a length limit: a turn that reached its
+token budget (max_output_tokens, or what is left of max_model_len) without
+EOS, or an environment turn that would not fit. A turn cut by
+max_output_tokens still goes to the environment, which decides what it is
+worth; an environment failure ends that episode only (``errors``).
+
+Prompts: without an environment a string prompt is tokenized as is
+(completion style, as single-turn jobs always were) and a message list goes
+through the chat template; with one, every observation is a chat turn.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
 import torch
 
 from service.schemas.job_spec import SamplingSpec
+from worker.envs.protocol import Environment
 from worker.trainer.policy import Policy
+from worker.trainer.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
+
+__all__ = ["Rollout", "generate", "encode_prompt"]
 
 
 @dataclass
@@ -15,20 +43,60 @@ class Rollout:
     """One rollout batch; sequence i belongs to prompt i // group_size."""
 
     rows: list[dict]  # per sequence
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]  # up to and including EOS when it was sampled
-    completions: list[str]
-    truncated: list[bool]  # stopped by the token budget, not by EOS
+    token_ids: list[list[int]]  # prompt, actions and environment turns, in order
+    action_mask: list[list[int]]  # 1 where the policy generated the token
+    action_turns: list[list[int]]  # the turn index of each action token, in order
+    prompt_lengths: list[int]
+    completions: list[str]  # the last action's text (what a reward function scores)
+    truncated: list[bool]
+    turns: list[int]  # assistant turns taken
+    turn_rewards: list[list[float]] = field(default_factory=list)  # environment rewards, per turn
+    errors: list[str | None] = field(default_factory=list)  # an environment failure ended the episode
 
     def __len__(self) -> int:
-        return len(self.completion_ids)
+        return len(self.token_ids)
+
+    @property
+    def action_counts(self) -> list[int]:
+        return [len(t) for t in self.action_turns]
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
-    if isinstance(prompt, str):
-        return tokenizer(prompt)["input_ids"]
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+class _Episode:
+    def __init__(self, row: dict, episode_id: str):
+        self.row, self.id = row, episode_id
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.action_turns: list[int] = []
+        self.history: list[dict] = []
+        self.prompt_length = 0
+        self.completion = ""
+        self.truncated = False
+        self.turns = 0
+        self.rewards: list[float] = []
+        self.error: str | None = None
+        self.done = False
+
+    def append(self, ids: list[int], *, turn: int | None) -> None:
+        self.ids += ids
+        self.mask += [0 if turn is None else 1] * len(ids)
+        if turn is not None:
+            self.action_turns += [turn] * len(ids)
+
+    def fail(self, message: str) -> None:
+        self.error, self.done = message, True
+
+
+def _sample(policy: Policy, seqs: list[list[int]], max_new: int, knobs: dict, sampling: SamplingSpec) -> list[list[int]]:
+    tok = policy.tokenizer
+    batch = tok.pad({"input_ids": seqs}, padding=True, return_tensors="pt").to(policy.device)
+    model = policy.model
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**batch, **knobs, repetition_penalty=sampling.repetition_penalty,
+                             max_new_tokens=max_new, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    model.train(was_training)
+    return out[:, batch["input_ids"].shape[1]:].tolist()
 
 
 def generate(
@@ -38,51 +106,94 @@ def generate(
     *,
     group_size: int,
     greedy: bool = False,
+    environment: Environment | None = None,
+    max_turns: int = 1,
+    seeds: list[int] | None = None,
 ) -> Rollout:
     tok = policy.tokenizer
-    prompts = [encode_prompt(tok, row["prompt"]) for row in rows]
-    longest = max(len(p) for p in prompts)
-    budget = min(sampling.max_output_tokens, sampling.max_model_len - longest)
-    if budget < 1:
+    copies = 1 if greedy else group_size
+    tag = uuid.uuid4().hex[:12]
+    episodes = [_Episode(row, f"{tag}-{i * copies + c}") for i, row in enumerate(rows) for c in range(copies)]
+
+    if environment is None:
+        for ep in episodes:
+            ep.append(encode_prompt(tok, ep.row["prompt"]), turn=None)
+    else:
+        seeds = seeds or [0] * len(rows)
+        outcomes = environment.reset([(ep.id, seeds[i // copies], ep.row) for i, ep in enumerate(episodes)])
+        for ep, outcome in zip(episodes, outcomes, strict=True):
+            if outcome.error is not None:
+                ep.fail(f"reset: {outcome.error}")
+                continue
+            try:
+                ep.history = first_messages(outcome.observation, ep.row)
+            except ValueError as e:
+                ep.fail(f"reset: {e}")
+                continue
+            ep.append(chat_ids(tok, ep.history), turn=None)  # a template that cannot render fails the job
+    for ep in episodes:
+        ep.prompt_length = len(ep.ids)
+    longest = max((len(ep.ids) for ep in episodes if not ep.done), default=0)
+    if longest and min(sampling.max_output_tokens, sampling.max_model_len - longest) < 1:
         raise ValueError(
             f"a prompt of {longest} tokens leaves no room for output within max_model_len={sampling.max_model_len}"
         )
-    batch = tok.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(policy.device)
+
     knobs = dict(do_sample=False) if greedy else dict(
-        do_sample=True,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k or None,
-        min_p=sampling.min_p or None,
+        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k or None, min_p=sampling.min_p or None,
     )
-    model = policy.model
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(
-            **batch,
-            **knobs,
-            repetition_penalty=sampling.repetition_penalty,
-            max_new_tokens=budget,
-            num_return_sequences=1 if greedy else group_size,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
-    model.train(was_training)
-    copies = 1 if greedy else group_size
-    new_tokens = out[:, batch["input_ids"].shape[1] :].tolist()
-    completion_ids, truncated = [], []
-    for seq in new_tokens:
-        if tok.eos_token_id in seq:
-            seq = seq[: seq.index(tok.eos_token_id) + 1]
-            truncated.append(False)
-        else:
-            truncated.append(True)
-        completion_ids.append(seq)
+    turns = max_turns if environment is not None else 1
+    for turn in range(turns):
+        active = [ep for ep in episodes if not ep.done]
+        if not active:
+            break
+        budgets = [min(sampling.max_output_tokens, sampling.max_model_len - len(ep.ids)) for ep in active]
+        generated = _sample(policy, [ep.ids for ep in active], max(budgets), knobs, sampling)
+        for ep, new, budget in zip(active, generated, budgets):
+            ended = tok.eos_token_id in new[:budget]
+            action = new[: new.index(tok.eos_token_id) + 1] if ended else new[:budget]
+            ep.append(action, turn=turn)
+            ep.truncated |= not ended
+            ep.turns = turn + 1
+            ep.completion = tok.decode(action, skip_special_tokens=True)
+            ep.history = ep.history + [{"role": "assistant", "content": ep.completion}]
+        if environment is None:
+            break
+        outcomes = environment.step([(ep.id, ep.completion) for ep in active])
+        for ep, outcome in zip(active, outcomes, strict=True):
+            _advance(tok, ep, outcome, last_turn=turn == turns - 1, max_model_len=sampling.max_model_len)
+    if environment is not None:
+        environment.release([ep.id for ep in episodes])
+
     return Rollout(
-        rows=[row for row in rows for _ in range(copies)],
-        prompt_ids=[p for p in prompts for _ in range(copies)],
-        completion_ids=completion_ids,
-        completions=tok.batch_decode(completion_ids, skip_special_tokens=True),
-        truncated=truncated,
+        rows=[ep.row for ep in episodes],
+        token_ids=[ep.ids for ep in episodes],
+        action_mask=[ep.mask for ep in episodes],
+        action_turns=[ep.action_turns for ep in episodes],
+        prompt_lengths=[ep.prompt_length for ep in episodes],
+        completions=[ep.completion for ep in episodes],
+        truncated=[ep.truncated for ep in episodes],
+        turns=[ep.turns for ep in episodes],
+        turn_rewards=[ep.rewards for ep in episodes] if environment is not None else [],
+        errors=[ep.error for ep in episodes] if environment is not None else [],
     )
+
+
+def _advance(tok, ep: _Episode, outcome, *, last_turn: bool, max_model_len: int) -> None:
+    """Apply one step's outcome: record the reward, then end the episode or append the observation turn."""
+    if outcome.error is not None:
+        ep.fail(f"step {ep.turns}: {outcome.error}")
+        return
+    ep.rewards.append(outcome.reward)
+    if outcome.terminated or outcome.truncated or last_turn:
+        ep.done = True
+        return
+    observation = as_messages(outcome.observation)
+    segment = environment_turn_ids(tok, ep.history, observation,
+                                   action_ended_with_eos=bool(ep.ids) and ep.ids[-1] == tok.eos_token_id)
+    if len(ep.ids) + len(segment) + 1 > max_model_len:  # no room for even one more generated token
+        ep.truncated, ep.done = True, True
+        return
+    ep.append(segment, turn=None)
+    ep.history = ep.history + observation

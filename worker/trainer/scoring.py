@@ -24,23 +24,38 @@ class TokenBatch:
         return int(self.action_mask_BT.sum())
 
 
-def collate(prompt_ids: list[list[int]], completion_ids: list[list[int]], *, pad_id: int, device) -> TokenBatch:
-    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
-    T = max(lengths)
-    B = len(lengths)
+def collate_sequences(token_ids: list[list[int]], action_masks: list[list[int]], *, pad_id: int,
+                      device) -> TokenBatch:
+    """Right-padded sequences; a target counts as an action only where the policy generated that token.
+
+    Prompt and environment tokens are context (they feed attention) but have
+    action mask 0, so the loss, a sum over action tokens, gives them exactly
+    zero gradient.
+    """
+    T = max(len(ids) for ids in token_ids)
+    B = len(token_ids)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, T), dtype=torch.long)
     action = torch.zeros((B, T), dtype=torch.float32)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        attn[i, : len(p) + len(c)] = 1
-        action[i, len(p) : len(p) + len(c)] = 1.0
+    for i, (seq, mask) in enumerate(zip(token_ids, action_masks, strict=True)):
+        if len(seq) != len(mask):
+            raise ValueError(f"sequence {i}: {len(seq)} tokens but an action mask of {len(mask)}")
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[i, : len(seq)] = 1
+        action[i, : len(seq)] = torch.tensor(mask, dtype=torch.float32)
     return TokenBatch(
         input_ids_BT=ids[:, :-1].to(device),
         attention_mask_BT=attn[:, :-1].to(device),
         targets_BT=ids[:, 1:].to(device),
         action_mask_BT=action[:, 1:].to(device),
     )
+
+
+def collate(prompt_ids: list[list[int]], completion_ids: list[list[int]], *, pad_id: int, device) -> TokenBatch:
+    """Single-turn shorthand: every completion token is an action."""
+    return collate_sequences([p + c for p, c in zip(prompt_ids, completion_ids)],
+                             [[0] * len(p) + [1] * len(c) for p, c in zip(prompt_ids, completion_ids)],
+                             pad_id=pad_id, device=device)
 
 
 def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:

@@ -4,6 +4,11 @@ logp_old is frozen at rollout time (a no-grad forward before the first
 optimizer step), so later mini-batches see ratios != 1 and the CISPO weight
 matters. When the batch feeds exactly one optimizer step the ratio is 1 by
 construction and that extra forward is skipped.
+
+Sequences are collated with the rollout's action mask, so prompt and
+environment tokens are context only; advantages arrive per action token
+(one value per sequence is broadcast), which is how per-turn advantages
+reach each turn's tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from worker.cispo import LossInputs, cispo_loss
 from worker.trainer.metrics import UpdateStats
 from worker.trainer.policy import Policy
 from worker.trainer.rollout import Rollout
-from worker.trainer.scoring import collate, sequence_logprobs
+from worker.trainer.scoring import collate_sequences, sequence_logprobs
 
 
 def _chunks(indices: list[int], size: int) -> list[list[int]]:
@@ -36,9 +41,9 @@ class Updater:
         self.temperature = spec.sampling.temperature
 
     def _batch(self, rollout: Rollout, idx: list[int]):
-        return collate(
-            [rollout.prompt_ids[i] for i in idx],
-            [rollout.completion_ids[i] for i in idx],
+        return collate_sequences(
+            [rollout.token_ids[i] for i in idx],
+            [rollout.action_mask[i] for i in idx],
             pad_id=self.policy.tokenizer.pad_token_id,
             device=self.policy.device,
         )
@@ -61,11 +66,20 @@ class Updater:
         model.train(was_training)
         return result
 
-    def run(self, rollout: Rollout, advantages: Tensor, indices: list[int]) -> UpdateStats:
-        """Optimizer steps over the sequences `indices` of the rollout; advantages are per sequence."""
+    def run(self, rollout: Rollout, advantages: Tensor | list[Tensor], indices: list[int]) -> UpdateStats:
+        """Optimizer steps over the sequences `indices` of the rollout.
+
+        `advantages` holds, per sequence, one value per action token (or one value per sequence).
+        Sequences without action tokens (an episode whose reset failed) carry no gradient and are skipped.
+        """
         stats = UpdateStats()
+        counts = rollout.action_counts
+        indices = [i for i in indices if counts[i] > 0]
         if not indices:
             return stats
+        if isinstance(advantages, Tensor):
+            advantages = [advantages[i].repeat(counts[i]) for i in range(len(rollout))]
+        token_adv = {i: advantages[i] for i in indices}
         loss_spec = self.spec.loss
         on_policy_only = self.training.updates_per_rollout == 1
         old = None if on_policy_only else self._frozen_logprobs(rollout, indices, reference=False)
@@ -78,9 +92,7 @@ class Updater:
             order = [indices[i] for i in torch.randperm(len(indices)).tolist()]
             n_mini = min(self.training.mini_batches, len(order))
             for mini in (m.tolist() for m in torch.tensor(order).tensor_split(n_mini)):
-                normalizer = float(len(mini)) if per_sequence else float(
-                    sum(len(rollout.completion_ids[i]) for i in mini)
-                )
+                normalizer = float(len(mini)) if per_sequence else float(sum(counts[i] for i in mini))
                 self.optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
                 for micro in _chunks(mini, self.training.micro_batch_size):
@@ -95,7 +107,7 @@ class Updater:
                         LossInputs(
                             logprobs_BT=logp,
                             old_logprobs_BT=old_logp,
-                            advantages_B=advantages[micro].to(logp.device),
+                            advantages_B=_scatter(token_adv, micro, mask, logp),
                             action_mask_BT=batch.action_mask_BT,
                             ref_logprobs_BT=ref_logp,
                         ),
@@ -120,5 +132,5 @@ class Updater:
 def _scatter(per_seq: dict[int, Tensor], idx: list[int], mask_BT: Tensor, like_BT: Tensor) -> Tensor:
     """Place per-sequence action-token values back into a (B, T) tensor shaped like the batch."""
     out = torch.zeros_like(like_BT, dtype=like_BT.dtype).detach()
-    out[mask_BT] = torch.cat([per_seq[i] for i in idx]).to(out.dtype)
+    out[mask_BT] = torch.cat([per_seq[i] for i in idx]).to(device=out.device, dtype=out.dtype)
     return out

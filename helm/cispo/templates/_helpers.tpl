@@ -87,6 +87,7 @@ CISPO_HOME: {{ .Values.config.home | quote }}
 CISPO_LEASE_TTL_S: {{ .Values.config.leaseTtlS | toString | quote }}
 CISPO_HEARTBEAT_S: {{ .Values.config.heartbeatS | toString | quote }}
 CISPO_MAX_UPLOAD_BYTES: {{ .Values.config.maxUploadBytes | int64 | toString | quote }}
+CISPO_SANDBOX: {{ .Values.config.sandbox | quote }}
 {{- range $key, $value := .Values.config.extraEnv }}
 {{ $key }}: {{ $value | toString | quote }}
 {{- end }}
@@ -106,5 +107,51 @@ CISPO_MAX_UPLOAD_BYTES: {{ .Values.config.maxUploadBytes | int64 | toString | qu
 checksum/config: {{ include "cispo.config" . | sha256sum }}
 {{- if not .Values.secrets.existingSecret }}
 checksum/secret: {{ include "cispo.secretData" . | sha256sum }}
+{{- end }}
+{{- end }}
+
+{{/*
+The worker's security contexts. With config.sandbox "off" the worker runs no
+user code and gets the API's strict ones: no root, no capabilities, nothing a
+restricted namespace would refuse. Otherwise worker.podSecurityContext and
+worker.containerSecurityContext: root and the capabilities the user-code
+sandbox needs (values.yaml says which and why).
+*/}}
+{{- define "cispo.workerPodSecurityContext" -}}
+{{- if eq .Values.config.sandbox "off" }}
+{{- toYaml .Values.podSecurityContext }}
+{{- else }}
+{{- toYaml .Values.worker.podSecurityContext }}
+{{- end }}
+{{- end }}
+
+{{/*
+Kubernetes reads securityContext.appArmorProfile from 1.30 on; before that the
+field does not exist, and "cispo.workerAppArmorAnnotation" sets the profile as
+a pod annotation instead.
+*/}}
+{{- define "cispo.workerContainerSecurityContext" -}}
+{{- if eq .Values.config.sandbox "off" }}
+{{- toYaml .Values.containerSecurityContext }}
+{{- else }}
+{{- $sc := .Values.worker.containerSecurityContext }}
+{{- if semverCompare "<1.30-0" .Capabilities.KubeVersion.Version }}
+{{- $sc = omit $sc "appArmorProfile" }}
+{{- end }}
+{{- toYaml $sc }}
+{{- end }}
+{{- end }}
+
+{{/* Before Kubernetes 1.30: worker.containerSecurityContext.appArmorProfile as the pod annotation. */}}
+{{- define "cispo.workerAppArmorAnnotation" -}}
+{{- $profile := .Values.worker.containerSecurityContext.appArmorProfile }}
+{{- if and (ne .Values.config.sandbox "off") $profile (semverCompare "<1.30-0" .Capabilities.KubeVersion.Version) }}
+{{- $value := "unconfined" }}
+{{- if eq $profile.type "RuntimeDefault" }}
+{{- $value = "runtime/default" }}
+{{- else if eq $profile.type "Localhost" }}
+{{- $value = printf "localhost/%s" $profile.localhostProfile }}
+{{- end }}
+container.apparmor.security.beta.kubernetes.io/worker: {{ $value | quote }}
 {{- end }}
 {{- end }}

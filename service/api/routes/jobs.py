@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 
 from service import jobs as jobs_service
 from service.api import presenters
-from service.api.deps import Enqueue, EnqueueDep, PrincipalDep, SessionDep
+from service.api.deps import Enqueue, EnqueueDep, PrincipalDep, SessionDep, SettingsDep
 from service.auth import Principal
 from service.db.models import Job
 from service.schemas.api import DryRunObject, JobObject, ListObject
@@ -40,14 +40,15 @@ def _present(session, who: Principal, job: Job) -> JobObject:
 
 
 @router.post("", response_model=JobObject | DryRunObject)
-def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue: EnqueueDep,
+def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue: EnqueueDep, settings: SettingsDep,
                idempotency_key: IdempotencyKey = None, dry_run: bool = False) -> JobObject | DryRunObject:
     if dry_run:
-        prepared = jobs_service.prepare(session, who.project_id, body)
+        prepared = jobs_service.prepare(session, who.project_id, body, settings=settings)
         session.rollback()
         return DryRunObject(spec=prepared.spec.model_dump(mode="json"))
     try:
-        job, created = jobs_service.create(session, who.project_id, body, idempotency_key=idempotency_key)
+        job, created = jobs_service.create(session, who.project_id, body, idempotency_key=idempotency_key,
+                                           settings=settings)
         public = _present(session, who, job)
         session.commit()
     except IntegrityError:

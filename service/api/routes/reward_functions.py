@@ -8,17 +8,19 @@ from fastapi import APIRouter, Query
 
 from service import reward_functions as rf_service
 from service.api import presenters
-from service.api.deps import PrincipalDep, SessionDep
+from service import reward_tests
+from service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from service.repositories import reward_functions as rf_repo
 from service.schemas.api import Deleted, ListObject, RewardFunctionCreate, RewardFunctionObject
+from service.schemas.scoring_api import InlineRewardTestRequest, RewardTestObject, RewardTestRequest
 
 router = APIRouter(prefix="/v1/reward_functions", tags=["reward functions"])
 
 
 @router.post("", response_model=RewardFunctionObject)
-def create_reward_function(body: RewardFunctionCreate, session: SessionDep,
-                           who: PrincipalDep) -> RewardFunctionObject:
-    row = rf_service.create(session, who.project_id, body)
+def create_reward_function(body: RewardFunctionCreate, session: SessionDep, who: PrincipalDep,
+                           settings: SettingsDep) -> RewardFunctionObject:
+    row = rf_service.create(session, who.project_id, body, settings=settings)
     session.commit()
     return presenters.reward_function(row)
 
@@ -40,3 +42,19 @@ def delete_reward_function(reward_function_id: str, session: SessionDep, who: Pr
     row = rf_service.delete(session, who.project_id, reward_function_id)
     session.commit()
     return Deleted(id=row.id, object="reward_function")
+
+
+@router.post("/test", response_model=RewardTestObject)
+def test_inline_reward(body: InlineRewardTestRequest, session: SessionDep, who: PrincipalDep,
+                       settings: SettingsDep) -> RewardTestObject:
+    """Score samples with a reward spec that is not registered yet (same scoring as a job's)."""
+    return reward_tests.dry_run_reward(session, who.project_id, body.spec.model_dump(mode="json"), body,
+                                    settings=settings)
+
+
+@router.post("/{reward_function_id}/test", response_model=RewardTestObject)
+def test_reward_function(reward_function_id: str, body: RewardTestRequest, session: SessionDep,
+                         who: PrincipalDep, settings: SettingsDep) -> RewardTestObject:
+    """Score samples with a registered reward: scores, sub-scores, errors by kind, timing."""
+    fn = rf_service.get(session, who.project_id, reward_function_id)
+    return reward_tests.dry_run_reward(session, who.project_id, fn.spec, body, settings=settings)

@@ -1,0 +1,26 @@
+"""/v1/fine_tuning/alpha/graders/{run,validate}: OpenAI's grader endpoints, so the SDK's
+client.fine_tuning.alpha.graders.run/validate work. A grader runs exactly as it would in a job
+(mapped by service/schemas/graders.py, scored in a subprocess by service/reward_runner.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from service import reward_tests
+from service.api.deps import PrincipalDep, SessionDep, SettingsDep
+from service.schemas.scoring_api import GraderRunRequest, GraderValidateRequest
+
+router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", tags=["graders"])
+
+
+@router.post("/run")
+def run_grader(body: GraderRunRequest, session: SessionDep, who: PrincipalDep,
+               settings: SettingsDep) -> dict[str, Any]:
+    return reward_tests.run_grader(session, who.project_id, body, settings=settings)
+
+
+@router.post("/validate")
+def validate_grader(body: GraderValidateRequest, who: PrincipalDep) -> dict[str, Any]:
+    return reward_tests.validate_grader(body.grader)

@@ -1,0 +1,51 @@
+"""Project secrets: values that jobs may use (remote reward auth) and the API never returns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.db.models import Secret
+from service.repositories.pagination import Page, paginate
+
+
+def add(session: Session, secret: Secret) -> Secret:
+    session.add(secret)
+    session.flush()
+    return secret
+
+
+def get(session: Session, project_id: str, secret_id: str) -> Secret | None:
+    return session.scalar(select(Secret).where(Secret.project_id == project_id, Secret.id == secret_id))
+
+
+def get_by_name(session: Session, project_id: str, name: str) -> Secret | None:
+    return session.scalar(select(Secret).where(Secret.project_id == project_id, Secret.name == name))
+
+
+def existing_names(session: Session, project_id: str, names: Iterable[str]) -> set[str]:
+    names = list(names)
+    if not names:
+        return set()
+    return set(session.scalars(select(Secret.name).where(Secret.project_id == project_id, Secret.name.in_(names))))
+
+
+def values(session: Session, project_id: str, names: Iterable[str]) -> dict[str, str]:
+    """name -> value for the names the project has (the worker's read, at job start)."""
+    names = list(names)
+    if not names:
+        return {}
+    rows = session.execute(select(Secret.name, Secret.value).where(Secret.project_id == project_id,
+                                                                   Secret.name.in_(names)))
+    return {name: value for name, value in rows}
+
+
+def page(session: Session, project_id: str, *, after: str | None, limit: int) -> Page[Secret]:
+    return paginate(session, select(Secret).where(Secret.project_id == project_id), Secret, after=after, limit=limit)
+
+
+def delete(session: Session, secret: Secret) -> None:
+    session.delete(secret)
+    session.flush()

@@ -1,0 +1,50 @@
+"""What a reward spec refers to outside itself, checked when a job or reward function is created.
+
+Fail fast: a secret the project does not have, a URL the egress policy will
+refuse, or a judge model with no endpoint would otherwise fail the job at its
+first step, after it waited in the queue. The worker checks again at job
+start (a secret may have been deleted, DNS may have changed).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from service.egress import EgressPolicy, EgressRefused, check_url
+from service.errors import InvalidRequest
+from service.repositories import secrets as secrets_repo
+from service.schemas.rewards import HttpReward, MultiReward, ScoreModelReward, secret_names
+from service.settings import Settings
+
+
+def _remote(spec) -> list[HttpReward | ScoreModelReward]:
+    if isinstance(spec, MultiReward):
+        return [r for sub in spec.rewards.values() for r in _remote(sub)]
+    return [spec] if isinstance(spec, (HttpReward, ScoreModelReward)) else []
+
+
+def check_reward_references(session: Session, project_id: str, spec, *, param: str,
+                            settings: Settings | None) -> None:
+    """Raise InvalidRequest (naming ``param``) for a missing secret, a refused URL or a missing judge endpoint.
+
+    Without settings (callers that have none) only the secrets are checked.
+    """
+    missing = sorted(secret_names(spec) - secrets_repo.existing_names(session, project_id, secret_names(spec)))
+    if missing:
+        raise InvalidRequest(f"{param}: the reward needs the secret {missing[0]!r}, which this project does not "
+                             "have (create it with POST /v1/secrets)", param=param, code="unknown_secret")
+    if settings is None:
+        return
+    policy = EgressPolicy.from_setting(settings.egress_allow)
+    for remote in _remote(spec):
+        url = remote.url if isinstance(remote, HttpReward) else remote.base_url
+        if isinstance(remote, ScoreModelReward) and url is None:
+            if not settings.judge_base_url:
+                raise InvalidRequest(f"{param}: score_model needs a judge endpoint and this service has none "
+                                     "configured (CISPO_JUDGE_BASE_URL); give base_url", param=param,
+                                     code="no_judge_endpoint")
+            continue
+        try:
+            check_url(url, policy)
+        except EgressRefused as e:
+            raise InvalidRequest(f"{param}: {e}", param=param, code="egress_refused") from None

@@ -1,0 +1,42 @@
+"""A service job that runs an HTTP environment, through the worker's job runner (no Celery)."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from service.db.models import Job, JobMetric, Secret
+from service.db.session import session_factory
+from service.repositories import jobs, projects
+from service.repositories import secrets as secrets_repo
+from service.schemas.job_spec import JobSpec
+from service.storage import open_store
+from tests.worker.test_http_env import env_server
+from tests.worker.test_job_runner import job_row, make_settings
+from worker.job_runner import run_job
+from worker.toy.__main__ import toy_spec
+
+
+def test_http_environment_job_reads_its_secret_and_succeeds(database_url, toy_dir, tmp_path):
+    settings = make_settings(tmp_path, database_url).model_copy(update={"egress_allow": "127.0.0.1"})
+    store = open_store(settings.resolved_storage_url())
+    store.put_file("files/file-train", toy_dir / "train.jsonl")
+    with env_server() as (base, server):
+        raw = toy_spec(toy_dir)
+        raw.pop("reward")
+        raw["environment"] = {"type": "http", "url": f"{base}/good", "auth_secret": "env-key"}
+        raw["data"] = {"train_file": "file-train"}
+        raw["sampling"]["max_model_len"] = 128
+        raw["training"].update({"steps": 2, "batch_size": 2, "group_size": 2, "micro_batch_size": 8,
+                                "mini_batches": 2, "eval_interval": 0, "eval_max_rows": 2, "max_turns": 3})
+        spec = JobSpec.model_validate(raw)
+        with session_factory(settings.resolved_database_url()).begin() as s:
+            project = projects.get_or_create_project(s, "p")
+            secrets_repo.add(s, Secret(project_id=project.id, name="env-key", value="Bearer from-the-db"))
+            job_id = jobs.add(s, Job(project_id=project.id, status="queued", model=spec.model,
+                                     training_file="file-train", spec=spec.model_dump(mode="json"),
+                                     method={"type": "cispo"}, seed=spec.seed, total_steps=2)).id
+        assert run_job(job_id, settings) == "succeeded", job_row(settings, job_id).error_message
+    assert {r["auth"] for r in server.requests} == {"Bearer from-the-db"}
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        turns = s.scalars(select(JobMetric.value).where(JobMetric.job_id == job_id, JobMetric.name == "turns_mean"))
+        assert list(turns) == [2.0, 2.0]
