@@ -27,7 +27,7 @@ import weakref
 from pathlib import Path
 
 from service.schemas.environments import PythonEnvironment
-from worker.envs.channel import ChildFailed, JsonLinesChild, describe_death
+from worker.sandbox_channel import ChildFailed, JsonLinesChild, describe_death
 from worker.sandbox import Limits, require_sandbox
 from worker.envs.protocol import Outcome, checked, failed, reset_outcome, step_outcome
 
@@ -86,7 +86,7 @@ class PythonEnvironmentProcess:
         except ChildFailed as e:
             code = self._holder.stop()
             raise EnvironmentLoadError(
-                f"environment source failed to load: {describe_death(code) if str(e) == 'died' else e}") from None
+                f"environment source failed to load: {describe_death(code, 'environment process') if str(e) == 'died' else e}") from None
         if not (isinstance(answer, dict) and answer.get("ok") is True):
             self._holder.stop()
             detail = answer.get("error", answer) if isinstance(answer, dict) else answer
@@ -113,7 +113,7 @@ class PythonEnvironmentProcess:
             if reason == "timeout":
                 message = f"timeout after {budget:g} s (the environment process was restarted)"
             elif reason == "died":
-                message = describe_death(code)
+                message = describe_death(code, "environment process")
             else:
                 message = f"environment process sent an invalid answer ({reason}); restarted"
             return [failed(message)] * len(items)

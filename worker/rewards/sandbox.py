@@ -31,12 +31,7 @@ On top of that, this module:
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import selectors
-import shutil
-import stat
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.sandbox import Limits, SandboxProcess, exit_status, kill, new_workdir, python_argv, require_sandbox, spawn
+from worker.sandbox import Limits, SandboxProcess, require_sandbox
+from worker.sandbox_channel import ChildFailed, JsonLinesChild, describe_death
 
 CHILD_SCRIPT = Path(__file__).with_name("_child.py")
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # plus RESPONSE_BYTES_PER_SAMPLE per sample
@@ -63,98 +59,11 @@ class BatchResult:
     errors: list[str | None]  # the failure, where scores has None
 
 
-class _Failed(Exception):
-    """The child missed its deadline, died or answered garbage; it is killed and the batch fails."""
-
-
-class _Child:
-    """One running sandbox: the process, its pipes and its private directory."""
-
-    def __init__(self, proc: SandboxProcess):
-        self.proc, self.workdir = proc, proc.workdir
-        self.buffer = b""
-        # Non-blocking, so a write to a full pipe or a read can never outlast the deadline.
-        os.set_blocking(proc.stdin.fileno(), False)
-        os.set_blocking(proc.stdout.fileno(), False)
-
-    def stop(self) -> int | None:
-        """Kill everything in the sandbox, reap it, remove the directory; returns the child's exit status."""
-        try:
-            kill(self.proc)
-        finally:
-            _remove_tree(self.workdir)
-        return exit_status(self.proc.returncode)
-
-    def exchange(self, message: dict[str, Any], deadline: float, max_bytes: int) -> dict[str, Any]:
-        """Send one line, read one line back, both before the deadline (time.monotonic())."""
-        out = memoryview(json.dumps(message).encode() + b"\n")
-        stdin, stdout = self.proc.stdin.fileno(), self.proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(stdout, selectors.EVENT_READ)
-            if out:
-                sel.register(stdin, selectors.EVENT_WRITE)
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise _Failed("timeout")
-                for key, _ in sel.select(remaining):
-                    if key.fd == stdin:
-                        try:
-                            written = os.write(stdin, out[:65536])
-                        except BlockingIOError:
-                            continue
-                        except (BrokenPipeError, ConnectionResetError):
-                            raise _Failed("died") from None
-                        out = out[written:]
-                        if not out:
-                            sel.unregister(stdin)
-                    else:
-                        try:
-                            chunk = os.read(stdout, 65536)
-                        except BlockingIOError:
-                            continue
-                        if not chunk:
-                            raise _Failed("died")
-                        self.buffer += chunk
-                        if len(self.buffer) > max_bytes:
-                            raise _Failed(f"answer larger than {max_bytes} bytes")
-                        line, newline, rest = self.buffer.partition(b"\n")
-                        if newline:
-                            if rest:
-                                raise _Failed("unexpected output after its answer")
-                            self.buffer = b""
-                            try:
-                                return json.loads(line)
-                            except ValueError:
-                                raise _Failed("malformed answer") from None
-
-
-def _remove_tree(root: Path) -> None:
-    """rmtree that also removes what user code made read-only, never touching anything outside root."""
-    top = os.path.abspath(root)
-
-    def inside(p: str) -> bool:
-        return p == top or p.startswith(top + os.sep)
-
-    def retry_writable(func, target, _exc):
-        try:
-            for p in (os.path.dirname(target), target):
-                if inside(p) and os.path.isdir(p) and not os.path.islink(p):
-                    os.chmod(p, stat.S_IRWXU)
-            func(target)
-        except OSError:
-            pass
-
-    shutil.rmtree(top, onerror=retry_writable)
-    if os.path.lexists(top):
-        shutil.rmtree(top, ignore_errors=True)
-
-
 class _State:
     """What close() and the GC fallback need, kept off the PythonRewardProcess so a finalizer may hold it."""
 
     def __init__(self):
-        self.child: _Child | None = None
+        self.child: JsonLinesChild | None = None
         self.closed = False
 
     def stop_child(self) -> int | None:
@@ -233,13 +142,13 @@ class PythonRewardProcess:
         try:
             answer = child.exchange(message, time.monotonic() + budget, MAX_RESPONSE_BYTES + RESPONSE_BYTES_PER_SAMPLE * n)
             return _check_answer(answer, n)
-        except _Failed as e:
+        except ChildFailed as e:
             reason = str(e)
         code = self._state.stop_child()
         if reason == "timeout":
             error = f"timeout after {budget:g} s"
         elif reason == "died":
-            error = _death(code)
+            error = describe_death(code, "reward process")
         else:
             error = f"reward process sent an invalid answer ({reason}); restarted"
         return BatchResult([None] * n, [error] * n)
@@ -256,22 +165,16 @@ class PythonRewardProcess:
 
     # -- internals ------------------------------------------------------------
 
-    def _ensure_started(self) -> _Child:
+    def _ensure_started(self) -> JsonLinesChild:
         if self._state.child is not None:
             return self._state.child
-        workdir = new_workdir("cispo-reward-")
-        try:
-            proc = spawn(python_argv(CHILD_SCRIPT), workdir=workdir, limits=self.limits)
-        except BaseException:
-            _remove_tree(workdir)
-            raise
-        child = self._state.child = _Child(proc)
+        child = self._state.child = JsonLinesChild(CHILD_SCRIPT, limits=self.limits, prefix="cispo-reward-")
         init = {"source": self.source, "entry_point": self.entry_point, "timeout_s": self.timeout_s}
         try:
             answer = child.exchange(init, time.monotonic() + self.timeout_s + START_SLACK_S, MAX_RESPONSE_BYTES)
-        except _Failed as e:
+        except ChildFailed as e:
             code = self._state.stop_child()
-            detail = _death(code) if str(e) == "died" else str(e)
+            detail = describe_death(code, "reward process") if str(e) == "died" else str(e)
             raise RewardLoadError(f"reward source failed to load: {detail}") from None
         if answer.get("ok") is not True:
             self._state.stop_child()
@@ -323,21 +226,15 @@ class PythonRewardPool:
         self.close()
 
 
-def _death(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"reward process died (signal {-code})"
-    return f"reward process died (exit code {code})"
-
-
 def _check_answer(answer: Any, n: int) -> BatchResult:
     if not isinstance(answer, dict):
-        raise _Failed("not an object")
+        raise ChildFailed("not an object")
     scores, errors = answer.get("scores"), answer.get("errors")
     if not (isinstance(scores, list) and isinstance(errors, list) and len(scores) == len(errors) == n):
-        raise _Failed(f"expected {n} scores and errors")
+        raise ChildFailed(f"expected {n} scores and errors")
     for s, e in zip(scores, errors):
         ok_score = s is None or (type(s) in (int, float) and math.isfinite(s))
         ok_error = (e is None) != (s is None) and (e is None or isinstance(e, str))
         if not (ok_score and ok_error):
-            raise _Failed("bad score entry")
+            raise ChildFailed("bad score entry")
     return BatchResult([None if s is None else float(s) for s in scores], [None if e is None else (e or "error")[:500] for e in errors])

@@ -1,5 +1,8 @@
 """A sandboxed child process spoken to in JSON lines, with a hard deadline on every exchange.
 
+Shared by the user Python environments (worker/envs/python_env.py) and the
+user Python rewards (worker/rewards/sandbox.py).
+
 The containment is worker/sandbox.py's (own pid, network, mount and IPC
 namespaces, an unprivileged uid, a new root where only a private 0700
 working directory is writable, rlimits, an allow-listed environment); where
@@ -109,7 +112,8 @@ def _remove(root: Path) -> None:
         shutil.rmtree(top, ignore_errors=True)
 
 
-def describe_death(code: int | None) -> str:
+def describe_death(code: int | None, who: str) -> str:
+    """How a child that died is reported, e.g. "reward process died (signal 11)"; ``code`` is from stop()."""
     if code is not None and code < 0:
-        return f"environment process died (signal {-code})"
-    return f"environment process died (exit code {code})"
+        return f"{who} died (signal {-code})"
+    return f"{who} died (exit code {code})"
