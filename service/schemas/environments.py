@@ -25,16 +25,16 @@ An observation is the next user turn: a string, or a list of chat messages
 from __future__ import annotations
 
 import ast
-import keyword
 import re
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from service.schemas.python_source import check_identifier, check_source
+
 from service.schemas.reward_base import HeaderName, SecretName
 
-MAX_SOURCE_BYTES = 256 * 1024
 
 
 class _EnvironmentBase(BaseModel):
@@ -76,23 +76,12 @@ class PythonEnvironment(_EnvironmentBase):
     @field_validator("source")
     @classmethod
     def _compiles(cls, source: str) -> str:
-        size = len(source.encode("utf-8", "surrogatepass"))
-        if size > MAX_SOURCE_BYTES:
-            raise ValueError(f"source is {size} bytes, more than {MAX_SOURCE_BYTES} (256 KiB)")
-        try:
-            compile(source, "<environment>", "exec", dont_inherit=True)
-        except SyntaxError as e:
-            raise ValueError(f"source line {e.lineno}: {e.msg}") from None
-        except (ValueError, RecursionError, MemoryError) as e:
-            raise ValueError(f"source does not compile: {e}") from None
-        return source
+        return check_source(source, "<environment>")
 
     @field_validator("class_name")
     @classmethod
     def _identifier(cls, name: str) -> str:
-        if not name.isidentifier() or keyword.iskeyword(name):
-            raise ValueError(f"class_name {name!r} is not a Python identifier")
-        return name
+        return check_identifier(name, "class_name")
 
     @model_validator(mode="after")
     def _defines_class(self) -> PythonEnvironment:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from service.errors import InvalidRequest, unprocessable
 from service.schemas.formula import FormulaError, compile_formula
 from service.schemas.reward_remote import JudgeSampling
-from service.schemas.rewards import MAX_SOURCE_BYTES
+from service.schemas.python_source import MAX_SOURCE_BYTES
 from service.schemas.templates import check_template
 
 SUPPORTED = ("string_check", "text_similarity", "python", "score_model", "multi")

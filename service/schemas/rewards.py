@@ -27,11 +27,12 @@ OpenAI's graders map onto these types (service/schemas/graders.py).
 from __future__ import annotations
 
 import ast
-import keyword
 import re
 from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
+
+from service.schemas.python_source import check_identifier, check_source
 
 from service.schemas.formula import FormulaError, compile_formula
 from service.schemas.reward_base import RewardBase as _RewardBase
@@ -44,7 +45,6 @@ from service.schemas.reward_checks import (
 )
 from service.schemas.reward_remote import HttpReward, ScoreModelReward
 
-MAX_SOURCE_BYTES = 256 * 1024
 MAX_PATTERN_CHARS = 1000
 MAX_SUB_REWARDS = 16
 
@@ -66,23 +66,12 @@ class PythonReward(_RewardBase):
     @field_validator("source")
     @classmethod
     def _compiles(cls, source: str) -> str:
-        size = len(source.encode("utf-8", "surrogatepass"))
-        if size > MAX_SOURCE_BYTES:
-            raise ValueError(f"source is {size} bytes, more than {MAX_SOURCE_BYTES} (256 KiB)")
-        try:
-            compile(source, "<reward>", "exec", dont_inherit=True)
-        except SyntaxError as e:
-            raise ValueError(f"source line {e.lineno}: {e.msg}") from None
-        except (ValueError, RecursionError, MemoryError) as e:  # null bytes, absurd nesting
-            raise ValueError(f"source does not compile: {e}") from None
-        return source
+        return check_source(source, "<reward>")
 
     @field_validator("entry_point")
     @classmethod
     def _identifier(cls, name: str) -> str:
-        if not name.isidentifier() or keyword.iskeyword(name):
-            raise ValueError(f"entry_point {name!r} is not a Python identifier")
-        return name
+        return check_identifier(name, "entry_point")
 
     @model_validator(mode="after")
     def _defines_entry_point(self) -> PythonReward:
