@@ -8,7 +8,6 @@ never points at a half-uploaded checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import shutil
@@ -75,7 +74,3 @@ def download_checkpoint(store: ObjectStore, prefix: str, files: dict, dest: Path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

@@ -24,11 +24,10 @@ import torch
 
 from service.schemas.job_spec import ImportReward, Reward
 from service.schemas.rewards import PythonReward
-from worker.rewards.engine import FunctionBatchScorer, ScoringContext, as_score, build_scorer
+from worker.rewards.engine import FunctionBatchScorer, ScoringContext, build_scorer
 from worker.rewards.outcome import BatchScorer, Outcome
 
 RewardFn = Callable[..., float]  # fn(completion, **row) -> float
-_as_score = as_score  # kept for callers of the old name
 
 
 @dataclass
