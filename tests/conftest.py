@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 BUCKET = "cispo-test"
+# A Redis database of the tests' own, flushed per stack; parallel checkouts on one machine set their own.
+REDIS_TEST_URL = f"redis://127.0.0.1:6379/{os.environ.get('CISPO_TEST_REDIS_DB', '15')}"
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from service.api.app import create_app
 from service.sandbox_probe import probe
 from tests.api.conftest import make_settings
 
-REDIS_URL = "redis://127.0.0.1:6379/15"
+from tests.conftest import REDIS_TEST_URL as REDIS_URL
 
 
 def test_healthz_needs_no_key(api):

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import free_port
 
-REDIS_E2E = "redis://127.0.0.1:6379/15"  # a database of its own, flushed per stack
+from tests.conftest import REDIS_TEST_URL as REDIS_E2E
 
 
 def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
