@@ -44,6 +44,9 @@ class Settings(BaseSettings):
         "vLLM server; empty: such graders must name their own base_url."
     )
     judge_api_key: str = Field("", description="Bearer key for judge_base_url; never shown by the API.")
+    metrics_token: str = Field(
+        "", description="Bearer token Prometheus sends to scrape GET /metrics; empty: /metrics is off (404)."
+    )
 
     @field_validator("database_url")
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from service import fine_tuned_models
 from service.auth import Principal
 from service.db.models import Checkpoint, File, Job, JobEvent, JobMetric, RewardFunction
 from service.jobs_spec import public_hyperparameters
@@ -19,6 +20,7 @@ from service.schemas.api import (
     MetricPoint,
     RewardFunctionObject,
 )
+from service.schemas.model_api import ModelObject
 
 
 def finite(value: Any) -> Any:
@@ -48,8 +50,8 @@ def reward_function(row: RewardFunction) -> RewardFunctionObject:
                                 created_at=row.created_at, spec=row.spec)
 
 
-def _model_name(job: Job, who: Principal) -> str:
-    return f"ft:{job.model}:{who.project_name}:{job.suffix or ''}:{job.id}"
+def model_name(job: Job, who: Principal) -> str:
+    return fine_tuned_models.model_id(job, who.project_name)
 
 
 def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
@@ -58,7 +60,7 @@ def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
         error = JobError(code=row.error_code, message=row.error_message or "", param=row.error_param)
     return JobObject(
         id=row.id, model=row.model, created_at=row.created_at, finished_at=row.finished_at,
-        fine_tuned_model=_model_name(row, who) if row.status == "succeeded" else None,
+        fine_tuned_model=model_name(row, who) if row.status == "succeeded" else None,
         organization_id=row.project_id, status=row.status, validation_file=row.validation_file,
         training_file=row.training_file, trained_tokens=row.trained_tokens, error=error, seed=row.seed,
         metadata=row.metadata_, user_provided_suffix=row.suffix,
@@ -80,10 +82,15 @@ def event(row: JobEvent) -> EventObject:
 def checkpoint(row: Checkpoint, job_row: Job, who: Principal) -> CheckpointObject:
     return CheckpointObject(
         id=row.id, created_at=row.created_at,
-        fine_tuned_model_checkpoint=f"{_model_name(job_row, who)}:ckpt-step-{row.step}",
+        fine_tuned_model_checkpoint=f"{model_name(job_row, who)}:ckpt-step-{row.step}",
         fine_tuning_job_id=row.job_id, step_number=row.step, metrics=finite(row.metrics or {}),
     )
 
 
 def metric(row: JobMetric) -> MetricPoint:
     return MetricPoint(step=row.step, name=row.name, value=finite(row.value))
+
+
+def model(row: Job, who: Principal) -> ModelObject:
+    return ModelObject(id=model_name(row, who), created=row.finished_at or row.created_at, owned_by=row.project_id,
+                       root=row.model, fine_tuning_job_id=row.id)

@@ -157,6 +157,8 @@ class Job(Base):
     lease_epoch: Mapped[int] = mapped_column(Integer, default=0)
     lease_expires_at: Mapped[float | None] = mapped_column(Float)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Set by DELETE /v1/models/{id}: the job stays, its adapter checkpoints are gone.
+    model_deleted_at: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class JobEvent(Base):
