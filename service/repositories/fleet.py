@@ -19,7 +19,7 @@ class RunningJob:
 
 
 def jobs_by_status(session: Session) -> dict[str, int]:
-    return dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).tuples())
+    return dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).tuples().all())
 
 
 def running_jobs(session: Session) -> list[RunningJob]:
@@ -32,5 +32,5 @@ def running_jobs(session: Session) -> list[RunningJob]:
     rewards = dict(session.execute(
         select(JobMetric.job_id, JobMetric.value)
         .join(latest, and_(JobMetric.job_id == latest.c.job_id, JobMetric.step == latest.c.step))
-        .where(JobMetric.name == "reward_mean")).tuples()) if ids else {}
+        .where(JobMetric.name == "reward_mean")).tuples().all()) if ids else {}
     return [RunningJob(j.id, j.steps_done, j.total_steps, rewards.get(j.id)) for j in jobs]
