@@ -35,8 +35,15 @@ function svg(tag, attrs, ...children) {
 
 const $ = (id) => document.getElementById(id);
 const when = (seconds) => (seconds ? new Date(seconds * 1000).toLocaleString() : "");
+const short = (seconds) => new Date(seconds * 1000).toLocaleString([], { month: "short", day: "numeric",
+  hour: "2-digit", minute: "2-digit" });
 const number = (v) => (v === null || v === undefined ? "–" : Math.abs(v) >= 1000 || (v !== 0 && Math.abs(v) < 0.001)
   ? v.toExponential(2) : (+v.toFixed(4)).toString());
+
+function showKeyState() {
+  $("key").placeholder = localStorage.getItem(KEY_STORAGE)
+    ? "a key is saved in this browser" : "paste your project's API key";
+}
 
 function notice(message, kind) {
   $("notice").textContent = message || "";
@@ -80,8 +87,9 @@ async function loadJobs() {
   const body = $("jobs").querySelector("tbody");
   body.replaceChildren(...page.data.map((job) => {
     const row = el("tr", { "data-job": job.id, class: job.id === state.jobId ? "selected" : "" },
-      el("td", { class: "mono" }, job.id), el("td", {}, job.model), el("td", {}, statusBadge(job.status)),
-      el("td", {}, progress(job)), el("td", {}, when(job.created_at)));
+      el("td", {}, el("div", { class: "mono" }, job.id), el("div", { class: "muted small" }, job.model)),
+      el("td", {}, statusBadge(job.status)), el("td", {}, progress(job)),
+      el("td", { class: "small nowrap" }, short(job.created_at)));
     row.addEventListener("click", () => select(job.id));
     return row;
   }));
@@ -262,6 +270,7 @@ document.addEventListener("DOMContentLoaded", () => {
     const key = $("key").value.trim();
     if (key) localStorage.setItem(KEY_STORAGE, key);
     $("key").value = "";
+    showKeyState();
     notice("");
     refresh();
   });
@@ -270,6 +279,7 @@ document.addEventListener("DOMContentLoaded", () => {
     location.hash = "";
     location.reload();
   });
+  showKeyState();
   for (const action of ["pause", "resume", "cancel"]) $(action).addEventListener("click", () => control(action));
   refresh();
 });

@@ -1,0 +1,146 @@
+"""The dashboard in a real headless Chromium against a real uvicorn API: jobs, curves, samples, events,
+checkpoints and controls render from the public API; user-provided text stays text; the CSP holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import pytest
+
+from service.repositories import jobs as jobs_repo
+from service.db.session import session_factory
+from tests.api.browser import Browser, chromium_path
+from tests.api.conftest import TRAIN_ROWS, cispo_body, jsonl
+from tests.api.live_server import live_api
+from tests.api.trained import CURVES, train
+
+XSS_EVENT = '<img src=x onerror="window.__xss = 1">reward error'
+XSS_COMPLETION = "<script>window.__xss = 2</script>alpha"
+# Installed before any page script runs: collects CSP violations, so the test sees the page obeys its own policy.
+CSP_WATCH = ("window.__csp = []; document.addEventListener('securitypolicyviolation', "
+             "e => window.__csp.push(e.violatedDirective + ' ' + e.blockedURI));")
+
+
+def _sample(step: int, completion: str, reward: float) -> dict:
+    return {"object": "fine_tuning.job.sample", "step": step, "prompt": "Say alpha", "completion": completion,
+            "reward": reward, "advantage": reward - 0.5, "rewards": {"exact_match": reward},
+            "created_at": int(time.time())}
+
+
+@pytest.fixture
+def populated(tmp_path):
+    """A live API with a succeeded job (metrics, events, a checkpoint, samples) and a running one."""
+    chromium_path()
+    samples_file = tmp_path / "samples.json"
+    with live_api(tmp_path, "tests.api.dashboard_app:create_app", CISPO_TEST_SAMPLES=str(samples_file)) as live:
+        with live.client() as client:
+            upload = client.post("/v1/files", files={"file": ("train.jsonl", jsonl(TRAIN_ROWS))},
+                                 data={"purpose": "fine-tune"}).json()
+            done, running = (client.post("/v1/fine_tuning/jobs", json=cispo_body(upload["id"])).json()
+                             for _ in range(2))
+        ckpt = train(live.database_url, live.store, done["id"])
+        train(live.database_url, live.store, running["id"], status=None, steps=2, checkpoint_step=None)
+        with session_factory(live.database_url).begin() as s:
+            jobs_repo.add_event(s, done["id"], XSS_EVENT, level="warn")
+        samples_file.write_text(json.dumps({done["id"]: [_sample(3, XSS_COMPLETION, 1.0),
+                                                         _sample(2, "beta", 0.0)]}))
+        yield live, done["id"], running["id"], ckpt
+
+
+def _vertices(d: str) -> list[tuple[float, float]]:
+    return [(float(x), float(y)) for x, y in re.findall(r"[ML](-?[\d.]+),(-?[\d.]+)", d)]
+
+
+def test_dashboard_renders_a_jobs_curves_samples_events_and_checkpoints(populated, tmp_path):
+    live, done, running, ckpt = populated
+    with live.client() as client:
+        page = client.get("/dashboard")
+    csp = page.headers["content-security-policy"]
+    assert page.status_code == 200 and "script-src 'self'" in csp and "unsafe-inline" not in csp
+
+    browser = Browser(tmp_path / "profile")
+    try:
+        downloads = tmp_path / "downloads"
+        browser.call("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)},
+                     page=False)
+        browser.call("Page.enable")
+        browser.call("Page.addScriptToEvaluateOnNewDocument", {"source": CSP_WATCH})
+        browser.call("Page.navigate", {"url": f"{live.base}/dashboard#{done}"})
+        browser.wait_for("document.readyState === 'complete'")
+        assert "Enter your API key" in browser.wait_for("document.getElementById('notice').textContent")
+        browser.evaluate(f"localStorage.setItem('cispo.apiKey', {json.dumps(live.key)})")
+        browser.call("Page.reload")
+        browser.wait_for("document.body.dataset.loaded === 'true' && document.querySelectorAll('.sample').length")
+
+        rows = browser.evaluate("[...document.querySelectorAll('#jobs tbody tr')].map(r => [r.dataset.job, "
+                                "r.querySelector('.status').textContent, r.querySelector('.progress').textContent])")
+        assert rows == [[running, "running", " 2/3"], [done, "succeeded", " 3/3"]]
+
+        charts = browser.evaluate("[...document.querySelectorAll('#charts figure')].map(f => ({metric: "
+                                  "f.dataset.metric, d: f.querySelector('path').getAttribute('d'), points: "
+                                  "[...f.querySelectorAll('circle title')].map(t => t.textContent)}))")
+        assert [c["metric"] for c in charts] == ["reward_mean", "kl_old", "clip_fraction", "loss"]
+        for chart in charts:
+            values = CURVES[chart["metric"]]
+            assert chart["points"] == [f"step {i + 1}: {v:g}" for i, v in enumerate(values)]
+            xs, ys = zip(*_vertices(chart["d"]))
+            assert len(xs) == len(values) and list(xs) == sorted(xs)
+            # SVG y grows downwards: the order of the heights is the reverse order of the values.
+            assert sorted(range(len(ys)), key=lambda i: -ys[i]) == sorted(range(len(values)), key=values.__getitem__)
+
+        completions = browser.evaluate("[...document.querySelectorAll('.sample .completion')].map(p => p.textContent)")
+        assert completions == [XSS_COMPLETION, "beta"]
+        assert "step 3 · reward 1 · advantage 0.5" in browser.evaluate("document.querySelector('.sample').textContent")
+        events = browser.evaluate("[...document.querySelectorAll('#events .message')].map(m => m.textContent)")
+        assert events[0] == XSS_EVENT and "Checkpoint saved at step 3" in events and "Job created" in events
+        # Shown as text, never parsed: no injected element exists and neither payload ran.
+        assert browser.evaluate("document.querySelectorAll('#samples script, #events img').length") == 0
+        assert browser.evaluate("window.__xss === undefined") is True
+        assert browser.evaluate("window.__csp") == []
+        checkpoints = browser.evaluate("[...document.querySelectorAll('#checkpoints tbody tr')].map(r => "
+                                       "[...r.cells].map(c => c.textContent))")
+        assert checkpoints == [["3", ckpt["checkpoint"], "0.6", "Download adapter"]]
+        assert browser.evaluate("[document.getElementById('pause').disabled, "
+                                "document.getElementById('cancel').disabled]") == [True, True]
+
+        shot = browser.screenshot(tmp_path / "dashboard.png")
+        if target := os.environ.get("CISPO_DASHBOARD_SCREENSHOT"):
+            shutil.copy(shot, target)
+
+        browser.evaluate("document.querySelector('#checkpoints button.download').click()")
+        saved = downloads / f"{ckpt['checkpoint']}-adapter.tar"
+        browser.wait_for(f"document.getElementById('notice').textContent.includes({json.dumps(ckpt['sha256'])})")
+        deadline = time.monotonic() + 10
+        while not saved.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert saved.read_bytes() == ckpt["tar"]
+
+        # Another job: no samples (the endpoint 404s for it) and live controls that act through the API.
+        browser.evaluate(f"document.querySelector('tr[data-job=\"{running}\"]').click()")
+        browser.wait_for(f"document.getElementById('job-title').textContent.includes('{running}') && "
+                         "document.getElementById('samples').textContent === 'No samples yet.'")
+        browser.evaluate("document.getElementById('pause').click()")
+        with live.client() as client:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                events = client.get(f"/v1/fine_tuning/jobs/{running}/events").json()["data"]
+                if events[0]["message"].startswith("Pause requested"):
+                    break
+                time.sleep(0.2)
+            assert events[0]["message"].startswith("Pause requested")
+        browser.wait_for("document.getElementById('notice').textContent === 'Asked the job to pause.'")
+    finally:
+        browser.close()
+    assert live.key not in live.log.read_text()  # the key travels in a header only: never in an access log
+
+
+def test_dashboard_assets_are_a_fixed_list(populated):
+    live = populated[0]
+    with live.client() as client:
+        assert client.get("/dashboard/static/app.js").headers["content-type"].startswith("text/javascript")
+        for name in ("index.html", "..%2Froutes.py", "../routes.py"):
+            assert client.get(f"/dashboard/static/{name}").status_code == 404
