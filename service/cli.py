@@ -1,4 +1,5 @@
-"""Service-side commands of `cispo`: database migrations, API keys, the API server, the embedded stack.
+"""Service-side commands of `cispo`: database migrations, API keys, the API server, the embedded stack, and
+the `jobs` client (service/cli_jobs.py).
 
 Nothing here imports torch; `cispo up` starts the worker as a separate process.
 """
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 
+from service.cli_jobs import add_jobs_command
 from service.settings import get_settings
 
 
@@ -58,6 +60,7 @@ def cmd_up(args) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    add_jobs_command(sub)  # `cispo jobs ...`: the HTTP client
     db = sub.add_parser("db", help="database migrations").add_subparsers(dest="db_command", required=True)
     db.add_parser("upgrade", help="apply all migrations (alembic upgrade head)").set_defaults(func=cmd_db_upgrade)
 

@@ -1,0 +1,334 @@
+"""`cispo jobs`: a command-line client of the fine-tuning API (create, list, get, watch, events, control, download).
+
+It talks HTTP only, so it runs wherever the API is reachable and imports
+neither torch nor the worker. The API URL and key come from --api-url and
+--api-key or, failing those, CISPO_API_URL and CISPO_API_KEY: the client's
+own two settings (the service's Settings describe the server, not a client).
+
+Exit codes: 0 done (for watch: the job succeeded); 1 the job ended failed or
+cancelled, or a download did not match its sha256; 2 bad usage; 3 the API
+refused the request (its message is printed); 4 the API could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+DEFAULT_API_URL = "http://127.0.0.1:8000"
+TERMINAL = ("succeeded", "failed", "cancelled")
+EXIT_JOB_ENDED_BADLY, EXIT_USAGE, EXIT_API_ERROR, EXIT_UNREACHABLE = 1, 2, 3, 4
+
+
+class UsageError(Exception):
+    pass
+
+
+class ApiError(Exception):
+    """The API's error envelope, {"error": {message, type, param, code}}, as an exception."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def __str__(self) -> str:
+        details = ", ".join(f"{k}: {v}" for k, v in (("param", self.param), ("code", self.code)) if v)
+        return f"{self.message} (HTTP {self.status}{', ' + details if details else ''})"
+
+
+class Client:
+    def __init__(self, base_url: str, key: str):
+        self.http = httpx.Client(base_url=base_url.rstrip("/") + "/v1", timeout=60,
+                                 headers={"Authorization": f"Bearer {key}"})
+
+    @staticmethod
+    def check(response: httpx.Response) -> httpx.Response:
+        if response.is_success:
+            return response
+        try:
+            error = response.json()["error"]
+            raise ApiError(response.status_code, error["message"], error.get("param"), error.get("code"))
+        except (ValueError, KeyError, TypeError):
+            raise ApiError(response.status_code, response.text[:500] or response.reason_phrase) from None
+
+    def get(self, path: str, **params) -> dict:
+        return self.check(self.http.get(path, params=params)).json()
+
+    def post(self, path: str, **kwargs) -> dict:
+        return self.check(self.http.post(path, **kwargs)).json()
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2))
+
+
+def _when(seconds: int | None) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if seconds else "-"
+
+
+def _bar(done: int, total: int, width: int = 24) -> str:
+    filled = min(width, width * done // total) if total else 0
+    return "#" * filled + "-" * (width - filled)
+
+
+def _progress_line(job: dict, reward: float | None) -> str:
+    line = (f"{job['id']}  {job['status']:<10} [{_bar(job['steps_done'], job['total_steps'])}] "
+            f"{job['steps_done']}/{job['total_steps']} steps")
+    return line + (f"  reward {reward:.4f}" if reward is not None else "")
+
+
+def _event_line(event: dict) -> str:
+    return f"{_when(event['created_at'])}  {event['level']:<5}  {event['message']}"
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+
+def _upload(client: Client, path: Path) -> str:
+    with path.open("rb") as f:
+        uploaded = client.post("/files", files={"file": (path.name, f, "application/jsonl")},
+                               data={"purpose": "fine-tune"})
+    print(f"uploaded {path} as {uploaded['id']}", file=sys.stderr)
+    return uploaded["id"]
+
+
+def _mapping(text: str, what: str) -> dict:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UsageError(f"{what}: not valid YAML or JSON ({e})") from None
+    if isinstance(value, str):  # a bare type name, e.g. --reward json_valid
+        value = {"type": value}
+    if not isinstance(value, dict):
+        raise UsageError(f"{what}: expected a mapping of fields, got {type(value).__name__}")
+    return value
+
+
+def build_request(args, client: Client) -> dict:
+    """The POST /v1/fine_tuning/jobs body: SPEC (YAML or JSON) with the flags on top; local files uploaded."""
+    body = _mapping(Path(args.spec).read_text(), f"SPEC {args.spec}") if args.spec else {}
+    for field in ("model", "training_file", "validation_file", "suffix", "seed"):
+        if getattr(args, field) is not None:
+            body[field] = getattr(args, field)
+    if args.reward or args.reward_function or args.steps:
+        method = body.setdefault("method", {"type": "cispo"})
+        if method.get("type") != "cispo":
+            raise UsageError("--reward, --reward-function and --steps set a 'cispo' method; the SPEC's method is "
+                             f"{method.get('type')!r}")
+        cispo = method.setdefault("cispo", {})
+        if args.reward:
+            cispo["reward"] = _mapping(args.reward, "--reward")
+        if args.reward_function:
+            cispo["reward_function"] = args.reward_function
+        if args.steps:
+            cispo.setdefault("hyperparameters", {}).setdefault("training", {})["steps"] = args.steps
+    for field in ("training_file", "validation_file"):
+        value = body.get(field)
+        if isinstance(value, str) and not value.startswith("file-"):
+            path = Path(value).expanduser()
+            if not path.is_file():
+                raise UsageError(f"{field}: {value} is neither a file id (file-...) nor a readable local file")
+            body[field] = _upload(client, path)
+    return body
+
+
+def cmd_create(args, client: Client) -> int:
+    headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
+    job = client.post("/fine_tuning/jobs", json=build_request(args, client), headers=headers)
+    if args.json:
+        _print_json(job)
+    else:
+        print(job["id"])
+    return _watch(client, job["id"], args.interval) if args.watch else 0
+
+
+def cmd_list(args, client: Client) -> int:
+    params = {"limit": args.limit, **({"after": args.after} if args.after else {})}
+    page = client.get("/fine_tuning/jobs", **params)
+    if args.json:
+        _print_json(page)
+        return 0
+    print(f"{'ID':<32}  {'STATUS':<16}  {'STEPS':>9}  {'CREATED (UTC)':<19}  MODEL")
+    for job in page["data"]:
+        steps = f"{job['steps_done']}/{job['total_steps']}"
+        print(f"{job['id']:<32}  {job['status']:<16}  {steps:>9}  {_when(job['created_at']):<19}  {job['model']}")
+    if page["has_more"]:
+        print(f"(more: --after {page['data'][-1]['id']})", file=sys.stderr)
+    return 0
+
+
+def cmd_get(args, client: Client) -> int:
+    _print_json(client.get(f"/fine_tuning/jobs/{args.job}"))
+    return 0
+
+
+def _latest_reward(client: Client, job: dict) -> float | None:
+    if not job["steps_done"]:
+        return None
+    points = client.get(f"/fine_tuning/jobs/{job['id']}/metrics", name="reward_mean",
+                        step_min=job["steps_done"])["data"]
+    return points[-1]["value"] if points else None
+
+
+def _watch(client: Client, job_id: str, interval: float) -> int:
+    """Redraw one progress line (a new line per change when not on a terminal) until the job ends."""
+    tty, last = sys.stdout.isatty(), None
+    while True:
+        job = client.get(f"/fine_tuning/jobs/{job_id}")
+        line = _progress_line(job, _latest_reward(client, job))
+        if line != last:
+            print(("\r\x1b[2K" + line) if tty else line, end="" if tty else "\n", flush=True)
+            last = line
+        if job["status"] in TERMINAL:
+            break
+        time.sleep(interval)
+    if tty:
+        print()
+    if job["status"] == "succeeded":
+        print(f"fine-tuned model: {job['fine_tuned_model']}")
+        return 0
+    if job.get("error"):
+        print(f"error: {job['error']['code']}: {job['error']['message']}", file=sys.stderr)
+    return EXIT_JOB_ENDED_BADLY
+
+
+def cmd_watch(args, client: Client) -> int:
+    return _watch(client, args.job, args.interval)
+
+
+def cmd_events(args, client: Client) -> int:
+    """The latest events, oldest first; with --follow, new ones as they come until the job ends."""
+    seen: set[str] = set()
+    while True:
+        page = client.get(f"/fine_tuning/jobs/{args.job}/events", limit=args.limit)
+        fresh = [e for e in reversed(page["data"]) if e["id"] not in seen]
+        for event in fresh:
+            print(json.dumps(event) if args.json else _event_line(event), flush=True)
+            seen.add(event["id"])
+        if not args.follow:
+            return 0
+        if not fresh and client.get(f"/fine_tuning/jobs/{args.job}")["status"] in TERMINAL:
+            return 0  # checked after an empty poll, so the job's last events were printed
+        time.sleep(args.interval)
+
+
+def cmd_control(args, client: Client) -> int:
+    job = client.post(f"/fine_tuning/jobs/{args.job}/{args.action}")
+    if args.json:
+        _print_json(job)
+    else:
+        print(f"{job['id']}  {job['status']}")
+    return 0
+
+
+def cmd_download(args, client: Client) -> int:
+    """The adapter tar of a checkpoint (the latest by default), checked against the API's sha256."""
+    ckpt_id = args.checkpoint
+    if ckpt_id is None:
+        latest = client.get(f"/fine_tuning/jobs/{args.job}/checkpoints", limit=1)["data"]
+        if not latest:
+            raise ApiError(404, f"job {args.job} has no checkpoints yet", "fine_tuning_job_id")
+        ckpt_id = latest[0]["id"]
+    dest = Path(args.output or f"{ckpt_id}-adapter.tar")
+    partial = dest.with_name(dest.name + ".part")
+    digest, size = hashlib.sha256(), 0
+    with client.http.stream("GET", f"/fine_tuning/jobs/{args.job}/checkpoints/{ckpt_id}/content") as response:
+        if not response.is_success:
+            response.read()
+            Client.check(response)
+        expected = response.headers.get("x-sha256")
+        with partial.open("wb") as f:
+            for chunk in response.iter_bytes():
+                digest.update(chunk)
+                size += len(chunk)
+                f.write(chunk)
+    if expected != digest.hexdigest():
+        partial.unlink()
+        print(f"error: the download's sha256 {digest.hexdigest()} does not match the API's {expected}; "
+              "nothing was saved", file=sys.stderr)
+        return EXIT_JOB_ENDED_BADLY
+    partial.replace(dest)  # only a verified file takes the final name
+    print(f"saved {dest} ({size} bytes, sha256 {expected})")
+    return 0
+
+
+# -- wiring --------------------------------------------------------------------------------------
+
+
+def _run(args) -> int:
+    url = args.api_url or os.environ.get("CISPO_API_URL") or DEFAULT_API_URL
+    key = args.api_key or os.environ.get("CISPO_API_KEY")
+    try:
+        if not key:
+            raise UsageError("no API key: pass --api-key or set CISPO_API_KEY (create one: cispo keys create)")
+        return args.jobs_func(args, Client(url, key))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ApiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_API_ERROR
+    except httpx.TransportError as e:
+        print(f"error: cannot reach the API at {url} ({e.__class__.__name__}: {e})", file=sys.stderr)
+        return EXIT_UNREACHABLE
+
+
+def add_jobs_command(sub: argparse._SubParsersAction) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--api-url", help=f"the API's base URL (default: $CISPO_API_URL or {DEFAULT_API_URL})")
+    common.add_argument("--api-key", help="a project API key (default: $CISPO_API_KEY)")
+    common.add_argument("--json", action="store_true", help="print the API's JSON instead of text")
+    jobs = sub.add_parser("jobs", help="fine-tuning jobs on a running API (HTTP client)")
+    jobs.set_defaults(func=_run)
+    cmds = jobs.add_subparsers(dest="jobs_command", required=True)
+
+    def command(name: str, func, help_: str, *, job: bool = True, **kwargs) -> argparse.ArgumentParser:
+        p = cmds.add_parser(name, parents=[common], help=help_, description=help_, **kwargs)
+        if job:
+            p.add_argument("job", help="the job id (ftjob-...)")
+        p.set_defaults(jobs_func=func)
+        return p
+
+    create = command("create", cmd_create, "create a job from a SPEC file (the request body as YAML or JSON) "
+                     "and/or flags; local training files are uploaded first", job=False)
+    create.add_argument("spec", nargs="?", help="YAML/JSON file with the POST /v1/fine_tuning/jobs body")
+    create.add_argument("--model")
+    create.add_argument("--training-file", help="a file id or a local JSONL path to upload")
+    create.add_argument("--validation-file", help="a file id or a local JSONL path to upload")
+    create.add_argument("--reward", help='an inline reward spec, e.g. \'{"type": "exact_match", "field": "answer"}\'')
+    create.add_argument("--reward-function", help="a registered reward function id (rwfn-...)")
+    create.add_argument("--steps", type=int, help="training steps")
+    create.add_argument("--suffix")
+    create.add_argument("--seed", type=int)
+    create.add_argument("--idempotency-key", help="retrying with the same key never creates a second job")
+    create.add_argument("--watch", action="store_true", help="then watch it until it ends")
+    create.add_argument("--interval", type=float, default=2.0, help="seconds between polls with --watch")
+
+    listing = command("list", cmd_list, "list the project's jobs, newest first", job=False)
+    listing.add_argument("--limit", type=int, default=20)
+    listing.add_argument("--after", help="a job id: list the jobs older than it")
+    command("get", cmd_get, "print a job as JSON")
+    command("watch", cmd_watch, "a progress bar (steps, latest reward) until the job ends; exit 0 if it "
+            "succeeded").add_argument("--interval", type=float, default=2.0, help="seconds between polls")
+    events = command("events", cmd_events, "the job's events, oldest first", aliases=["logs"])
+    events.add_argument("--follow", "-f", action="store_true", help="keep printing new events until the job ends")
+    events.add_argument("--limit", type=int, default=100)
+    events.add_argument("--interval", type=float, default=2.0, help="seconds between polls with --follow")
+    for action in ("cancel", "pause", "resume"):
+        command(action, cmd_control, f"{action} the job").set_defaults(action=action)
+    download = command("download", cmd_download, "download a checkpoint's adapter tar, verified by sha256")
+    download.add_argument("--checkpoint", help="a checkpoint id (default: the latest)")
+    download.add_argument("--output", "-o", help="where to save it (default: <checkpoint>-adapter.tar)")

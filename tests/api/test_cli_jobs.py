@@ -1,0 +1,139 @@
+"""`cispo jobs` as a user runs it: a separate process against a real uvicorn API (PostgreSQL, Redis)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.api.conftest import TRAIN_ROWS, jsonl
+from tests.api.live_server import live_api
+from tests.api.trained import train
+from tests.conftest import free_port
+
+REWARD = '{"type": "exact_match", "field": "answer"}'
+
+
+@pytest.fixture
+def live(tmp_path):
+    with live_api(tmp_path) as api:
+        yield api
+
+
+def cli_env(live, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CISPO_API_")}
+    return {**env, "CISPO_API_URL": live.base, "CISPO_API_KEY": live.key, **extra}
+
+
+def cispo(live, *args, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker.cli", "jobs", *args], env=env or cli_env(live),
+                          capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+def start(live, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "worker.cli", "jobs", *args], env=cli_env(live),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def first_line(proc: subprocess.Popen, timeout: float = 30) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, "no output in time"
+    return proc.stdout.readline()
+
+
+def test_create_list_get_control_and_clear_errors(live, tmp_path):
+    (tmp_path / "train.jsonl").write_bytes(jsonl(TRAIN_ROWS))
+    made = cispo(live, "create", "--model", "tiny-model", "--training-file", "train.jsonl", "--reward", REWARD,
+                 "--steps", "3", "--suffix", "cli", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    job_id = made.stdout.strip()
+    assert job_id.startswith("ftjob-") and "uploaded train.jsonl as file-" in made.stderr
+
+    listed = cispo(live, "list")
+    assert listed.returncode == 0
+    assert any(line.split()[:3] == [job_id, "queued", "0/3"] for line in listed.stdout.splitlines())
+    job = json.loads(cispo(live, "get", job_id).stdout)
+    assert job["user_provided_suffix"] == "cli" and job["total_steps"] == 3
+    assert job["method"]["cispo"]["reward"] == json.loads(REWARD)
+
+    # A SPEC file: the request body as YAML, its training file a local path the CLI uploads.
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"model: tiny-model\ntraining_file: {tmp_path / 'train.jsonl'}\nseed: 5\nmethod:\n"
+                    f"  type: cispo\n  cispo:\n    reward: {REWARD}\n")
+    from_spec = cispo(live, "create", str(spec), "--steps", "2", "--json")
+    assert from_spec.returncode == 0, from_spec.stderr
+    assert json.loads(from_spec.stdout)["seed"] == 5 and json.loads(from_spec.stdout)["total_steps"] == 2
+
+    for action, status in (("pause", "paused"), ("resume", "queued"), ("cancel", "cancelled")):
+        done = cispo(live, action, job_id)
+        assert (done.returncode, done.stdout.split()) == (0, [job_id, status]), done.stderr
+    again = cispo(live, "cancel", job_id)
+    assert again.returncode == 3 and "cannot be cancelled" in again.stderr and "HTTP 409" in again.stderr
+    assert "Traceback" not in again.stderr
+
+    bad = cispo(live, "create", "--model", "tiny-model", "--training-file", "file-nope", "--reward", REWARD)
+    assert bad.returncode == 3 and "training_file: no such file: file-nope" in bad.stderr
+    assert "param: training_file" in bad.stderr
+    missing = cispo(live, "create", "--training-file", "no-such.jsonl", "--reward", REWARD, cwd=tmp_path)
+    assert missing.returncode == 2 and "neither a file id" in missing.stderr
+
+    no_key = cispo(live, "list", env={**cli_env(live), "CISPO_API_KEY": ""})
+    assert no_key.returncode == 2 and "CISPO_API_KEY" in no_key.stderr
+    wrong_key = cispo(live, "list", "--api-key", "sk-wrong")
+    assert wrong_key.returncode == 3 and "invalid API key" in wrong_key.stderr
+    down = cispo(live, "list", "--api-url", f"http://127.0.0.1:{free_port()}")
+    assert down.returncode == 4 and "cannot reach the API" in down.stderr
+
+
+def test_watch_and_follow_until_the_job_ends_then_download_verified(live, tmp_path):
+    (tmp_path / "train.jsonl").write_bytes(jsonl(TRAIN_ROWS))
+    job_id = cispo(live, "create", "--model", "tiny-model", "--training-file", "train.jsonl", "--reward", REWARD,
+                   "--steps", "3", "--suffix", "cli", cwd=tmp_path).stdout.strip()
+    watch = start(live, "watch", job_id, "--interval", "0.2")
+    follow = start(live, "logs", job_id, "--follow", "--interval", "0.2")
+    try:
+        assert first_line(watch).split()[:4] == [job_id, "queued", "[------------------------]", "0/3"]
+        assert first_line(follow).endswith("Job created\n")
+        ckpt = train(live.database_url, live.store, job_id)
+        watched, _ = watch.communicate(timeout=30)
+        followed, _ = follow.communicate(timeout=30)
+    finally:
+        for proc in (watch, follow):
+            proc.kill()
+    assert watch.returncode == 0 and follow.returncode == 0
+    assert f"{job_id}  succeeded  [########################] 3/3 steps  reward 0.6000" in watched
+    assert watched.rstrip().endswith(f"fine-tuned model: ft:tiny-model:alpha:cli:{job_id}")
+    messages = [line.split(None, 3)[3] for line in followed.splitlines()]  # date, time, level, message
+    assert messages == ["Training started", "Step 1: reward 0.1", "Step 2: reward 0.35", "Step 3: reward 0.6",
+                        "Checkpoint saved at step 3", "Job succeeded"]
+
+    out = tmp_path / "adapter.tar"
+    got = cispo(live, "download", job_id, "-o", str(out))
+    assert got.returncode == 0, got.stderr
+    assert out.read_bytes() == ckpt["tar"] and ckpt["sha256"] in got.stdout
+
+    # The stored bytes change under the recorded hash: the CLI refuses them and saves nothing.
+    live.store.put_bytes(f"{ckpt['prefix']}/adapter.tar", b"corrupted" + ckpt["tar"][9:])
+    corrupt = tmp_path / "corrupt.tar"
+    refused = cispo(live, "download", job_id, "-o", str(corrupt))
+    assert refused.returncode == 1 and "does not match" in refused.stderr
+    assert not corrupt.exists() and not (tmp_path / "corrupt.tar.part").exists()
+
+
+def test_watch_exits_nonzero_when_the_job_does_not_succeed(live, tmp_path):
+    (tmp_path / "train.jsonl").write_bytes(jsonl(TRAIN_ROWS))
+    job_id = cispo(live, "create", "--model", "tiny-model", "--training-file", "train.jsonl", "--reward", REWARD,
+                   cwd=tmp_path).stdout.strip()
+    assert cispo(live, "cancel", job_id).returncode == 0
+    watched = cispo(live, "watch", job_id)
+    assert watched.returncode == 1 and "cancelled" in watched.stdout
+
+
+def test_the_cli_imports_no_torch():
+    probe = "import sys, worker.cli, service.cli_jobs; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
