@@ -43,12 +43,12 @@ def populated(tmp_path):
             done, running = (client.post("/v1/fine_tuning/jobs", json=cispo_body(upload["id"])).json()
                              for _ in range(2))
         ckpt = train(live.database_url, live.store, done["id"])
-        train(live.database_url, live.store, running["id"], status=None, steps=2, checkpoint_step=None)
+        lease = train(live.database_url, live.store, running["id"], status=None, steps=2, checkpoint_step=None)
         with session_factory(live.database_url).begin() as s:
             jobs_repo.add_event(s, done["id"], XSS_EVENT, level="warn")
         samples_file.write_text(json.dumps({done["id"]: [_sample(3, XSS_COMPLETION, 1.0),
                                                          _sample(2, "beta", 0.0)]}))
-        yield live, done["id"], running["id"], ckpt
+        yield live, done["id"], running["id"], ckpt, lease["epoch"]
 
 
 def _vertices(d: str) -> list[tuple[float, float]]:
@@ -56,7 +56,7 @@ def _vertices(d: str) -> list[tuple[float, float]]:
 
 
 def test_dashboard_renders_a_jobs_curves_samples_events_and_checkpoints(populated, tmp_path):
-    live, done, running, ckpt = populated
+    live, done, running, ckpt, epoch = populated
     with live.client() as client:
         page = client.get("/dashboard")
     csp = page.headers["content-security-policy"]
@@ -133,6 +133,13 @@ def test_dashboard_renders_a_jobs_curves_samples_events_and_checkpoints(populate
                 time.sleep(0.2)
             assert events[0]["message"].startswith("Pause requested")
         browser.wait_for("document.getElementById('notice').textContent === 'Asked the job to pause.'")
+
+        # While the job runs the page refreshes itself: a step the worker records shows up without a reload.
+        assert browser.evaluate("document.querySelector('#charts path').dataset.points") == "2"
+        with session_factory(live.database_url).begin() as s:
+            assert jobs_repo.record_step(s, running, epoch, 3, {"reward_mean": 0.9}, trained_tokens=1, ttl_s=600)
+        browser.wait_for("document.querySelector('#charts path').dataset.points === '3' && "
+                         "document.getElementById('job-summary').textContent.includes('step 3 of 3')", timeout=15)
     finally:
         browser.close()
     assert live.key not in live.log.read_text()  # the key travels in a header only: never in an access log

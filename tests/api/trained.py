@@ -29,7 +29,8 @@ def adapter_tar(payload: bytes = b"lora weights") -> bytes:
 
 def train(database_url: str, store, job_id: str, *, status: str | None = "succeeded",
           steps: int = 3, checkpoint_step: int | None = 3) -> dict:
-    """Run the job's records through `steps` steps; returns {"checkpoint": id, "sha256": ..., "tar": bytes}."""
+    """Run the job's records through `steps` steps; returns the lease epoch and the checkpoint's
+    id, sha256, tar bytes and storage prefix."""
     sessions = session_factory(database_url)
     with sessions.begin() as s:
         epoch = jobs_repo.claim(s, job_id, "test-worker", ttl_s=600)
@@ -41,7 +42,7 @@ def train(database_url: str, store, job_id: str, *, status: str | None = "succee
             assert jobs_repo.record_step(s, job_id, epoch, step, values, trained_tokens=10, ttl_s=600)
             jobs_repo.add_event(s, job_id, f"Step {step}: reward {values['reward_mean']}", type="metrics",
                                 data={"step": step, **values})
-    out: dict = {}
+    out: dict = {"epoch": epoch}
     if checkpoint_step:
         tar = adapter_tar()
         prefix = f"jobs/{job_id}/checkpoints/step-{checkpoint_step}"
@@ -51,7 +52,7 @@ def train(database_url: str, store, job_id: str, *, status: str | None = "succee
                                             files={"adapter.tar": {"sha256": sha, "bytes": len(tar)}},
                                             metrics={"reward_mean": CURVES["reward_mean"][-1]})
             jobs_repo.add_event(s, job_id, f"Checkpoint saved at step {checkpoint_step}")
-            out = {"checkpoint": ckpt.id, "sha256": sha, "tar": tar, "prefix": prefix}
+            out.update(checkpoint=ckpt.id, sha256=sha, tar=tar, prefix=prefix)
     if status:
         with sessions.begin() as s:
             assert jobs_repo.finish(s, job_id, epoch, status)
