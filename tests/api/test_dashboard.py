@@ -48,6 +48,11 @@ def populated(tmp_path):
             jobs_repo.add_event(s, done["id"], XSS_EVENT, level="warn")
         samples_file.write_text(json.dumps({done["id"]: [_sample(3, XSS_COMPLETION, 1.0),
                                                          _sample(2, "beta", 0.0)]}))
+        with live.client() as client:
+            served = client.get(f"/v1/fine_tuning/jobs/{done['id']}/samples").json().get("data")
+        assert served and served[0]["completion"] == XSS_COMPLETION, (
+            "the real samples endpoint is present: write these samples through its repository here "
+            "instead of the CISPO_TEST_SAMPLES stand-in (tests/api/dashboard_app.py)")
         yield live, done["id"], running["id"], ckpt, lease["epoch"]
 
 
