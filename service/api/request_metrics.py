@@ -14,6 +14,8 @@ from collections import defaultdict
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+# Anything else a client sends is counted as "OTHER", so made-up methods cannot grow the label set.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # Seconds; spans a cached GET up to a slow upload.
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -82,4 +84,5 @@ class RecordRequests:
             await self.app(scope, receive, recording_send)
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.metrics.observe(scope["method"], route, status, time.perf_counter() - start)
+            method = scope["method"] if scope["method"] in METHODS else "OTHER"
+            self.metrics.observe(method, route, status, time.perf_counter() - start)

@@ -28,6 +28,7 @@ def test_metrics_expose_requests_jobs_queue_and_running_jobs(database_url, tmp_p
         api.client.get(f"/v1/fine_tuning/jobs/{queued['id']}")
         api.client.get("/v1/fine_tuning/jobs/ftjob-nonexistent")
         api.client.get("/no/such/route")
+        api.client.request("BREW", "/no/such/route")
 
         assert_error(api.client.get("/metrics"), 401, "CISPO_METRICS_TOKEN")  # a project key is not the token
         assert_error(api.anonymous.get("/metrics", headers={"Authorization": "Bearer wrong"}), 401)
@@ -39,6 +40,8 @@ def test_metrics_expose_requests_jobs_queue_and_running_jobs(database_url, tmp_p
     assert _sample(text, "cispo_http_requests_total", f'{{method="GET",{route},status="200"}}') == 1
     assert _sample(text, "cispo_http_requests_total", f'{{method="GET",{route},status="404"}}') == 1
     assert _sample(text, "cispo_http_requests_total", '{method="GET",route="unmatched",status="404"}') == 1
+    assert _sample(text, "cispo_http_requests_total", '{method="OTHER",route="unmatched",status="404"}') == 1
+    assert "BREW" not in text
     assert _sample(text, "cispo_http_request_duration_seconds_count", f'{{method="GET",{route}}}') == 2
     assert _sample(text, "cispo_http_request_duration_seconds_bucket", f'{{method="GET",{route},le="+Inf"}}') == 2
     assert _sample(text, "cispo_jobs", '{status="succeeded"}') == 1
