@@ -21,18 +21,19 @@ from pathlib import Path
 
 import pytest
 
+from service import sandbox_cgroup, sandbox_probe
 from service.sandbox_probe import Probe
 from service.settings import get_settings
 from worker import sandbox
 from worker.rewards.sandbox import PythonRewardProcess
 from worker.sandbox import Limits, SandboxError, SandboxUnavailable, members, python_argv, sandbox_level
 
-SANDBOX_UID = 65534
+SANDBOX_UIDS = range(get_settings().sandbox_uid, get_settings().sandbox_uid + get_settings().sandbox_uid_count)
 needs_sandbox = pytest.mark.skipif(sandbox_level() != "namespaces",
                                    reason="this host cannot sandbox user code (sandbox_level() is 'none')")
 
 
-def _uid_processes(uid: int) -> set[int]:
+def _uid_processes(uids: range) -> set[int]:
     found = set()
     for entry in os.listdir("/proc"):
         try:
@@ -41,17 +42,17 @@ def _uid_processes(uid: int) -> set[int]:
             continue
         uid_line = next((line for line in status.splitlines() if line.startswith("Uid:")), "")
         state = next((line for line in status.splitlines() if line.startswith("State:")), "")
-        if uid_line.split()[1:2] == [str(uid)] and " Z " not in state + " ":
+        if uid_line.split()[1:2] and int(uid_line.split()[1]) in uids and " Z " not in state + " ":
             found.add(int(entry))
     return found
 
 
 def _leftovers() -> dict[str, set]:
-    cgroups = sandbox._pids_cgroup_root()
     return {
-        "sandbox uid processes": _uid_processes(SANDBOX_UID),
-        "workdirs": {p.name for p in Path("/tmp").glob("cispo-reward-*")},
-        "cgroups": {p.name for p in cgroups.glob("cispo-sandbox-*")} if cgroups else set(),
+        "sandbox uid processes": _uid_processes(SANDBOX_UIDS),
+        "workdirs": {p.name for p in Path("/tmp").glob("cispo-reward-*")  # not the reward runner's homes:
+                     if not p.name.startswith("cispo-reward-test-")},  # other checkouts' tests make those
+        "cgroups": {str(c) for p in sandbox_cgroup.parents()[1] for c in p.glob("cispo-sandbox-*")},
     }
 
 
@@ -251,7 +252,8 @@ def reward(completion, path, **row):
         try:
             proc._ensure_started()
             pid_ns, workdir = proc.sandbox.pid_ns, proc.workdir
-            inside = workdir / "inside.secret"  # root-owned 0600, in its own directory: the uid still blocks it
+            child = {inner: host for host, inner in proc.sandbox.members().items()}[2]
+            inside = Path(f"/proc/{child}/root{workdir}/inside.secret")  # root-owned 0600 in its own tmpfs
             inside.write_text("canary")
             inside.chmod(0o600)
             result = proc.score(["x"] * len(paths), [{"path": p} for p in paths])
@@ -380,12 +382,12 @@ def reward(completion, **row):
             "from worker.sandbox import Limits, new_workdir, sandbox_python, spawn\n"
             "proc = spawn([sandbox_python(), '-I', '-S', '-c', 'import time\\nwhile True: time.sleep(1)'],\n"
             "             workdir=new_workdir('cispo-reward-'), limits=Limits())\n"
-            "print(proc.pid_ns, proc.workdir, proc.cgroup or '-', flush=True)\n"
+            "print(proc.pid_ns, proc.workdir, ','.join(map(str, proc.cgroup.paths)), flush=True)\n"
             "time.sleep(60)\n")
         parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                                   cwd=Path(__file__).resolve().parents[2])
         try:
-            pid_ns, workdir, cgroup = parent.stdout.readline().split()
+            pid_ns, workdir, cgroups = parent.stdout.readline().split()
             assert len(members(pid_ns)) == 2
         finally:
             parent.kill()
@@ -395,7 +397,7 @@ def reward(completion, **row):
             time.sleep(0.05)
         assert members(pid_ns) == {}
         Path(workdir).rmdir()  # the dead parent could not; the sandbox never wrote to it
-        if cgroup != "-":
+        for cgroup in cgroups.split(","):
             Path(cgroup).rmdir()  # succeeds only when no task is left in it (a later spawn sweeps such dirs)
 
     def test_spawn_is_reusable_for_other_children(self, trainer, tmp_path):
@@ -408,7 +410,8 @@ def reward(completion, **row):
         try:
             proc.stdin.write(b"reset 7\n")
             proc.stdin.flush()
-            assert proc.stdout.readline() == b"65534 2 reset 7\n"
+            assert proc.stdout.readline() == f"{proc.uid} 2 reset 7\n".encode()
+            assert proc.uid in SANDBOX_UIDS
         finally:
             sandbox.kill(proc)
             sandbox.kill(proc)  # idempotent
@@ -442,7 +445,7 @@ def test_sandbox_off_refuses_user_code(monkeypatch, fresh_settings):
 
 def test_a_host_without_namespaces_refuses_user_code(monkeypatch, fresh_settings):
     monkeypatch.setenv("CISPO_SANDBOX", "auto")
-    monkeypatch.setattr(sandbox, "probe", lambda uid: Probe("none", "unshare failed"))
+    monkeypatch.setattr(sandbox, "probe", lambda first, count: Probe("none", "unshare failed"))
     with pytest.raises(SandboxUnavailable,
                        match=r"^user Python code is refused: this host cannot isolate it \(no namespaces\)"):
         PythonRewardProcess("def reward(c, **r):\n    return 1.0\n")
