@@ -200,7 +200,7 @@ def _new_root(config):
 
 
 def _exec_target(config, argv, error_w):
-    """In the forked child: limits, unprivileged identity, then exec. Never returns."""
+    """In the forked child: limits, its own uid, a fresh keyring, the seccomp filter, then exec. Never returns."""
     try:
         for name, value in config["rlimits"].items():
             resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value))

@@ -9,107 +9,22 @@ uid leaks, and that this process (standing for the trainer) kept running.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from service import sandbox_cgroup, sandbox_probe
 from service.sandbox_probe import Probe
-from service.sandbox_uids import lease_uid
-from service.settings import get_settings
 from worker import sandbox
 from worker.rewards.sandbox import PythonRewardProcess
 from worker.sandbox import Limits, SandboxError, SandboxUnavailable, members, python_argv, sandbox_level
-
-SANDBOX_UIDS = range(get_settings().sandbox_uid, get_settings().sandbox_uid + get_settings().sandbox_uid_count)
-needs_sandbox = pytest.mark.skipif(sandbox_level() != "namespaces",
-                                   reason="this host cannot sandbox user code (sandbox_level() is 'none')")
-
-
-def _uid_processes(uids: range) -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc"):
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
-            continue
-        uid_line = next((line for line in status.splitlines() if line.startswith("Uid:")), "")
-        state = next((line for line in status.splitlines() if line.startswith("State:")), "")
-        if uid_line.split()[1:2] and int(uid_line.split()[1]) in uids and " Z " not in state + " ":
-            found.add(int(entry))
-    return found
-
-
-def _leftovers() -> dict[str, set]:
-    return {
-        "sandbox uid processes": _uid_processes(SANDBOX_UIDS),
-        "workdirs": {p.name for p in Path("/tmp").glob("cispo-reward-*")  # not the reward runner's homes:
-                     if not p.name.startswith("cispo-reward-test-")},  # other checkouts' tests make those
-        "cgroups": {str(c) for p in sandbox_cgroup.parents()[1] for c in p.glob("cispo-sandbox-*")},
-    }
-
-
-@pytest.fixture
-def trainer():
-    """Stands for the trainer: a thread of this process that must keep ticking; nothing new left after the test."""
-    before = _leftovers()
-    ticks, stop = [0], threading.Event()
-
-    def beat():
-        while not stop.wait(0.02):
-            ticks[0] += 1
-
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
-    yield ticks
-    stop.set()
-    thread.join()
-    assert ticks[0] > 0
-    deadline = time.monotonic() + 5
-    while _new_since(before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _new_since(before) == {}
-
-
-def _new_since(before: dict[str, set]) -> dict[str, set]:
-    """What appeared since `before` and is still there (what others' sandboxes removed meanwhile is fine)."""
-    return {k: v - before[k] for k, v in _leftovers().items() if v - before[k]}
-
-
-class Run:
-    """Scores one batch, then closes; keeps what the checks need (namespace, host pids, timing)."""
-
-    def __init__(self, source: str, completions: list[str], rows: list[dict] | None = None, **options):
-        self.proc = PythonRewardProcess(source, **options)
-        rows = rows if rows is not None else [{}] * len(completions)
-        try:
-            self.proc._ensure_started()
-            self.pid_ns = self.proc.sandbox.pid_ns
-            self.holder = self.proc.pid
-            self.workdir = self.proc.workdir
-            started = time.monotonic()
-            self.result = self.proc.score(completions, rows)
-            self.elapsed = time.monotonic() - started
-            self.budget = self.proc.batch_timeout(len(completions))
-            self.peak = len(members(self.pid_ns))  # processes in the sandbox once the call returned
-        finally:
-            self.proc.close()
-
-    def assert_nothing_survives(self, reported_host_pids=()):
-        assert members(self.pid_ns) == {}
-        for pid in (self.holder, *reported_host_pids):
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
-        assert not self.workdir.exists()
+from tests.worker.sandbox_attacks import SANDBOX_UIDS, Run, fresh_settings, needs_sandbox, trainer  # noqa: F401
 
 
 @needs_sandbox
@@ -428,133 +343,6 @@ def reward(completion, **row):
             sandbox.spawn(["/nonexistent/program"], workdir=tmp_path / "w", limits=Limits())
         (tmp_path / "w").rmdir()
 
-    def test_live_sandboxes_never_share_a_uid(self, trainer):
-        source = "import os\ndef reward(completion, **row):\n    return float(os.getuid())\n"
-        procs = [PythonRewardProcess(source) for _ in range(3)]
-        try:
-            uids = [p.score(["x"], [{}]).scores[0] for p in procs]
-        finally:
-            for p in procs:
-                p.close()
-        assert len(set(uids)) == 3 and all(int(u) in SANDBOX_UIDS for u in uids), uids
-        for uid in uids:  # each was handed back at close(): it can be leased again
-            lease_uid(int(uid), 1).release()
-
-    def test_memory_limit_covers_all_its_processes_together(self, trainer):
-        """Four processes of 150 MB each: each is under the per-process limit, their sum is not."""
-        source = """
-import os, time
-def reward(completion, **row):
-    children = []
-    for _ in range(4):
-        pid = os.fork()
-        if pid == 0:
-            hoard = b"x" * (150 << 20)  # touched, so resident
-            time.sleep(1.5)  # all four hold theirs at once
-            os._exit(0)
-        children.append(pid)
-    return float(sum(os.waitpid(pid, 0)[1] == 0 for pid in children))
-"""
-        run = Run(source, ["x"], timeout_s=20, memory_bytes=256 << 20)
-        held = run.result.scores[0]
-        assert held is not None and held <= 1, run.result  # the rest were OOM-killed: 256 MiB for all of it
-        run.assert_nothing_survives()
-
-    def test_writes_are_capped_in_total_and_never_reach_the_host_disk(self, trainer):
-        source = """
-import os
-def reward(completion, **row):
-    written = 0
-    try:
-        for i in range(40):  # 40 files of 15 MiB, each under RLIMIT_FSIZE: 600 MiB
-            with open(f"f{i}", "wb") as f:
-                for _ in range(15):
-                    f.write(b"x" * (1 << 20))
-                    written += 1 << 20
-    except OSError as e:
-        return float(e.errno * 10**10 + written)
-    return float(written)
-"""
-        run = Run(source, ["x"], timeout_s=20)
-        failed_errno, written = divmod(int(run.result.scores[0]), 10**10)
-        assert failed_errno == errno.ENOSPC and written <= 64 << 20, (failed_errno, written)
-        run.assert_nothing_survives()
-
-    def test_seccomp_denies_namespaces_io_uring_keys_ptrace_and_kernel_interfaces(self, trainer):
-        import service._sandbox_launch as launcher
-
-        numbers = launcher.SYSCALLS[os.uname().machine][1]
-        source = """
-import ctypes, os
-libc = ctypes.CDLL(None, use_errno=True)
-libc.syscall.restype = ctypes.c_long
-def call(nr, *args):
-    ctypes.set_errno(0)
-    result = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
-    if result == 0 and nr == CLONE:
-        os._exit(0)  # a raw clone() child: leave at once
-    if result > 0 and nr == CLONE:
-        os.waitpid(result, 0)
-    return -ctypes.get_errno() if result < 0 else result
-def reward(completion, nr, args, **row):
-    raise RuntimeError(str(call(nr, *args)))
-"""
-        clone_newuser = 0x10000000 | signal.SIGCHLD
-        calls = {"unshare": [0x10000000], "setns": [0, 0], "io_uring_setup": [1, 0], "io_uring_enter": [0, 0, 0, 0, 0],
-                 "io_uring_register": [0, 0, 0, 0], "keyctl": [0, -3, 0], "add_key": [0, 0, 0, 0, -3],
-                 "request_key": [0, 0, 0, 0], "ptrace": [0, 0, 0, 0], "process_vm_readv": [1, 0, 0, 0, 0, 0],
-                 "mount": [0, 0, 0, 0, 0], "umount2": [0, 0], "bpf": [0, 0, 0], "perf_event_open": [0, 0, -1, -1, 0],
-                 "userfaultfd": [0], "kexec_load": [0, 0, 0, 0], "init_module": [0, 0, 0],
-                 "finit_module": [-1, 0, 0], "delete_module": [0, 0], "clone": [clone_newuser, 0, 0, 0, 0]}
-        rows = [{"nr": numbers[name], "args": args} for name, args in calls.items()]
-        rows.append({"nr": numbers["clone3"], "args": [0, 0]})
-        source = source.replace("CLONE", str(numbers["clone"]))
-        run = Run(source, ["x"] * len(rows), rows)
-        answers = dict(zip([*calls, "clone3"], (e.removeprefix("RuntimeError: ") for e in run.result.errors)))
-        assert answers == {**{name: str(-errno.EPERM) for name in calls}, "clone3": str(-errno.ENOSYS)}
-        run.assert_nothing_survives()
-
-    def test_threads_forks_and_subprocesses_still_work_under_the_filter(self, trainer):
-        source = """
-import os, subprocess, threading
-def reward(completion, **row):
-    box = []
-    thread = threading.Thread(target=lambda: box.append(1))
-    thread.start()
-    thread.join()
-    out = subprocess.run(["/bin/echo", "ok"], capture_output=True).stdout
-    return float(len(box) + (out == b"ok\\n"))
-"""
-        run = Run(source, ["x"])
-        assert run.result.scores == [2.0], run.result.errors
-        run.assert_nothing_survives()
-
-    def test_the_workers_keyring_is_out_of_reach(self, trainer):
-        """A key in the worker's session keyring: before, a sandbox inherited (possessed) it."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall.restype = ctypes.c_long
-        numbers = __import__("service._sandbox_launch", fromlist=["SYSCALLS"]).SYSCALLS[os.uname().machine][1]
-        join = libc.syscall(ctypes.c_long(numbers["keyctl"]), ctypes.c_long(1), ctypes.c_char_p(b"cispo-test"))
-        assert join > 0, os.strerror(ctypes.get_errno())  # this process now has a session keyring of its own
-        canary = f"cispo-canary-{os.getpid()}".encode()
-        key = libc.syscall(ctypes.c_long(numbers["add_key"]), ctypes.c_char_p(b"user"), ctypes.c_char_p(canary),
-                           ctypes.c_char_p(b"secret"), ctypes.c_long(6), ctypes.c_long(-3))
-        assert key > 0, os.strerror(ctypes.get_errno())
-        try:
-            source = "def reward(completion, **row):\n    raise RuntimeError(open('/proc/keys').read())\n"
-            run = Run(source, ["x"])
-        finally:
-            libc.syscall(ctypes.c_long(numbers["keyctl"]), ctypes.c_long(3), ctypes.c_long(key))  # revoke
-        assert run.result.errors[0].startswith("RuntimeError:")
-        assert canary.decode() not in run.result.errors[0]
-        run.assert_nothing_survives()
-
-
-@pytest.fixture
-def fresh_settings():
-    get_settings.cache_clear()
-    yield
-    get_settings.cache_clear()
 
 
 def test_sandbox_off_refuses_user_code(monkeypatch, fresh_settings):
@@ -587,50 +375,3 @@ def test_a_refused_sandbox_fails_the_job_with_that_message(monkeypatch, fresh_se
 def test_exit_status_maps_the_launchers_signal_codes():
     assert sandbox.exit_status(128 + signal.SIGSEGV) == -signal.SIGSEGV
     assert sandbox.exit_status(3) == 3 and sandbox.exit_status(-9) == -9 and sandbox.exit_status(None) is None
-
-
-def test_a_failed_probe_is_retried_after_its_short_ttl(monkeypatch):
-    answers = iter([Probe("none", "a transient failure"), Probe("namespaces", "")])
-    monkeypatch.setattr(sandbox_probe, "_probe", lambda first, count: next(answers))
-    monkeypatch.setattr(sandbox_probe, "NEGATIVE_TTL_S", 0.2)
-    sandbox_probe.forget_probes()
-    try:
-        assert sandbox_probe.probe(1000, 1).level == "none"
-        assert sandbox_probe.probe(1000, 1).level == "none"  # cached for a moment
-        time.sleep(0.3)
-        assert sandbox_probe.probe(1000, 1).level == "namespaces"  # probed again: user code is back
-        assert sandbox_probe.effective_level("auto", 1000, 1) == "namespaces"
-    finally:
-        sandbox_probe.forget_probes()
-
-
-def test_no_writable_cgroup_fails_closed(monkeypatch, fresh_settings):
-    monkeypatch.setattr(sandbox_cgroup, "_v2_parent", lambda: None)
-    monkeypatch.setattr(sandbox_cgroup, "_v1_parents", lambda: None)
-    sandbox_probe.forget_probes()
-    try:
-        found = sandbox_probe.probe()
-        if os.geteuid() == 0:
-            assert found == Probe("none", "no writable cgroup with the memory and pids controllers (v2, or v1 "
-                                          "memory and pids hierarchies)")
-        assert sandbox_level() == "none"
-        with pytest.raises(SandboxUnavailable, match="memory and pids"if os.geteuid() == 0 else "refused"):
-            PythonRewardProcess("def reward(c, **r):\n    return 1.0\n")
-    finally:
-        sandbox_probe.forget_probes()
-
-
-def test_seccomp_program_jumps_stay_inside_the_program():
-    import struct
-
-    import service._sandbox_launch as launcher
-
-    for machine in launcher.SYSCALLS:
-        program = launcher.seccomp_program(machine)
-        code = list(struct.iter_unpack("=HBBI", program))
-        for i, (op, jt, jf, _k) in enumerate(code):
-            if op & 0x07 == 0x05:  # BPF_JMP
-                assert i + 1 + max(jt, jf) < len(code)
-        assert code[-1][0] == launcher.RET and code[-1][3] == launcher.RET_ERRNO | errno.ENOSYS
-    with pytest.raises(launcher.SetupError, match="no syscall table"):
-        launcher.seccomp_program("sparc")
