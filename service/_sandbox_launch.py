@@ -36,6 +36,7 @@ Standard library only; everything is imported before the chroot.
 """
 
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -123,10 +124,17 @@ def _install_seccomp(machine):
 
 
 def _join_new_session_keyring(machine):
-    """An anonymous session keyring of the sandbox uid: the worker's keys are no longer possessed."""
+    """An anonymous session keyring of the sandbox uid: the worker's keys are no longer possessed.
+
+    EPERM or ENOSYS means a filter above ours (Docker's default seccomp profile)
+    already denies the keyring calls to the worker and so to every descendant:
+    there is no keyring to leave, so that is not a failure.
+    """
     if _libc.syscall(ctypes.c_long(SYSCALLS[machine][1]["keyctl"]), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING),
                      ctypes.c_void_p(None)) < 0:
-        raise OSError(ctypes.get_errno(), "keyctl(KEYCTL_JOIN_SESSION_KEYRING)")
+        err = ctypes.get_errno()
+        if err not in (errno.EPERM, errno.ENOSYS):
+            raise OSError(err, "keyctl(KEYCTL_JOIN_SESSION_KEYRING)")
 
 
 def _mount(source, target, fstype, flags, data=None):
