@@ -10,7 +10,8 @@ Where it goes, checked in this order:
   controllers: the sandboxes are children of that cgroup. The "no internal
   processes" rule means a non-root cgroup with processes cannot hand
   controllers to children, so its processes move to a leaf child first
-  (WORKER_LEAF), as container init systems do;
+  (WORKER_LEAF), as container init systems do (under systemd that needs
+  Delegate=yes on the worker's unit); the root cgroup needs no such move;
 - cgroup v1, where this process's `memory` and `pids` directories are writable:
   a directory in each.
 Elsewhere new_cgroup() raises CgroupUnavailable and the sandbox fails closed.
@@ -90,13 +91,14 @@ def _v2_parent() -> Path | None:
         if not os.access(base / "cgroup.subtree_control", os.W_OK):
             return None
         with _v2_lock:
-            leaf = base / WORKER_LEAF
-            leaf.mkdir(exist_ok=True)
-            for pid in (base / "cgroup.procs").read_text().split():
-                try:
-                    (leaf / "cgroup.procs").write_text(pid)
-                except OSError:  # gone meanwhile
-                    pass
+            if base != Path(mount):  # the root cgroup is exempt from the rule: nothing has to move
+                leaf = base / WORKER_LEAF
+                leaf.mkdir(exist_ok=True)
+                for pid in (base / "cgroup.procs").read_text().split():
+                    try:
+                        (leaf / "cgroup.procs").write_text(pid)
+                    except OSError:  # gone meanwhile
+                        pass
             (base / "cgroup.subtree_control").write_text(" ".join("+" + c for c in CONTROLLERS))
         return base
     except OSError:

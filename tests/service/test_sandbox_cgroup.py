@@ -48,6 +48,14 @@ def test_v2_moves_its_processes_to_a_leaf_then_delegates(v2_only, tmp_path):
     assert (base / "cgroup.subtree_control").read_text() == "+memory +pids"
 
 
+def test_the_root_cgroup_delegates_without_moving_anything(v2_only, tmp_path):
+    base = _v2_tree(tmp_path, "/", "memory pids", "", procs="1\n2\n")
+    v2_only[""] = "/"
+    assert sandbox_cgroup.parents() == ("v2", [base])
+    assert not (base / sandbox_cgroup.WORKER_LEAF).exists()  # the host's processes stay where they are
+    assert (base / "cgroup.subtree_control").read_text() == "+memory +pids"
+
+
 def test_a_worker_already_in_the_leaf_uses_its_parent(v2_only, tmp_path):
     base = _v2_tree(tmp_path, "/kubepods/pod1", "memory pids", "memory pids")
     v2_only[""] = f"/kubepods/pod1/{sandbox_cgroup.WORKER_LEAF}"
