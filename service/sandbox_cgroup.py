@@ -139,7 +139,9 @@ def new_cgroup(memory_bytes: int, max_processes: int) -> SandboxCgroup:
             raise CgroupUnavailable("no writable cgroup with the memory and pids controllers (v2, or v1 "
                                     "memory and pids hierarchies)")
         memory, pids = where
-        plan = [(memory / name, {"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes}),
+        # memsw (memory + swap) exists only with swap accounting; swappiness 0 keeps it from swapping without it.
+        plan = [(memory / name, {"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes,
+                                 "memory.swappiness": 0}),
                 (pids / name, {"pids.max": max_processes})]
     cgroup = SandboxCgroup(version, [path for path, _ in plan])
     for path in cgroup.paths:
