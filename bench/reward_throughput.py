@@ -1,5 +1,8 @@
 """Rows/s of a simple Python reward: in-process vs through the sandbox (one child, and a pool of children).
 
+Also the regex reward: Python's re in-process (what it was) vs the killable
+child with deadlines that it runs in now (worker/rewards/regex.py).
+
     .venv/bin/python bench/reward_throughput.py            # a few seconds
     .venv/bin/python bench/reward_throughput.py --rows 100000
 
@@ -11,12 +14,15 @@ each sandboxed mode scores one warm-up batch before the clock starts.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from service.schemas.rewards import RegexReward  # noqa: E402
+from worker.rewards.regex import RegexBatchScorer  # noqa: E402
 from worker.rewards.sandbox import PythonRewardPool, PythonRewardProcess  # noqa: E402
 from worker.sandbox import sandbox_level  # noqa: E402
 
@@ -56,6 +62,30 @@ def sandboxed(scorer, completions, rows, batch: int) -> float:
     return len(rows) / (time.perf_counter() - started)
 
 
+def regex_rates(completions, batch: int) -> tuple[float, float]:
+    """(in-process rows/s, child rows/s) for one anchored pattern over the same completions."""
+    spec = RegexReward(pattern=r"is (\d+)$")
+    pattern = re.compile(spec.pattern)
+    started = time.perf_counter()
+    hits = sum(1 for c in completions if pattern.search(c))
+    direct_rate = len(completions) / (time.perf_counter() - started)
+    scorer = RegexBatchScorer(spec)
+    try:
+        scorer.score(completions[:batch], [{}] * batch)  # warm-up: the child is running
+        started = time.perf_counter()
+        matched = 0.0
+        for i in range(0, len(completions), batch):
+            chunk = completions[i:i + batch]
+            out = scorer.score(chunk, [{}] * len(chunk))
+            assert all(e is None for e in out.errors), out.errors[:3]
+            matched += sum(out.scores)
+        child_rate = len(completions) / (time.perf_counter() - started)
+    finally:
+        scorer.close()
+    assert matched == hits
+    return direct_rate, child_rate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=8192)
@@ -84,6 +114,10 @@ def main() -> None:
                 rate = sandboxed(scorer, completions, rows, batch)
             label = "sandbox, 1 process" if n == 1 else f"sandbox pool, {n} procs"
             print(f"{label:<22}{batch:>7}{rate:>12,.0f}{rate / base:>10.3f}x")
+    for batch in args.batches:
+        direct_rate, child_rate = regex_rates(completions, batch)
+        print(f"{'regex in-process':<22}{batch:>7}{direct_rate:>12,.0f}{1.0:>10.2f}x")
+        print(f"{'regex child':<22}{batch:>7}{child_rate:>12,.0f}{child_rate / direct_rate:>10.3f}x")
 
 
 if __name__ == "__main__":

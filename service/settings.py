@@ -34,7 +34,9 @@ class Settings(BaseSettings):
     max_attempts: int = Field(3, ge=1)
     work_dir: Path | None = Field(None, description="Worker scratch space (default HOME/work).")
     sandbox: Literal["auto", "namespaces", "off"] = Field("auto", description="User code: 'off' refuses it.")
-    sandbox_uid: int = Field(65534, ge=1, description="The unprivileged uid sandboxed user code runs as.")
+    sandbox_uid: int = Field(100000, ge=1, description="The first of the uids sandboxes run as, one per live "
+                             "sandbox (host-wide); no host user may own them.")
+    sandbox_uid_count: int = Field(1000, ge=1, description="How many uids from sandbox_uid: live sandboxes at most.")
     egress_allow: str = Field(
         "", description="Comma-separated hosts, IPs or CIDRs that remote rewards and environments may reach "
         "even though they are not public addresses (e.g. an in-cluster grader)."

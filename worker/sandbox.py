@@ -12,35 +12,38 @@ What a spawned process gets (level "namespaces"; see service/_sandbox_launch.py)
   not the internet, not the host's loopback (Redis, PostgreSQL,
   torch.distributed stores) and, with no /run or /tmp, no Unix sockets;
 - a new root: the system paths and the interpreter's prefix read-only, a
-  minimal /dev (no GPU nodes), its own /proc, and `workdir`, a 0700 directory
-  it owns and the only place it can write; the rest of the host (the
-  service's database and settings, job directories, /tmp) is not there;
-- an unprivileged uid/gid (settings.sandbox_uid, default nobody) with no
-  capabilities, no supplementary groups and no_new_privs;
-- rlimits: address space, file size, open files, processes (RLIMIT_NPROC, per
-  uid; plus a per-sandbox pids cgroup where cgroup v1 `pids` is writable),
-  optionally CPU seconds, no core dumps;
+  minimal /dev (no GPU nodes, no /dev/shm), its own /proc, and at `workdir`'s
+  path a tmpfs of limits.workdir_bytes (and workdir_inodes) that it owns, the
+  only place it can write; the rest of the host (the service's database and
+  settings, job directories, /tmp) is not there. The host's `workdir` stays
+  an empty root-owned placeholder;
+- a uid/gid of its own, leased from settings.sandbox_uid[_count] for its
+  lifetime (service/sandbox_uids.py): no other live sandbox shares it, so
+  RLIMIT_NPROC, keyrings and /proc checks separate tenants; no capabilities,
+  no supplementary groups, no_new_privs, a fresh session keyring;
+- a seccomp filter denying new namespaces, io_uring, keyctl, ptrace, mounts,
+  bpf, perf, userfaultfd, kexec and modules (service/_sandbox_launch.py);
+- a cgroup of its own (v2, or v1 memory + pids; service/sandbox_cgroup.py)
+  bounding the memory (its tmpfs included) and the processes of all of it
+  together, plus per-process rlimits: address space, file size, open files,
+  processes, optionally CPU seconds, no core dumps;
 - an allow-listed environment (PATH, LANG, PYTHONHASHSEED, HOME=TMPDIR=workdir)
   and no file descriptors but stdin, stdout (pipes) and stderr.
 
 Wall-clock limits are the caller's: wait on the pipes with a deadline, then kill().
-When the host cannot do this (sandbox_level() == "none") or settings.sandbox is
-"off", spawn() refuses: there is no weaker fallback.
+When the host cannot provide every layer (sandbox_level() == "none"), or
+settings.sandbox is "off", spawn() refuses: there is no weaker fallback.
 
 No preexec_fn anywhere (unsafe in the threaded trainer): everything runs in
 the launcher, after exec.
 
-Not guaranteed: there is no seccomp filter, so the kernel's whole syscall
-surface is reachable (user code may create nested user namespaces where the
-host allows unprivileged ones; they have no host network or files either).
-RLIMIT_NPROC counts per uid, and all sandboxes share the sandbox uid, so a
-fork bomb in one can make another's forks (or start) fail until it is
-killed; the pids cgroup is the per-sandbox bound. There is no memory or CPU
-cgroup: RLIMIT_AS bounds each process, not a sandbox's sum. World-readable
-files under the read-only paths (/usr, /etc, ...) are readable. If the
-parent process is SIGKILLed its sandboxes die (the launcher watches its
-status socket), but their workdirs stay, and their empty cgroups until a
-later spawn sweeps them. It needs root: elsewhere the level is "none".
+Not guaranteed: the filter is a deny list, so the rest of the kernel's
+syscall surface is reachable. There is no CPU cgroup limit (a sandbox may use
+whole cores until its deadline). World-readable files under the read-only
+paths (/usr, /etc, ...) are readable. If the parent process is SIGKILLed its
+sandboxes die (the launcher watches its status socket), but their host
+placeholders stay, and their empty cgroups until a later spawn sweeps them.
+It needs root: elsewhere the level is "none".
 """
 
 from __future__ import annotations
@@ -53,11 +56,12 @@ import socket
 import subprocess
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.sandbox_probe import effective_level, launch_argv, probe, read_only_paths, sandbox_gid, sandbox_python
+from service.sandbox_cgroup import CgroupUnavailable, SandboxCgroup, new_cgroup, remove_cgroup
+from service.sandbox_probe import effective_level, launch_argv, launch_config, probe, sandbox_python
+from service.sandbox_uids import NoUidFree, UidLease, lease_uid
 from service.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -65,7 +69,6 @@ log = logging.getLogger(__name__)
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 START_TIMEOUT_S = 10.0
 KILL_TIMEOUT_S = 5.0
-STALE_CGROUP_S = 300.0
 
 __all__ = ["Limits", "SandboxError", "SandboxProcess", "SandboxUnavailable", "kill", "members", "new_workdir",
            "python_argv", "require_sandbox", "sandbox_level", "sandbox_python", "spawn"]
@@ -82,10 +85,13 @@ class SandboxError(RuntimeError):
 @dataclass(frozen=True)
 class Limits:
     cpu_s: int | None = None  # hard RLIMIT_CPU; None lets a long-lived child budget its own (soft) CPU
-    address_space_bytes: int = 1 << 30
+    address_space_bytes: int = 1 << 30  # per process
+    memory_bytes: int = 1 << 30  # the whole sandbox: every process, and the files in its workdir
     file_size_bytes: int = 16 << 20
+    workdir_bytes: int = 64 << 20  # everything it writes, together
+    workdir_inodes: int = 4096
     open_files: int = 64
-    max_processes: int = 64  # per uid (RLIMIT_NPROC) and, where possible, per sandbox (pids cgroup)
+    max_processes: int = 64  # per sandbox (its uid's RLIMIT_NPROC, and its cgroup's pids.max)
 
     def rlimits(self) -> dict[str, int]:
         limits = {"AS": self.address_space_bytes, "FSIZE": self.file_size_bytes, "NOFILE": self.open_files,
@@ -100,8 +106,13 @@ class SandboxProcess(subprocess.Popen):
 
     workdir: Path
     pid_ns: str | None = None  # "pid:[inode]" of the sandbox's pid namespace, once it exists
-    cgroup: Path | None = None
+    cgroup: SandboxCgroup | None = None
+    uid_lease: UidLease | None = None
     status: socket.socket | None = None  # the launcher exits when this closes (e.g. our process dies)
+
+    @property
+    def uid(self) -> int | None:
+        return self.uid_lease.uid if self.uid_lease else None
 
     def members(self) -> dict[int, int]:
         """The sandbox's live processes: {host pid: pid inside the sandbox}."""
@@ -109,9 +120,9 @@ class SandboxProcess(subprocess.Popen):
 
 
 def sandbox_level() -> str:
-    """"namespaces" or "none" (probed once per process; "none" too when settings.sandbox is "off")."""
+    """"namespaces" or "none" (probed, then re-probed now and then; "none" too when settings.sandbox is "off")."""
     settings = get_settings()
-    return effective_level(settings.sandbox, settings.sandbox_uid)
+    return effective_level(settings.sandbox, settings.sandbox_uid, settings.sandbox_uid_count)
 
 
 def require_sandbox() -> None:
@@ -119,7 +130,7 @@ def require_sandbox() -> None:
     settings = get_settings()
     if settings.sandbox == "off":
         raise SandboxUnavailable("user Python code is refused: the sandbox is turned off (CISPO_SANDBOX=off)")
-    found = probe(settings.sandbox_uid)
+    found = probe(settings.sandbox_uid, settings.sandbox_uid_count)
     if found.level != "namespaces":
         raise SandboxUnavailable(f"user Python code is refused: this host cannot isolate it (no namespaces): "
                                  f"{found.reason}")
@@ -135,7 +146,7 @@ def python_argv(script: Path) -> list[str]:
 
 
 def new_workdir(prefix: str = "cispo-sandbox-") -> Path:
-    """A fresh 0700 directory for one sandbox; spawn() hands it to the sandbox uid. The caller removes it."""
+    """A fresh 0700 directory naming one sandbox's working directory (a tmpfs inside it). The caller removes it."""
     return Path(tempfile.mkdtemp(prefix=prefix))
 
 
@@ -147,15 +158,22 @@ def spawn(argv: list[str], *, workdir: Path, limits: Limits, extra_read_only: tu
     """
     require_sandbox()
     settings = get_settings()
-    uid, gid = settings.sandbox_uid, sandbox_gid(settings.sandbox_uid)
     workdir = Path(workdir)
     workdir.mkdir(mode=0o700, exist_ok=True)
-    os.chown(workdir, uid, gid)
-    os.chmod(workdir, 0o700)
-    cgroup = _new_pids_cgroup(limits.max_processes)
+    try:
+        lease = lease_uid(settings.sandbox_uid, settings.sandbox_uid_count)
+    except NoUidFree as e:
+        raise SandboxError(f"the sandbox did not start: {e}") from None
+    try:
+        cgroup = new_cgroup(limits.memory_bytes, limits.max_processes + 1)  # + its init
+    except CgroupUnavailable as e:
+        lease.release()
+        raise SandboxError(f"the sandbox did not start: {e}") from None
     ours, theirs = socket.socketpair()
-    config = {"uid": uid, "gid": gid, "workdir": str(workdir), "ro": read_only_paths(extra_read_only),
-              "rlimits": limits.rlimits(), "cgroup": str(cgroup) if cgroup else None, "status_fd": theirs.fileno()}
+    config = launch_config(uid=lease.uid, workdir=str(workdir), workdir_bytes=limits.workdir_bytes,
+                           workdir_inodes=limits.workdir_inodes, rlimits=limits.rlimits(),
+                           cgroups=[str(p) for p in cgroup.paths], status_fd=theirs.fileno(),
+                           extra_read_only=extra_read_only)
     env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "HOME": str(workdir),
            "TMPDIR": str(workdir)}
     try:
@@ -164,11 +182,12 @@ def spawn(argv: list[str], *, workdir: Path, limits: Limits, extra_read_only: tu
                               start_new_session=True)
     except BaseException:
         ours.close()
-        _remove_cgroup(cgroup)
+        remove_cgroup(cgroup)
+        lease.release()
         raise
     finally:
         theirs.close()
-    proc.workdir, proc.cgroup, proc.status = workdir, cgroup, ours
+    proc.workdir, proc.cgroup, proc.uid_lease, proc.status = workdir, cgroup, lease, ours
     try:
         answer = _read_status(ours, time.monotonic() + START_TIMEOUT_S)
     except OSError as e:
@@ -182,7 +201,7 @@ def spawn(argv: list[str], *, workdir: Path, limits: Limits, extra_read_only: tu
 
 
 def kill(proc: SandboxProcess) -> None:
-    """SIGKILL everything the sandbox started, reap it, verify no survivor, drop its cgroup. Idempotent.
+    """SIGKILL everything the sandbox started, reap it, verify no survivor, drop its cgroup and uid. Idempotent.
 
     Killing the pid namespace's init makes the kernel kill every other process
     in it; the group kill covers a launcher that had not created it yet.
@@ -207,11 +226,13 @@ def kill(proc: SandboxProcess) -> None:
         except OSError:
             pass
     survivors = _wait_empty(proc.pid_ns, time.monotonic() + KILL_TIMEOUT_S) if proc.pid_ns else {}
-    if not _remove_cgroup(proc.cgroup) and proc.cgroup is not None:
+    if not remove_cgroup(proc.cgroup):
         log.warning("sandbox cgroup %s could not be removed", proc.cgroup)
     proc.cgroup = None
-    if survivors:
+    if survivors:  # the uid stays leased (to this process) while anything may still run as it
         raise SandboxError(f"sandbox processes survived the kill: {sorted(survivors)}")
+    if proc.uid_lease is not None:
+        proc.uid_lease.release()
 
 
 def exit_status(returncode: int | None) -> int | None:
@@ -279,60 +300,3 @@ def _wait_empty(pid_ns: str, deadline: float) -> dict[int, int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.01)
-
-
-def _pids_cgroup_root() -> Path | None:
-    """This process's cgroup v1 `pids` directory, if it is there and writable (cgroup v2 is not used)."""
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            if "pids" in controllers.split(","):
-                root = Path("/sys/fs/cgroup/pids") / path.lstrip("/")
-                return root if os.access(root, os.W_OK) else None
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _new_pids_cgroup(max_processes: int) -> Path | None:
-    """A per-sandbox pids cgroup (max_processes + its init), or None where the host offers none."""
-    root = _pids_cgroup_root()
-    if root is None:
-        return None
-    _sweep_stale_cgroups(root)
-    path = root / f"cispo-sandbox-{uuid.uuid4().hex}"
-    try:
-        path.mkdir()
-        (path / "pids.max").write_text(str(max_processes + 1))
-        return path
-    except OSError:
-        _remove_cgroup(path)
-        return None
-
-
-def _sweep_stale_cgroups(root: Path) -> None:
-    """Remove sandbox cgroups a crashed worker left behind: rmdir fails on any that still has a task.
-
-    Only old ones: a young empty one may be a sandbox another thread is starting.
-    """
-    for stale in root.glob("cispo-sandbox-*"):
-        try:
-            if time.time() - stale.stat().st_mtime > STALE_CGROUP_S:
-                stale.rmdir()
-        except OSError:
-            pass
-
-
-def _remove_cgroup(path: Path | None) -> bool:
-    if path is None:
-        return True
-    for _ in range(100):  # rmdir fails while a just-killed task has not left it
-        try:
-            path.rmdir()
-            return True
-        except FileNotFoundError:
-            return True
-        except OSError:
-            time.sleep(0.01)
-    return False
-

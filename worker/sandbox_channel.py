@@ -4,12 +4,14 @@ Shared by the user Python environments (worker/envs/python_env.py) and the
 user Python rewards (worker/rewards/sandbox.py).
 
 The containment is worker/sandbox.py's (own pid, network, mount and IPC
-namespaces, an unprivileged uid, a new root where only a private 0700
-working directory is writable, rlimits, an allow-listed environment); where
+namespaces, a uid of its own, a seccomp filter, a cgroup bounding its memory
+and processes, a new root where only a size-capped private tmpfs is
+writable, rlimits, an allow-listed environment); where
 the host cannot provide it, spawn() refuses and so does this module. On top
 of that: reads and writes are non-blocking, so neither a full pipe nor a
 silent child can outlast the deadline, answers are capped in size, and
-``stop()`` kills everything in the sandbox and removes its directory.
+``stop()`` kills everything in the sandbox (its tmpfs goes with it) and removes
+the host's placeholder directory.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from service.schemas.rewards import (
     RegexReward,
     RewardSpec,
 )
-from worker.rewards.builtins import contains, exact_match, last_boxed, last_number, numeric_match, regex
+from worker.rewards.builtins import contains, exact_match, last_boxed, last_number, numeric_match
 
 SPEC = TypeAdapter(RewardSpec)
 
@@ -51,18 +51,6 @@ def test_contains():
     assert contains("The capital is Lyon.", {"answer": "paris"}, spec) == 0.0
     assert contains("The capital is PARIS.", {"answer": "paris"}, ContainsReward(case_sensitive=True)) == 0.0
     assert contains("x=7", {"y": 7}, ContainsReward(field="y")) == 1.0
-
-
-# -- regex ----------------------------------------------------------------------
-
-
-def test_regex_search_versus_full_match():
-    search, full = RegexReward(pattern=r"\d+"), RegexReward(pattern=r"\d+", full_match=True)
-    assert regex("answer: 12", {}, search) == 1.0
-    assert regex("answer: 12", {}, full) == 0.0
-    assert regex("12", {}, full) == 1.0
-    assert regex("no digits", {}, search) == 0.0
-    assert regex("YES", {}, RegexReward(pattern="(?i)yes")) == 1.0
 
 
 # -- numbers --------------------------------------------------------------------

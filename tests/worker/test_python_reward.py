@@ -226,12 +226,14 @@ def reward(completion, **row):
     try:
         assert proc.score(["a"], [{}]).errors == [None]
         workdir = proc.workdir
-        assert workdir.is_dir() and (workdir / "sub" / "deeper" / "out.txt").is_file()
-        assert stat.S_IMODE(workdir.stat().st_mode) == 0o700
-        assert workdir.stat().st_uid == 65534  # the sandbox uid owns it
         child = _host_pid(proc, 2)  # the reward child; pid 1 is the sandbox's init
+        inside = Path(f"/proc/{child}/root{workdir}")  # its tmpfs, seen through its own root
+        assert inside.is_dir() and (inside / "sub" / "deeper" / "out.txt").is_file()
+        assert stat.S_IMODE(inside.stat().st_mode) == 0o700
+        assert inside.stat().st_uid == proc.sandbox.uid  # the sandbox's own uid owns it
         assert Path(os.readlink(f"/proc/{child}/cwd")) == workdir
         assert workdir != Path.cwd()
+        assert workdir.is_dir() and not any(workdir.iterdir())  # nothing reached the host's disk
     finally:
         proc.close()
     assert not workdir.exists()

@@ -15,98 +15,16 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from service.sandbox_probe import Probe
-from service.settings import get_settings
 from worker import sandbox
 from worker.rewards.sandbox import PythonRewardProcess
 from worker.sandbox import Limits, SandboxError, SandboxUnavailable, members, python_argv, sandbox_level
-
-SANDBOX_UID = 65534
-needs_sandbox = pytest.mark.skipif(sandbox_level() != "namespaces",
-                                   reason="this host cannot sandbox user code (sandbox_level() is 'none')")
-
-
-def _uid_processes(uid: int) -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc"):
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
-            continue
-        uid_line = next((line for line in status.splitlines() if line.startswith("Uid:")), "")
-        state = next((line for line in status.splitlines() if line.startswith("State:")), "")
-        if uid_line.split()[1:2] == [str(uid)] and " Z " not in state + " ":
-            found.add(int(entry))
-    return found
-
-
-def _leftovers() -> dict[str, set]:
-    cgroups = sandbox._pids_cgroup_root()
-    return {
-        "sandbox uid processes": _uid_processes(SANDBOX_UID),
-        "workdirs": {p.name for p in Path("/tmp").glob("cispo-reward-*")},
-        "cgroups": {p.name for p in cgroups.glob("cispo-sandbox-*")} if cgroups else set(),
-    }
-
-
-@pytest.fixture
-def trainer():
-    """Stands for the trainer: a thread of this process that must keep ticking; nothing new left after the test."""
-    before = _leftovers()
-    ticks, stop = [0], threading.Event()
-
-    def beat():
-        while not stop.wait(0.02):
-            ticks[0] += 1
-
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
-    yield ticks
-    stop.set()
-    thread.join()
-    assert ticks[0] > 0
-    deadline = time.monotonic() + 5
-    while _new_since(before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _new_since(before) == {}
-
-
-def _new_since(before: dict[str, set]) -> dict[str, set]:
-    """What appeared since `before` and is still there (what others' sandboxes removed meanwhile is fine)."""
-    return {k: v - before[k] for k, v in _leftovers().items() if v - before[k]}
-
-
-class Run:
-    """Scores one batch, then closes; keeps what the checks need (namespace, host pids, timing)."""
-
-    def __init__(self, source: str, completions: list[str], rows: list[dict] | None = None, **options):
-        self.proc = PythonRewardProcess(source, **options)
-        rows = rows if rows is not None else [{}] * len(completions)
-        try:
-            self.proc._ensure_started()
-            self.pid_ns = self.proc.sandbox.pid_ns
-            self.holder = self.proc.pid
-            self.workdir = self.proc.workdir
-            started = time.monotonic()
-            self.result = self.proc.score(completions, rows)
-            self.elapsed = time.monotonic() - started
-            self.budget = self.proc.batch_timeout(len(completions))
-            self.peak = len(members(self.pid_ns))  # processes in the sandbox once the call returned
-        finally:
-            self.proc.close()
-
-    def assert_nothing_survives(self, reported_host_pids=()):
-        assert members(self.pid_ns) == {}
-        for pid in (self.holder, *reported_host_pids):
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
-        assert not self.workdir.exists()
+from tests.worker.sandbox_attacks import SANDBOX_UIDS, Run, fresh_settings, needs_sandbox, trainer  # noqa: F401
 
 
 @needs_sandbox
@@ -251,7 +169,8 @@ def reward(completion, path, **row):
         try:
             proc._ensure_started()
             pid_ns, workdir = proc.sandbox.pid_ns, proc.workdir
-            inside = workdir / "inside.secret"  # root-owned 0600, in its own directory: the uid still blocks it
+            child = {inner: host for host, inner in proc.sandbox.members().items()}[2]
+            inside = Path(f"/proc/{child}/root{workdir}/inside.secret")  # root-owned 0600 in its own tmpfs
             inside.write_text("canary")
             inside.chmod(0o600)
             result = proc.score(["x"] * len(paths), [{"path": p} for p in paths])
@@ -380,12 +299,12 @@ def reward(completion, **row):
             "from worker.sandbox import Limits, new_workdir, sandbox_python, spawn\n"
             "proc = spawn([sandbox_python(), '-I', '-S', '-c', 'import time\\nwhile True: time.sleep(1)'],\n"
             "             workdir=new_workdir('cispo-reward-'), limits=Limits())\n"
-            "print(proc.pid_ns, proc.workdir, proc.cgroup or '-', flush=True)\n"
+            "print(proc.pid_ns, proc.workdir, ','.join(map(str, proc.cgroup.paths)), flush=True)\n"
             "time.sleep(60)\n")
         parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                                   cwd=Path(__file__).resolve().parents[2])
         try:
-            pid_ns, workdir, cgroup = parent.stdout.readline().split()
+            pid_ns, workdir, cgroups = parent.stdout.readline().split()
             assert len(members(pid_ns)) == 2
         finally:
             parent.kill()
@@ -395,7 +314,7 @@ def reward(completion, **row):
             time.sleep(0.05)
         assert members(pid_ns) == {}
         Path(workdir).rmdir()  # the dead parent could not; the sandbox never wrote to it
-        if cgroup != "-":
+        for cgroup in cgroups.split(","):
             Path(cgroup).rmdir()  # succeeds only when no task is left in it (a later spawn sweeps such dirs)
 
     def test_spawn_is_reusable_for_other_children(self, trainer, tmp_path):
@@ -408,7 +327,8 @@ def reward(completion, **row):
         try:
             proc.stdin.write(b"reset 7\n")
             proc.stdin.flush()
-            assert proc.stdout.readline() == b"65534 2 reset 7\n"
+            assert proc.stdout.readline() == f"{proc.uid} 2 reset 7\n".encode()
+            assert proc.uid in SANDBOX_UIDS
         finally:
             sandbox.kill(proc)
             sandbox.kill(proc)  # idempotent
@@ -424,12 +344,6 @@ def reward(completion, **row):
         (tmp_path / "w").rmdir()
 
 
-@pytest.fixture
-def fresh_settings():
-    get_settings.cache_clear()
-    yield
-    get_settings.cache_clear()
-
 
 def test_sandbox_off_refuses_user_code(monkeypatch, fresh_settings):
     monkeypatch.setenv("CISPO_SANDBOX", "off")
@@ -442,7 +356,7 @@ def test_sandbox_off_refuses_user_code(monkeypatch, fresh_settings):
 
 def test_a_host_without_namespaces_refuses_user_code(monkeypatch, fresh_settings):
     monkeypatch.setenv("CISPO_SANDBOX", "auto")
-    monkeypatch.setattr(sandbox, "probe", lambda uid: Probe("none", "unshare failed"))
+    monkeypatch.setattr(sandbox, "probe", lambda first, count: Probe("none", "unshare failed"))
     with pytest.raises(SandboxUnavailable,
                        match=r"^user Python code is refused: this host cannot isolate it \(no namespaces\)"):
         PythonRewardProcess("def reward(c, **r):\n    return 1.0\n")

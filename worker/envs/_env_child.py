@@ -1,7 +1,7 @@
 """The environment child: hosts one job's user environment class, one instance per episode.
 
 Started by worker/envs/python_env.py in a sandbox (worker/sandbox.py: its own
-namespaces, an unprivileged uid, rlimits, a private working directory) as
+namespaces, uid, cgroup and seccomp filter, rlimits, a private capped tmpfs) as
 ``python -I -S -B -c <this source>``. Standard library only: it must not
 import torch or project code.
 

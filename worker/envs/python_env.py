@@ -66,7 +66,7 @@ class PythonEnvironmentProcess:
         self.max_batch_timeout_s = max_batch_timeout_s
         require_sandbox()
         # No hard CPU limit: the child budgets CPU per batch (soft), the parent's deadline is the hard stop.
-        self.limits = Limits(cpu_s=None, address_space_bytes=spec.memory_mb << 20)
+        self.limits = Limits(cpu_s=None, address_space_bytes=spec.memory_mb << 20, memory_bytes=spec.memory_mb << 20)
         self._holder = _Holder()
         self._finalizer = weakref.finalize(self, _Holder.close, self._holder)
 

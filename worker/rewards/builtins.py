@@ -1,6 +1,8 @@
 """Builtin verifiers: pure functions ``fn(completion, row, spec) -> float`` giving 1.0 or 0.0.
 
 Our code, fast and side-effect free, so the trainer calls them in-process.
+(Not the regex reward: a user's pattern can backtrack for ever, so it is
+matched in a killable child, worker/rewards/regex.py.)
 A row without the spec's field raises KeyError; a row value that cannot be
 compared raises ValueError. The scorer turns either into a sample error.
 """
@@ -16,11 +18,9 @@ from typing import Any
 
 from service.schemas.reward_checks import LengthReward
 from service.schemas.rewards import (
-    BuiltinRewardSpec,
     ContainsReward,
     ExactMatchReward,
     NumericMatchReward,
-    RegexReward,
 )
 
 BuiltinFn = Callable[[str, Mapping[str, Any], Any], float]
@@ -81,17 +81,6 @@ def contains(completion: str, row: Mapping[str, Any], spec: ContainsReward) -> f
     needle = str(_field(row, spec.field))
     norm = functools.partial(_normalise, case_sensitive=spec.case_sensitive)
     return 1.0 if norm(needle) in norm(completion) else 0.0
-
-
-@functools.lru_cache(maxsize=64)
-def _compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
-
-
-def regex(completion: str, row: Mapping[str, Any], spec: RegexReward) -> float:
-    pattern = _compiled(spec.pattern)
-    found = pattern.fullmatch(completion) if spec.full_match else pattern.search(completion)
-    return 1.0 if found else 0.0
 
 
 def last_number(text: str) -> float | None:
@@ -167,13 +156,7 @@ def length(completion: str, row: Mapping[str, Any], spec: LengthReward) -> float
 BUILTINS: dict[str, BuiltinFn] = {
     "exact_match": exact_match,
     "contains": contains,
-    "regex": regex,
     "numeric_match": numeric_match,
     "length": length,
 }
 
-
-def builtin_reward(spec: BuiltinRewardSpec) -> Callable[[str, Mapping[str, Any]], float]:
-    """``fn(completion, row)`` for a builtin spec."""
-    fn = BUILTINS[spec.type]
-    return lambda completion, row: fn(completion, row, spec)

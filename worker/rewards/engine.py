@@ -6,6 +6,7 @@ subprocess (worker/rewards/runner.py) so user code and outbound calls never
 run in the API process. Where each kind of reward runs:
 
 - builtins and template graders: our pure functions, in this process;
+- ``regex``: the user's pattern, in a killable child with deadlines (worker/rewards/regex.py);
 - ``python``: user code, in a sandboxed child (worker/rewards/sandbox.py);
 - ``http`` / ``score_model``: remote calls through the egress policy;
 - ``multi``: its parts (scored side by side in threads), then the weights or formula.
@@ -25,12 +26,13 @@ from typing import Any
 
 from service.egress import EgressPolicy
 from service.schemas.formula import compile_formula
-from service.schemas.rewards import HttpReward, MultiReward, PythonReward, ScoreModelReward
+from service.schemas.rewards import HttpReward, MultiReward, PythonReward, RegexReward, ScoreModelReward
 from worker.rewards import graders, json_checks
 from worker.rewards.builtins import BUILTINS
 from worker.rewards.errors import describe
 from worker.rewards.judge import JudgeBatchScorer, JudgeEndpoint
 from worker.rewards.outcome import BatchScorer, Outcome, add_usage
+from worker.rewards.regex import RegexBatchScorer
 from worker.rewards.remote import HttpBatchScorer
 from worker.rewards.sandbox import PythonRewardProcess
 
@@ -157,6 +159,8 @@ def build_scorer(spec, context: ScoringContext | None = None) -> BatchScorer:
                 part.close()
             raise
         return MultiBatchScorer(spec, parts)
+    if isinstance(spec, RegexReward):
+        return RegexBatchScorer(spec)
     if isinstance(spec, PythonReward):
         return SandboxBatchScorer(PythonRewardProcess(spec.source, spec.entry_point))
     if isinstance(spec, HttpReward):

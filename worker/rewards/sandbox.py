@@ -7,10 +7,11 @@ batch over several such children.
 
 The containment is worker/sandbox.py's: own pid, network, mount and IPC
 namespaces, an unprivileged uid, a new root with only the system, the
-interpreter and a private 0700 working directory (also HOME and TMPDIR, the
-only writable place, deleted when that child stops), an allow-listed
-environment, rlimits (address space 1 GiB, file size 16 MiB, 64 open files,
-64 processes, no core). Where the host cannot provide that, or
+interpreter and a private size-capped tmpfs working directory (also HOME and
+TMPDIR, the only writable place, gone when that child stops), a uid of its
+own, a seccomp filter, a cgroup bounding the memory (1 GiB) and processes (64)
+of the whole sandbox, an allow-listed environment, rlimits (address space
+1 GiB, file size 16 MiB, 64 open files, no core). Where the host cannot provide that, or
 CISPO_SANDBOX=off, constructing a PythonRewardProcess raises SandboxUnavailable:
 user code is refused, never run unconfined.
 
@@ -103,8 +104,8 @@ class PythonRewardProcess:
         self.source, self.entry_point = source, entry_point
         self.timeout_s, self.max_batch_timeout_s = float(timeout_s), float(max_batch_timeout_s)
         # No hard CPU limit: the child budgets CPU per batch (soft), the parent's deadline is the hard stop.
-        self.limits = Limits(cpu_s=None, address_space_bytes=memory_bytes, file_size_bytes=file_size_bytes,
-                             open_files=open_files, max_processes=max_processes)
+        self.limits = Limits(cpu_s=None, address_space_bytes=memory_bytes, memory_bytes=memory_bytes,
+                             file_size_bytes=file_size_bytes, open_files=open_files, max_processes=max_processes)
         self._state = _State()
         self._finalizer = weakref.finalize(self, _State.close, self._state)
 

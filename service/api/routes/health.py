@@ -48,6 +48,6 @@ def readyz(request: Request) -> JSONResponse:
     }
     ready = all(v == "ok" for v in checks.values())
     settings = state.settings
-    checks["sandbox"] = effective_level(settings.sandbox, settings.sandbox_uid)  # probed once per process
+    checks["sandbox"] = effective_level(settings.sandbox, settings.sandbox_uid, settings.sandbox_uid_count)
     return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks},
                         status_code=200 if ready else 503)

@@ -1,0 +1,80 @@
+"""Where sandbox cgroups go: the choice between cgroup v2 and v1, on a stand-in cgroup tree.
+
+The kernel is the outer edge here: a directory of plain files stands for the
+cgroup file system (this machine's v2 hierarchy has no memory controller, so
+the v2 path cannot run for real; the v1 path does, in
+tests/worker/test_sandbox_kernel.py). What is checked is the decision: which
+directory, and the delegation step a non-root v2 cgroup needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service import sandbox_cgroup
+
+
+def _v2_tree(root: Path, own: str, controllers: str, subtree: str, procs: str = "") -> Path:
+    base = root / own.lstrip("/")
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "cgroup.controllers").write_text(controllers + "\n")
+    (base / "cgroup.subtree_control").write_text(subtree + "\n")
+    (base / "cgroup.procs").write_text(procs)
+    return base
+
+
+@pytest.fixture
+def v2_only(monkeypatch, tmp_path):
+    """A host with only a v2 hierarchy at tmp_path, this process in cgroup `own`."""
+    own = {"": "/kubepods/pod1"}
+    monkeypatch.setattr(sandbox_cgroup, "_mounts", lambda: [(str(tmp_path), "cgroup2", ["rw"])])
+    monkeypatch.setattr(sandbox_cgroup, "_own_paths", lambda: own)
+    return own
+
+
+def test_v2_with_delegated_controllers_is_used_as_it_is(v2_only, tmp_path):
+    base = _v2_tree(tmp_path, "/kubepods/pod1", "cpu memory pids", "memory pids")
+    assert sandbox_cgroup.parents() == ("v2", [base])
+    assert not (base / sandbox_cgroup.WORKER_LEAF).exists()  # nothing had to move
+
+
+def test_v2_moves_its_processes_to_a_leaf_then_delegates(v2_only, tmp_path):
+    base = _v2_tree(tmp_path, "/kubepods/pod1", "cpu memory pids", "", procs="12\n34\n")
+    assert sandbox_cgroup.parents() == ("v2", [base])
+    leaf = base / sandbox_cgroup.WORKER_LEAF
+    assert leaf.is_dir() and (leaf / "cgroup.procs").read_text() == "34"  # each pid written in turn
+    assert (base / "cgroup.subtree_control").read_text() == "+memory +pids"
+
+
+def test_the_root_cgroup_delegates_without_moving_anything(v2_only, tmp_path):
+    base = _v2_tree(tmp_path, "/", "memory pids", "", procs="1\n2\n")
+    v2_only[""] = "/"
+    assert sandbox_cgroup.parents() == ("v2", [base])
+    assert not (base / sandbox_cgroup.WORKER_LEAF).exists()  # the host's processes stay where they are
+    assert (base / "cgroup.subtree_control").read_text() == "+memory +pids"
+
+
+def test_a_worker_already_in_the_leaf_uses_its_parent(v2_only, tmp_path):
+    base = _v2_tree(tmp_path, "/kubepods/pod1", "memory pids", "memory pids")
+    v2_only[""] = f"/kubepods/pod1/{sandbox_cgroup.WORKER_LEAF}"
+    assert sandbox_cgroup.parents() == ("v2", [base])
+
+
+def test_v2_without_the_controllers_falls_back_to_v1_or_nothing(v2_only, tmp_path):
+    _v2_tree(tmp_path, "/kubepods/pod1", "cpu hugetlb", "")
+    assert sandbox_cgroup.parents() == ("", [])
+    with pytest.raises(sandbox_cgroup.CgroupUnavailable, match="memory and pids"):
+        sandbox_cgroup.new_cgroup(1 << 20, 4)
+
+
+def test_v1_needs_both_memory_and_pids(monkeypatch, tmp_path):
+    for c in ("memory", "pids"):
+        (tmp_path / c / "job").mkdir(parents=True)
+    mounts = [(str(tmp_path / "memory"), "cgroup", ["rw", "memory"]), (str(tmp_path / "pids"), "cgroup", ["rw", "pids"])]
+    monkeypatch.setattr(sandbox_cgroup, "_mounts", lambda: mounts)
+    monkeypatch.setattr(sandbox_cgroup, "_own_paths", lambda: {"memory": "/job", "pids": "/job"})
+    assert sandbox_cgroup.parents() == ("v1", [tmp_path / "memory" / "job", tmp_path / "pids" / "job"])
+    monkeypatch.setattr(sandbox_cgroup, "_mounts", lambda: mounts[:1])
+    assert sandbox_cgroup.parents() == ("", [])

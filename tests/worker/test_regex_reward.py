@@ -1,0 +1,106 @@
+"""The regex reward: user patterns matched in a killable child, so backtracking cannot hang the trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from service.schemas.rewards import RegexReward
+from worker.rewards.engine import build_scorer
+from worker.rewards.errors import error_kind
+from worker.rewards.regex import RegexBatchScorer
+
+CATASTROPHIC = RegexReward(pattern=r"(a+)+$")  # exponential on "aaaa...ab"
+HANGS = "a" * 40 + "b"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_search_versus_full_match_through_the_engine():
+    texts = ["answer: 12", "12", "no digits", "YES"]
+    specs = [RegexReward(pattern=r"\d+"), RegexReward(pattern=r"\d+", full_match=True),
+             RegexReward(pattern="(?i)yes")]
+    results = []
+    for spec in specs:
+        scorer = build_scorer(spec)
+        try:
+            results.append(scorer.score(texts, [{}] * len(texts)).scores)
+        finally:
+            scorer.close()
+    assert results == [[1.0, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]
+
+
+def test_a_backtracking_pattern_times_out_that_sample_only():
+    scorer = RegexBatchScorer(CATASTROPHIC, timeout_s=0.5)
+    try:
+        scorer.score(["warm"], [{}])  # the child is running: only the matching is timed below
+        hung_child = scorer.child.pid
+        started = time.monotonic()
+        out = scorer.score(["aaa", HANGS, "xa", "b"], [{}] * 4)
+        elapsed = time.monotonic() - started
+        assert out.scores == [1.0, None, 1.0, 0.0]  # the texts after the hang were matched by a new child
+        assert out.errors[1] == "regex: timed out after 0.5 s" and error_kind(out.errors[1]) == "timeout"
+        assert 0.5 <= elapsed < 3
+        deadline = time.monotonic() + 5
+        while not _gone(hung_child) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _gone(hung_child)  # killed, not left spinning on a core
+        assert scorer.score(["aa"], [{}]).scores == [1.0]  # and the scorer goes on
+    finally:
+        child = scorer.child
+        scorer.close()
+        scorer.close()  # idempotent
+    assert child is None or _gone(child.pid)
+
+
+def test_a_batch_of_hanging_samples_is_bounded_by_the_batch_budget():
+    """What keeps a job cancellable: one step's regex scoring ends within about batch_budget_s."""
+    scorer = RegexBatchScorer(CATASTROPHIC, timeout_s=0.3, batch_budget_s=1.0)
+    try:
+        started = time.monotonic()
+        out = scorer.score([HANGS] * 50, [{}] * 50)
+        elapsed = time.monotonic() - started
+    finally:
+        scorer.close()
+    assert elapsed < 3, elapsed  # 50 x 0.3 s would be 15 s
+    assert out.scores == [None] * 50
+    assert all(error_kind(e) == "timeout" for e in out.errors)
+    assert out.errors[-1] == "regex: timed out (the batch's 1 s budget was spent)"
+
+
+def test_the_trainer_process_never_runs_the_pattern():
+    """Through the engine as the trainer builds it, in a separate process so that a hang fails, not blocks."""
+    code = ("import json, sys\n"
+            "from service.schemas.rewards import RegexReward\n"
+            "from worker.rewards.engine import build_scorer\n"
+            f"scorer = build_scorer(RegexReward(pattern={CATASTROPHIC.pattern!r}))\n"
+            f"out = scorer.score([{HANGS!r}, 'aa'], [{{}}, {{}}])\n"
+            "scorer.close()\n"
+            "print(json.dumps([out.scores, out.errors]))\n")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    scores, errors = json.loads(run.stdout)
+    assert scores == [None, 1.0] and error_kind(errors[0]) == "timeout"
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="positive"):
+        RegexBatchScorer(CATASTROPHIC, timeout_s=0)
+    scorer = RegexBatchScorer(CATASTROPHIC)
+    with pytest.raises(ValueError, match="2 completions but 1 rows"):
+        scorer.score(["a", "b"], [{}])
+    assert scorer.score([], []).scores == []
+    scorer.close()

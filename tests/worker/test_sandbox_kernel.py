@@ -1,0 +1,192 @@
+"""The sandbox's kernel-facing layers, attacked from inside: its own uid, one cgroup for memory and
+processes, a capped tmpfs, the seccomp filter and a private keyring; and how the host's level is probed.
+
+Same style as test_sandbox_containment.py: each attack returns in bounded time,
+fails visibly, and leaves nothing behind (the `trainer` fixture checks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import signal
+import struct
+import time
+
+import pytest
+
+import service._sandbox_launch as launcher
+from service import sandbox_cgroup, sandbox_probe
+from service.sandbox_probe import Probe
+from service.sandbox_uids import lease_uid
+from worker.rewards.sandbox import PythonRewardProcess
+from worker.sandbox import SandboxUnavailable, sandbox_level
+from tests.worker.sandbox_attacks import SANDBOX_UIDS, Run, fresh_settings, needs_sandbox, trainer  # noqa: F401
+
+SYSCALLS = launcher.SYSCALLS.get(os.uname().machine, (0, {}, None))[1]
+
+
+@needs_sandbox
+class TestKernelLayers:
+    def test_live_sandboxes_never_share_a_uid(self, trainer):
+        source = "import os\ndef reward(completion, **row):\n    return float(os.getuid())\n"
+        procs = [PythonRewardProcess(source) for _ in range(3)]
+        try:
+            uids = [p.score(["x"], [{}]).scores[0] for p in procs]
+        finally:
+            for p in procs:
+                p.close()
+        assert len(set(uids)) == 3 and all(int(u) in SANDBOX_UIDS for u in uids), uids
+        for uid in uids:  # each was handed back at close(): it can be leased again
+            lease_uid(int(uid), 1).release()
+
+    def test_memory_limit_covers_all_its_processes_together(self, trainer):
+        """Four processes of 150 MB each: each is under the per-process limit, their sum is not."""
+        source = """
+import os, time
+def reward(completion, **row):
+    children = []
+    for _ in range(4):
+        pid = os.fork()
+        if pid == 0:
+            hoard = b"x" * (150 << 20)  # touched, so resident
+            time.sleep(1.5)  # all four hold theirs at once
+            os._exit(0)
+        children.append(pid)
+    return float(sum(os.waitpid(pid, 0)[1] == 0 for pid in children))
+"""
+        run = Run(source, ["x"], timeout_s=20, memory_bytes=256 << 20)
+        held = run.result.scores[0]
+        assert held is not None and held <= 1, run.result  # the rest were OOM-killed: 256 MiB for all of it
+        run.assert_nothing_survives()
+
+    def test_writes_are_capped_in_total_and_never_reach_the_host_disk(self, trainer):
+        source = """
+import os
+def reward(completion, **row):
+    written = 0
+    try:
+        for i in range(40):  # 40 files of 15 MiB, each under RLIMIT_FSIZE: 600 MiB
+            with open(f"f{i}", "wb") as f:
+                for _ in range(15):
+                    f.write(b"x" * (1 << 20))
+                    written += 1 << 20
+    except OSError as e:
+        return float(e.errno * 10**10 + written)
+    return float(written)
+"""
+        run = Run(source, ["x"], timeout_s=20)
+        failed_errno, written = divmod(int(run.result.scores[0]), 10**10)
+        assert failed_errno == errno.ENOSPC and written <= 64 << 20, (failed_errno, written)
+        run.assert_nothing_survives()
+
+    def test_seccomp_denies_namespaces_io_uring_keys_ptrace_and_kernel_interfaces(self, trainer):
+        numbers = SYSCALLS
+        source = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(nr, *args):
+    ctypes.set_errno(0)
+    result = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    if result == 0 and nr == CLONE:
+        os._exit(0)  # a raw clone() child: leave at once
+    if result > 0 and nr == CLONE:
+        os.waitpid(result, 0)
+    return -ctypes.get_errno() if result < 0 else result
+def reward(completion, nr, args, **row):
+    raise RuntimeError(str(call(nr, *args)))
+"""
+        clone_newuser = 0x10000000 | signal.SIGCHLD
+        calls = {"unshare": [0x10000000], "setns": [0, 0], "io_uring_setup": [1, 0], "io_uring_enter": [0, 0, 0, 0, 0],
+                 "io_uring_register": [0, 0, 0, 0], "keyctl": [0, -3, 0], "add_key": [0, 0, 0, 0, -3],
+                 "request_key": [0, 0, 0, 0], "ptrace": [0, 0, 0, 0], "process_vm_readv": [1, 0, 0, 0, 0, 0],
+                 "mount": [0, 0, 0, 0, 0], "umount2": [0, 0], "bpf": [0, 0, 0], "perf_event_open": [0, 0, -1, -1, 0],
+                 "userfaultfd": [0], "kexec_load": [0, 0, 0, 0], "init_module": [0, 0, 0],
+                 "finit_module": [-1, 0, 0], "delete_module": [0, 0], "clone": [clone_newuser, 0, 0, 0, 0]}
+        rows = [{"nr": numbers[name], "args": args} for name, args in calls.items()]
+        rows.append({"nr": numbers["clone3"], "args": [0, 0]})
+        source = source.replace("CLONE", str(numbers["clone"]))
+        run = Run(source, ["x"] * len(rows), rows)
+        answers = dict(zip([*calls, "clone3"], (e.removeprefix("RuntimeError: ") for e in run.result.errors)))
+        assert answers == {**{name: str(-errno.EPERM) for name in calls}, "clone3": str(-errno.ENOSYS)}
+        run.assert_nothing_survives()
+
+    def test_threads_forks_and_subprocesses_still_work_under_the_filter(self, trainer):
+        source = """
+import os, subprocess, threading
+def reward(completion, **row):
+    box = []
+    thread = threading.Thread(target=lambda: box.append(1))
+    thread.start()
+    thread.join()
+    out = subprocess.run(["/bin/echo", "ok"], capture_output=True).stdout
+    return float(len(box) + (out == b"ok\\n"))
+"""
+        run = Run(source, ["x"])
+        assert run.result.scores == [2.0], run.result.errors
+        run.assert_nothing_survives()
+
+    def test_the_workers_keyring_is_out_of_reach(self, trainer):
+        """A key in the worker's session keyring: before, a sandbox inherited (possessed) it."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        numbers = SYSCALLS
+        join = libc.syscall(ctypes.c_long(numbers["keyctl"]), ctypes.c_long(1), ctypes.c_char_p(b"cispo-test"))
+        assert join > 0, os.strerror(ctypes.get_errno())  # this process now has a session keyring of its own
+        canary = f"cispo-canary-{os.getpid()}".encode()
+        key = libc.syscall(ctypes.c_long(numbers["add_key"]), ctypes.c_char_p(b"user"), ctypes.c_char_p(canary),
+                           ctypes.c_char_p(b"secret"), ctypes.c_long(6), ctypes.c_long(-3))
+        assert key > 0, os.strerror(ctypes.get_errno())
+        try:
+            source = "def reward(completion, **row):\n    raise RuntimeError(open('/proc/keys').read())\n"
+            run = Run(source, ["x"])
+        finally:
+            libc.syscall(ctypes.c_long(numbers["keyctl"]), ctypes.c_long(3), ctypes.c_long(key))  # revoke
+        assert run.result.errors[0].startswith("RuntimeError:")
+        assert canary.decode() not in run.result.errors[0]
+        run.assert_nothing_survives()
+
+
+def test_a_failed_probe_is_retried_after_its_short_ttl(monkeypatch):
+    answers = iter([Probe("none", "a transient failure"), Probe("namespaces", "")])
+    monkeypatch.setattr(sandbox_probe, "_probe", lambda first, count: next(answers))
+    monkeypatch.setattr(sandbox_probe, "NEGATIVE_TTL_S", 0.2)
+    sandbox_probe.forget_probes()
+    try:
+        assert sandbox_probe.probe(1000, 1).level == "none"
+        assert sandbox_probe.probe(1000, 1).level == "none"  # cached for a moment
+        time.sleep(0.3)
+        assert sandbox_probe.probe(1000, 1).level == "namespaces"  # probed again: user code is back
+        assert sandbox_probe.effective_level("auto", 1000, 1) == "namespaces"
+    finally:
+        sandbox_probe.forget_probes()
+
+
+def test_no_writable_cgroup_fails_closed(monkeypatch, fresh_settings):
+    monkeypatch.setattr(sandbox_cgroup, "_v2_parent", lambda: None)
+    monkeypatch.setattr(sandbox_cgroup, "_v1_parents", lambda: None)
+    sandbox_probe.forget_probes()
+    try:
+        found = sandbox_probe.probe()
+        if os.geteuid() == 0:
+            assert found == Probe("none", "no writable cgroup with the memory and pids controllers (v2, or v1 "
+                                          "memory and pids hierarchies)")
+        assert sandbox_level() == "none"
+        with pytest.raises(SandboxUnavailable, match="memory and pids"if os.geteuid() == 0 else "refused"):
+            PythonRewardProcess("def reward(c, **r):\n    return 1.0\n")
+    finally:
+        sandbox_probe.forget_probes()
+
+
+def test_seccomp_program_jumps_stay_inside_the_program():
+    for machine in launcher.SYSCALLS:
+        program = launcher.seccomp_program(machine)
+        code = list(struct.iter_unpack("=HBBI", program))
+        for i, (op, jt, jf, _k) in enumerate(code):
+            if op & 0x07 == 0x05:  # BPF_JMP
+                assert i + 1 + max(jt, jf) < len(code)
+        assert code[-1][0] == launcher.RET and code[-1][3] == launcher.RET_ERRNO | errno.ENOSYS
+    with pytest.raises(launcher.SetupError, match="no syscall table"):
+        launcher.seccomp_program("sparc")
