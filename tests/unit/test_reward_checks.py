@@ -18,7 +18,8 @@ from service.schemas.rewards import ExactMatchReward, RewardSpec
 from service.schemas.templates import SampleParseError, TemplateError, check_template, render
 from worker.rewards.builtins import exact_match, length
 from worker.rewards.graders import similarity, string_check
-from worker.rewards.json_checks import json_schema, json_valid
+from worker.rewards.engine import build_scorer
+from worker.rewards.json_checks import json_valid
 
 SPEC = TypeAdapter(RewardSpec)
 
@@ -80,11 +81,16 @@ def test_json_valid_with_and_without_fences():
 
 def test_json_schema_conformance():
     schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0}}, "required": ["age"]}
-    spec = JsonSchemaReward(json_schema=schema)
-    assert json_schema('{"age": 30}', {}, spec) == 1.0
-    assert json_schema('{"age": -1}', {}, spec) == 0.0
-    assert json_schema('{"name": "x"}', {}, spec) == 0.0
-    assert json_schema("not json", {}, spec) == 0.0
+    texts = ['{"age": 30}', '{"age": -1}', '{"name": "x"}', "not json", '```json\n{"age": 1}\n```']
+    scores = {}
+    for fenced in (False, True):
+        scorer = build_scorer(JsonSchemaReward(json_schema=schema, fenced=fenced))
+        try:
+            scores[fenced] = scorer.score(texts, [{}] * len(texts)).scores
+        finally:
+            scorer.close()
+    assert scores[False] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert scores[True] == [1.0, 0.0, 0.0, 0.0, 1.0]  # the fenced block's content is what conforms
 
 
 def test_json_schema_is_checked_when_the_spec_is_created():

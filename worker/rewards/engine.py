@@ -6,7 +6,8 @@ subprocess (worker/rewards/runner.py) so user code and outbound calls never
 run in the API process. Where each kind of reward runs:
 
 - builtins and template graders: our pure functions, in this process;
-- ``regex``: the user's pattern, in a killable child with deadlines (worker/rewards/regex.py);
+- ``regex`` and ``json_schema``: the user's pattern or schema (whose patterns are user regexes too), in a
+  killable child with deadlines (worker/rewards/regex.py);
 - ``python``: user code, in a sandboxed child (worker/rewards/sandbox.py);
 - ``http`` / ``score_model``: remote calls through the egress policy;
 - ``multi``: its parts (scored side by side in threads), then the weights or formula.
@@ -26,6 +27,7 @@ from typing import Any
 
 from service.egress import EgressPolicy
 from service.schemas.formula import compile_formula
+from service.schemas.reward_checks import JsonSchemaReward
 from service.schemas.rewards import HttpReward, MultiReward, PythonReward, RegexReward, ScoreModelReward
 from worker.rewards import graders, json_checks
 from worker.rewards.builtins import BUILTINS
@@ -40,7 +42,6 @@ from worker.rewards.sandbox import PythonRewardProcess
 PURE_REWARDS: dict[str, Callable[[str, Mapping[str, Any], Any], float]] = {
     **BUILTINS,
     "json_valid": json_checks.json_valid,
-    "json_schema": json_checks.json_schema,
     "string_check": graders.string_check,
     "similarity": graders.similarity,
 }
@@ -161,6 +162,8 @@ def build_scorer(spec, context: ScoringContext | None = None) -> BatchScorer:
         return MultiBatchScorer(spec, parts)
     if isinstance(spec, RegexReward):
         return RegexBatchScorer(spec)
+    if isinstance(spec, JsonSchemaReward):
+        return json_checks.JsonSchemaBatchScorer(spec)
     if isinstance(spec, PythonReward):
         return SandboxBatchScorer(PythonRewardProcess(spec.source, spec.entry_point))
     if isinstance(spec, HttpReward):

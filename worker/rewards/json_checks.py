@@ -2,19 +2,24 @@
 
 A completion that is not JSON, or does not conform, scores 0.0: that is the
 policy's output being wrong, not the reward failing, so it is not an error.
+
+A schema is user input whose ``pattern`` and ``patternProperties`` are
+regexes that can backtrack for ever, so json_schema validates in the regex
+reward's killable child, under its deadlines (worker/rewards/regex.py); a
+sample that misses its deadline gets ``json_schema: timed out ...``.
 """
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import json
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-import jsonschema
-
 from service.schemas.reward_checks import JsonSchemaReward, JsonValidReward
+from worker.rewards.regex import BATCH_BUDGET_S, TIMEOUT_S, ChildBatchScorer
 
 _FENCE = re.compile(r"```[ \t]*(?:json|JSON)?[ \t]*\r?\n(.*?)```", re.DOTALL)
 _NOT_JSON = object()
@@ -39,16 +44,27 @@ def json_valid(completion: str, row: Mapping[str, Any], spec: JsonValidReward) -
     return 0.0 if parse_json(completion, fenced=spec.fenced) is _NOT_JSON else 1.0
 
 
-@functools.lru_cache(maxsize=32)
-def _validator(schema_json: str) -> jsonschema.protocols.Validator:
-    schema = json.loads(schema_json)
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema)
+def _jsonschema_path() -> str:
+    """The directory jsonschema (and, beside it, its dependencies) is installed in, for the child's sys.path."""
+    spec = importlib.util.find_spec("jsonschema")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("jsonschema is not installed")
+    return str(Path(spec.origin).parents[1])
 
 
-def json_schema(completion: str, row: Mapping[str, Any], spec: JsonSchemaReward) -> float:
-    value = parse_json(completion, fenced=spec.fenced)
-    if value is _NOT_JSON:
-        return 0.0
-    validator = _validator(json.dumps(spec.json_schema, sort_keys=True))
-    return 1.0 if validator.is_valid(value) else 0.0
+class JsonSchemaBatchScorer(ChildBatchScorer):
+    """Scores batches with one JsonSchemaReward: 1.0 where the completion is JSON that conforms, else 0.0."""
+
+    label = "json_schema"
+
+    def __init__(self, spec: JsonSchemaReward, *, timeout_s: float = TIMEOUT_S,
+                 batch_budget_s: float = BATCH_BUDGET_S):
+        super().__init__(timeout_s=timeout_s, batch_budget_s=batch_budget_s)
+        self.spec = spec
+        self.sys_path = [_jsonschema_path()]
+
+    def texts(self, completions: list[str]) -> list[str]:
+        return [extract_fenced(c) if self.spec.fenced else c for c in completions]
+
+    def request(self, texts: list[str]) -> dict:
+        return {"schema": self.spec.json_schema, "sys_path": self.sys_path, "texts": texts}

@@ -13,6 +13,11 @@ and with it a cancel, is never held up longer than about that budget.
 
 1.0 when the pattern matches anywhere (re.search), or the whole completion
 when ``full_match``; 0.0 otherwise.
+
+ChildBatchScorer is that mechanism without the regex: the json_schema reward
+(worker/rewards/json_checks.py) validates in the same child under the same
+deadlines, since a schema's ``pattern`` and ``patternProperties`` are user
+regexes too.
 """
 
 from __future__ import annotations
@@ -34,24 +39,38 @@ BATCH_BUDGET_S = 10.0
 START_SLACK_S = 5.0  # a new child's interpreter start-up, on top of its first text's timeout
 
 
-class RegexBatchScorer:
-    """Scores batches with one RegexReward; owns (and restarts) its child until close()."""
+class ChildBatchScorer:
+    """Scores batches in the matching child, text by text against deadlines; owns (and restarts) it until close().
 
-    def __init__(self, spec: RegexReward, *, timeout_s: float = TIMEOUT_S, batch_budget_s: float = BATCH_BUDGET_S):
+    A subclass names its reward (`label`, the prefix of its errors) and says
+    what the child is asked for a slice of texts (`request`, see _regex_child.py).
+    """
+
+    label = "regex"
+
+    def __init__(self, *, timeout_s: float = TIMEOUT_S, batch_budget_s: float = BATCH_BUDGET_S):
         if not (timeout_s > 0 and batch_budget_s > 0):
             raise ValueError("timeouts must be positive")
-        self.spec, self.timeout_s, self.batch_budget_s = spec, timeout_s, batch_budget_s
+        self.timeout_s, self.batch_budget_s = timeout_s, batch_budget_s
         self.child: subprocess.Popen | None = None
         self._pending = b""
+
+    def texts(self, completions: list[str]) -> list[str]:
+        """What the child matches, one per completion."""
+        return completions
+
+    def request(self, texts: list[str]) -> dict:
+        raise NotImplementedError
 
     def score(self, completions: list[str], rows: list[dict]) -> Outcome:
         if len(completions) != len(rows):
             raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
-        out = Outcome.empty(len(completions))
+        texts = self.texts(completions)
+        out = Outcome.empty(len(texts))
         budget_end = time.monotonic() + self.batch_budget_s
         start = 0
-        while start < len(completions):
-            start = self._match_from(completions, start, out, budget_end)
+        while start < len(texts):
+            start = self._match_from(texts, start, out, budget_end)
         return out
 
     def close(self) -> None:
@@ -69,12 +88,11 @@ class RegexBatchScorer:
         """Match texts[start:] in the child; returns where the next attempt starts (len(texts) when done)."""
         if time.monotonic() >= budget_end:
             for i in range(start, len(texts)):
-                out.errors[i] = f"regex: timed out (the batch's {self.batch_budget_s:g} s budget was spent)"
+                out.errors[i] = f"{self.label}: timed out (the batch's {self.batch_budget_s:g} s budget was spent)"
             return len(texts)
         fresh = self.child is None
         child = self._ensure_started()
-        request = {"pattern": self.spec.pattern, "full_match": self.spec.full_match, "texts": texts[start:]}
-        payload = memoryview(json.dumps(request).encode() + b"\n")
+        payload = memoryview(json.dumps(self.request(texts[start:])).encode() + b"\n")
         i = start
         with selectors.DefaultSelector() as sel:
             sel.register(child.stdout, selectors.EVENT_READ)
@@ -87,7 +105,7 @@ class RegexBatchScorer:
                     self.close()
                     why = f"after {self.timeout_s:g} s" if deadline < budget_end else \
                         f"(the batch's {self.batch_budget_s:g} s budget was spent)"
-                    out.errors[i] = f"regex: timed out {why}"
+                    out.errors[i] = f"{self.label}: timed out {why}"
                     return i + 1
                 for key, _ in events:
                     if key.fileobj is child.stdin:
@@ -108,7 +126,10 @@ class RegexBatchScorer:
                         return self._crashed(texts, i, out)
                     *answers, self._pending = (self._pending + chunk).split(b"\n")
                     for answer in answers:
-                        out.scores[i] = 1.0 if answer == b"1" else 0.0
+                        if answer.startswith(b"!"):  # this text raised in the child: the sample's error
+                            out.errors[i] = f"{self.label}: {answer[1:].decode(errors='replace')}"
+                        else:
+                            out.scores[i] = 1.0 if answer == b"1" else 0.0
                         i += 1
                     deadline = min(time.monotonic() + self.timeout_s, budget_end)  # the next text's clock
         return i
@@ -116,7 +137,7 @@ class RegexBatchScorer:
     def _crashed(self, texts: list[str], i: int, out: Outcome) -> int:
         """The child died at texts[i] (out of memory, most likely): that sample fails, the rest go on."""
         self.close()
-        out.errors[i] = "regex: the matching process died (out of memory?)"
+        out.errors[i] = f"{self.label}: the matching process died (out of memory?)"
         return i + 1
 
     def _ensure_started(self) -> subprocess.Popen:
@@ -128,3 +149,14 @@ class RegexBatchScorer:
             os.set_blocking(self.child.stdin.fileno(), False)
             os.set_blocking(self.child.stdout.fileno(), False)
         return self.child
+
+
+class RegexBatchScorer(ChildBatchScorer):
+    """Scores batches with one RegexReward."""
+
+    def __init__(self, spec: RegexReward, *, timeout_s: float = TIMEOUT_S, batch_budget_s: float = BATCH_BUDGET_S):
+        super().__init__(timeout_s=timeout_s, batch_budget_s=batch_budget_s)
+        self.spec = spec
+
+    def request(self, texts: list[str]) -> dict:
+        return {"pattern": self.spec.pattern, "full_match": self.spec.full_match, "texts": texts}
