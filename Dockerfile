@@ -32,10 +32,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # tini: PID 1 that forwards SIGTERM (graceful Celery shutdown) and reaps the
 # processes reward code leaves behind. util-linux: `unshare`, which starts the
-# user-code sandbox (worker/sandbox.py); Debian ships it already, it is named
-# so that it stays. (psycopg[binary] brings its own libpq.)
+# user-code sandbox (worker/sandbox.py); mount: the worker entrypoint's remount
+# of its cgroup; Debian ships both already, they are named so that they stay.
+# (psycopg[binary] brings its own libpq.)
 RUN apt-get update \
- && apt-get install -y --no-install-recommends tini ca-certificates util-linux \
+ && apt-get install -y --no-install-recommends tini ca-certificates util-linux mount \
  && rm -rf /var/lib/apt/lists/* \
  && python -m venv /opt/venv \
  && groupadd --system --gid 10001 cispo \
@@ -91,17 +92,22 @@ COPY . .
 # Import what a deployment uses, so an image with a missing dependency fails here, not at run time.
 RUN pip install --no-deps -e . \
  && python -c "import torch, transformers, peft, psycopg, redis, worker.cli, worker.job_runner; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS" \
- && python -c "import shutil; from service.sandbox_probe import SYSTEM_SEARCH; assert shutil.which('unshare', path=SYSTEM_SEARCH), 'no unshare: the sandbox cannot start'"
+ && python -c "import shutil; from service.sandbox_probe import SYSTEM_SEARCH; assert shutil.which('unshare', path=SYSTEM_SEARCH), 'no unshare: the sandbox cannot start'" \
+ && sh -n /app/docker/worker-entrypoint.sh
 
 # The worker runs as root, unlike the API. User Python code (python rewards,
 # environments) is only ever run in a sandbox (worker/sandbox.py), and building
-# one takes root: new network/pid/mount/IPC namespaces, mounts, a chroot, and a
-# switch of the user code to an unprivileged uid (CISPO_SANDBOX_UID, default
-# 65534) with no capabilities and no_new_privs. As any other user the worker
-# refuses user code (fail closed). The trainer itself needs no root, yet runs
-# as root too, with the container's capabilities: a flaw in the trainer (not
-# in user code) would have them. So the container gets what the sandbox needs
-# and nothing more (docker-compose.yml, the chart's worker.*SecurityContext).
+# one takes root: new network/pid/mount/IPC namespaces, mounts, a chroot, a
+# memory+pids cgroup per sandbox, and a switch of the user code to a uid of
+# its own, leased from CISPO_SANDBOX_UID .. +CISPO_SANDBOX_UID_COUNT-1
+# (default 100000-100999; flock files in /run/cispo-sandbox-uids), with no
+# capabilities and no_new_privs. As any other user the worker refuses user
+# code (fail closed). The trainer itself needs no root, yet runs as root too,
+# with the container's capabilities: a flaw in the trainer (not in user code)
+# would have them. So the container gets what the sandbox needs and nothing
+# more (docker-compose.yml, the chart's worker.*SecurityContext).
+# docker/worker-entrypoint.sh makes the container's cgroup writable for the
+# sandboxes' cgroups, then execs the command.
 USER 0:0
-ENTRYPOINT ["/usr/bin/tini", "--"]
+ENTRYPOINT ["/usr/bin/tini", "--", "/bin/sh", "/app/docker/worker-entrypoint.sh"]
 CMD ["cispo", "worker", "--pool", "prefork"]
