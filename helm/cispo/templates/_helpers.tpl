@@ -79,6 +79,12 @@ AWS_ACCESS_KEY_ID: {{ . | b64enc | quote }}
 {{- with .Values.secrets.awsSecretAccessKey }}
 AWS_SECRET_ACCESS_KEY: {{ . | b64enc | quote }}
 {{- end }}
+{{- with .Values.secrets.metricsToken }}
+CISPO_METRICS_TOKEN: {{ . | b64enc | quote }}
+{{- end }}
+{{- with .Values.secrets.judgeApiKey }}
+CISPO_JUDGE_API_KEY: {{ . | b64enc | quote }}
+{{- end }}
 {{- end }}
 
 {{/* Non-secret settings (service/settings.py), shared by the ConfigMap and the migration hook. */}}
@@ -88,6 +94,10 @@ CISPO_LEASE_TTL_S: {{ .Values.config.leaseTtlS | toString | quote }}
 CISPO_HEARTBEAT_S: {{ .Values.config.heartbeatS | toString | quote }}
 CISPO_MAX_UPLOAD_BYTES: {{ .Values.config.maxUploadBytes | int64 | toString | quote }}
 CISPO_SANDBOX: {{ .Values.config.sandbox | quote }}
+CISPO_SANDBOX_UID: {{ .Values.config.sandboxUid | int64 | toString | quote }}
+CISPO_SANDBOX_UID_COUNT: {{ .Values.config.sandboxUidCount | int64 | toString | quote }}
+CISPO_EGRESS_ALLOW: {{ .Values.config.egressAllow | quote }}
+CISPO_JUDGE_BASE_URL: {{ .Values.config.judgeBaseUrl | quote }}
 {{- range $key, $value := .Values.config.extraEnv }}
 {{ $key }}: {{ $value | toString | quote }}
 {{- end }}
