@@ -18,7 +18,7 @@ warn() { echo "cispo worker entrypoint: $*; user code will be refused" >&2; }
 
 if [ "${CISPO_SANDBOX:-auto}" != "off" ]; then
     for mnt in $(awk '$3 == "cgroup" || $3 == "cgroup2" { print $2 }' /proc/self/mounts); do
-        [ -w "$mnt" ] || mount -o remount,rw "$mnt" || warn "cannot remount $mnt read-write"
+        [ -w "$mnt" ] || mount -o remount,bind,rw "$mnt" || warn "cannot remount $mnt read-write"
     done
     root=/sys/fs/cgroup
     # cgroup v2, at the root of its own cgroup namespace (cgroup.type exists on
