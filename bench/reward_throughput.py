@@ -1,7 +1,9 @@
 """Rows/s of a simple Python reward: in-process vs through the sandbox (one child, and a pool of children).
 
 Also the regex reward: Python's re in-process (what it was) vs the killable
-child with deadlines that it runs in now (worker/rewards/regex.py).
+child with deadlines that it runs in now (worker/rewards/regex.py), and the
+json_schema reward likewise (jsonschema in-process vs in that child, where a
+schema's user patterns run now).
 
     .venv/bin/python bench/reward_throughput.py            # a few seconds
     .venv/bin/python bench/reward_throughput.py --rows 100000
@@ -14,6 +16,7 @@ each sandboxed mode scores one warm-up batch before the clock starts.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
@@ -21,7 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jsonschema  # noqa: E402
+
+from service.schemas.reward_checks import JsonSchemaReward  # noqa: E402
 from service.schemas.rewards import RegexReward  # noqa: E402
+from worker.rewards.json_checks import JsonSchemaBatchScorer  # noqa: E402
 from worker.rewards.regex import RegexBatchScorer  # noqa: E402
 from worker.rewards.sandbox import PythonRewardPool, PythonRewardProcess  # noqa: E402
 from worker.sandbox import sandbox_level  # noqa: E402
@@ -86,6 +93,34 @@ def regex_rates(completions, batch: int) -> tuple[float, float]:
     return direct_rate, child_rate
 
 
+SCHEMA = {"type": "object", "required": ["answer"], "additionalProperties": False,
+          "properties": {"answer": {"type": "string", "pattern": r"^\d+$"}, "why": {"type": "string", "maxLength": 200}}}
+
+
+def schema_rates(n: int, batch: int) -> tuple[float, float]:
+    """(in-process rows/s, child rows/s) validating the same JSON completions against SCHEMA."""
+    completions = [json.dumps({"answer": str(i) if i % 3 else f"x{i}", "why": "because " * (i % 20)}) for i in range(n)]
+    validator = jsonschema.Draft202012Validator(SCHEMA)
+    started = time.perf_counter()
+    valid = sum(1 for c in completions if validator.is_valid(json.loads(c)))
+    direct_rate = n / (time.perf_counter() - started)
+    scorer = JsonSchemaBatchScorer(JsonSchemaReward(json_schema=SCHEMA))
+    try:
+        scorer.score(completions[:batch], [{}] * batch)  # warm-up: the child is running, jsonschema imported
+        started = time.perf_counter()
+        conforming = 0.0
+        for i in range(0, n, batch):
+            chunk = completions[i:i + batch]
+            out = scorer.score(chunk, [{}] * len(chunk))
+            assert all(e is None for e in out.errors), out.errors[:3]
+            conforming += sum(out.scores)
+        child_rate = n / (time.perf_counter() - started)
+    finally:
+        scorer.close()
+    assert conforming == valid
+    return direct_rate, child_rate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=8192)
@@ -118,6 +153,10 @@ def main() -> None:
         direct_rate, child_rate = regex_rates(completions, batch)
         print(f"{'regex in-process':<22}{batch:>7}{direct_rate:>12,.0f}{1.0:>10.2f}x")
         print(f"{'regex child':<22}{batch:>7}{child_rate:>12,.0f}{child_rate / direct_rate:>10.3f}x")
+    for batch in args.batches:
+        direct_rate, child_rate = schema_rates(args.rows, batch)
+        print(f"{'json_schema in-proc.':<22}{batch:>7}{direct_rate:>12,.0f}{1.0:>10.2f}x")
+        print(f"{'json_schema child':<22}{batch:>7}{child_rate:>12,.0f}{child_rate / direct_rate:>10.3f}x")
 
 
 if __name__ == "__main__":
