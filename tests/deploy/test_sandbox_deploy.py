@@ -129,7 +129,7 @@ def test_entrypoint_prepares_the_cgroup_layout_service_sandbox_cgroup_expects():
     # on every cgroup but that one): the host's own processes must never be moved.
     assert '[ -f "$root/cgroup.type" ]' in body and '"$(cat /proc/self/cgroup)" = "0::/"' in body
     assert re.search(r'"\$\{CISPO_SANDBOX:-auto\}" != "off"', body), "the cgroup is touched even with the sandbox off"
-    assert "mount -o remount,rw" in body
+    assert "mount -o remount,bind,rw" in body, "remount the mount only: the superblock is the host's"
     assert code[-1] == 'exec "$@"', "the entrypoint must end by exec'ing the command (tini's child, signals reach it)"
 
 
