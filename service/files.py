@@ -1,7 +1,7 @@
 """Dataset files: validate an upload completely before anything is stored.
 
-Every row is checked with the worker's rules (a JSON object whose `prompt`
-is a non-empty string or a list of {role, content} messages; blank lines are
+Every row is checked with the worker's rule (service/schemas/dataset.py: a
+JSON object with our `prompt` or OpenAI's `messages`; blank lines are
 skipped), so a job never fails hours later on line 90 000. Errors carry line
 numbers and all of them (up to a few) are reported at once. Only a file that
 passes gets a storage object and a row; the caller commits.
