@@ -6,8 +6,9 @@ import math
 from typing import Any
 
 from service.auth import Principal
-from service.db.models import Checkpoint, File, Job, JobEvent, JobMetric, RewardFunction
+from service.db.models import Checkpoint, File, Job, JobEvent, JobMetric, JobSample, RewardFunction
 from service.jobs_spec import public_hyperparameters
+from service.repositories.job_outputs import sample_id
 from service.repositories.pagination import Page
 from service.schemas.api import (
     CheckpointObject,
@@ -18,6 +19,7 @@ from service.schemas.api import (
     ListObject,
     MetricPoint,
     RewardFunctionObject,
+    SampleObject,
 )
 
 
@@ -65,6 +67,8 @@ def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
         hyperparameters=public_hyperparameters(row.spec, training_rows), method=row.method,
         steps_done=row.steps_done, total_steps=row.total_steps, reward_function=row.reward_function_id,
         environment=row.environment_id,
+        estimated_finish=row.estimated_finish if row.status == "running" else None,
+        result_files=[row.result_file_id] if row.result_file_id else [],
     )
 
 
@@ -87,3 +91,9 @@ def checkpoint(row: Checkpoint, job_row: Job, who: Principal) -> CheckpointObjec
 
 def metric(row: JobMetric) -> MetricPoint:
     return MetricPoint(step=row.step, name=row.name, value=finite(row.value))
+
+
+def sample(row: JobSample) -> SampleObject:
+    return SampleObject(id=sample_id(row), step=row.step, prompt=row.prompt, completion=row.completion,
+                        reward=finite(row.reward), advantage=finite(row.advantage), rewards=finite(row.rewards or {}),
+                        created_at=row.created_at)

@@ -157,6 +157,9 @@ class Job(Base):
     lease_epoch: Mapped[int] = mapped_column(Integer, default=0)
     lease_expires_at: Mapped[float | None] = mapped_column(Float)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # What the client sees of progress and results (written by the worker, fenced like metrics).
+    estimated_finish: Mapped[int | None] = mapped_column(BigInteger)
+    result_file_id: Mapped[str | None] = mapped_column(String(40))  # the metrics CSV (purpose fine-tune-results)
 
 
 class JobEvent(Base):
@@ -179,6 +182,23 @@ class JobMetric(Base):
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[float] = mapped_column(Float)
+
+
+class JobSample(Base):
+    """A few of a step's completions, for people to read; (job, step, slot) is unique, so a repeat is harmless."""
+
+    __tablename__ = "job_sample"
+    __table_args__ = (UniqueConstraint("job_id", "step", "slot"),)
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    slot: Mapped[int] = mapped_column(Integer)  # its place among the step's samples
+    prompt: Mapped[str] = mapped_column(Text)
+    completion: Mapped[str] = mapped_column(Text)
+    reward: Mapped[float | None] = mapped_column(Float)
+    advantage: Mapped[float | None] = mapped_column(Float)
+    rewards: Mapped[dict] = mapped_column(JSON)  # per component (a multi reward's parts, an episode's turns)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
 
 class Checkpoint(Base):

@@ -1,4 +1,4 @@
-"""What a job leaves behind, read-only: events, checkpoints (and their bytes), per-step metrics."""
+"""What a job leaves behind, read-only: events, checkpoints (and their bytes), per-step metrics, samples."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from fastapi.responses import StreamingResponse
 from service import jobs as jobs_service
 from service.api import presenters
 from service.api.deps import PrincipalDep, SessionDep, StoreDep
-from service.errors import NotFound
+from service.errors import InvalidRequest, NotFound
+from service.repositories import job_outputs as outputs_repo
 from service.repositories import jobs as jobs_repo
-from service.schemas.api import CheckpointObject, EventObject, ListObject, MetricList
+from service.schemas.api import CheckpointObject, EventObject, ListObject, MetricList, SampleObject
 from service.storage import ObjectStore
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs/{fine_tuning_job_id}", tags=["fine-tuning jobs"])
@@ -47,6 +48,22 @@ def list_metrics(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep
     job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
     rows = jobs_repo.metrics(session, job.id, names=name, step_min=step_min, step_max=step_max, limit=limit + 1)
     return MetricList(data=[presenters.metric(r) for r in rows[:limit]], has_more=len(rows) > limit)
+
+
+@router.get("/samples", response_model=ListObject[SampleObject])
+def list_samples(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep,
+                 step: Annotated[int | None, Query(ge=0)] = None, after: str | None = None,
+                 limit: Annotated[int, Query(ge=1, le=100)] = 20) -> ListObject:
+    """A few completions per step (each group's best and worst), newest step first."""
+    job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
+    if after is not None:
+        try:
+            outputs_repo.parse_sample_id(after)
+        except ValueError:
+            raise InvalidRequest(f"after: {after!r} is not a sample id (ftsample-<step>-<slot>)",
+                                 param="after") from None
+    rows = outputs_repo.samples(session, job.id, step=step, after=after, limit=limit)
+    return presenters.page([presenters.sample(r) for r in rows.items], rows.has_more)
 
 
 def _stream(store: ObjectStore, key: str, sha256: str, filename: str, media_type: str) -> StreamingResponse:
