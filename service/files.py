@@ -116,6 +116,20 @@ def create(session: Session, store: ObjectStore, project_id: str, *, filename: s
     return file
 
 
+def iter_rows(store: ObjectStore, file: File) -> Iterator[tuple[int, dict]]:
+    """(line number, row) of a stored dataset, streamed; it passed row_problem at upload, blank lines are skipped."""
+    pending = b""
+    line_no = 0
+    for chunk in store.iter_bytes(file.storage_key):
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            line_no += 1
+            if line.strip():
+                yield line_no, json.loads(line)
+    if pending.strip():
+        yield line_no + 1, json.loads(pending)
+
+
 def discard_object(store: ObjectStore, file: File) -> None:
     """Undo create()'s upload when the row could not be committed."""
     try:

@@ -44,6 +44,8 @@ class Settings(BaseSettings):
         "vLLM server; empty: such graders must name their own base_url."
     )
     judge_api_key: str = Field("", description="Bearer key for judge_base_url; never shown by the API.")
+    model_hub_url: str = Field("https://huggingface.co", description="Where a dry run fetches a hub model's "
+                               "config.json (an unreachable hub skips that check); empty: never fetch.")
 
     @field_validator("database_url")
     @classmethod

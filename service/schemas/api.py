@@ -187,9 +187,19 @@ class JobObject(BaseModel):
     environment: str | None = None  # the registered environment's id (env-...), when the job uses one
 
 
+class DryRunCheck(BaseModel):
+    name: Literal["model", "reward_fields", "prompt_lengths", "estimate"]
+    status: Literal["passed", "warning", "skipped"] = Field(
+        description="skipped: not checked, and the message says why (a failed check refuses the request).")
+    message: str
+    param: str | None = None
+
+
 class DryRunObject(BaseModel):
     object: Literal["fine_tuning.job.dry_run"] = "fine_tuning.job.dry_run"
     spec: dict[str, Any]
+    checks: list[DryRunCheck] = Field(description="What was checked and found, and what was not checked.")
+    estimated_seconds: int | None = Field(description="From earlier jobs' step rate on this model; null without one.")
 
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
