@@ -9,7 +9,7 @@ from __future__ import annotations
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service.db.models import File, Job, JobSample
+from service.db.models import File, Job, JobEvent, JobSample
 from service.repositories.jobs import _fenced, _insert_ignoring_duplicates
 from service.repositories.pagination import Page
 
@@ -62,6 +62,22 @@ def samples(session: Session, job_id: str, *, step: int | None, after: str | Non
                           | ((JobSample.step == after_step) & (JobSample.slot > after_slot)))
     rows = list(session.scalars(stmt.order_by(JobSample.step.desc(), JobSample.slot).limit(limit + 1)))
     return Page(items=rows[:limit], has_more=len(rows) > limit)
+
+
+def event_seq(session: Session, job_id: str, event_id: str) -> int | None:
+    """Where an event of this job stands in the stream (None if it is not one of this job's)."""
+    return session.scalar(select(JobEvent.seq).where(JobEvent.job_id == job_id, JobEvent.id == event_id))
+
+
+def events_since(session: Session, job_id: str, after_seq: int, *, include_metrics: bool,
+                 limit: int) -> tuple[str | None, list[JobEvent]]:
+    """(the job's status, its next events oldest first). The status is read first: the worker writes its
+    final event with the terminal status, so a terminal status read here means every event is visible below."""
+    status = session.scalar(select(Job.status).where(Job.id == job_id))
+    stmt = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > after_seq)
+    if not include_metrics:
+        stmt = stmt.where(JobEvent.type != "metrics")
+    return status, list(session.scalars(stmt.order_by(JobEvent.seq).limit(limit)))
 
 
 def sample_id(row: JobSample) -> str:
