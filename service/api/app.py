@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from service.api import envelope
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.routes import environments, files, graders, health, job_outputs, jobs, reward_functions, secrets
+from service.api.routes import webhooks
 from service.db.session import session_factory
 from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_job, make_celery
 from service.settings import Settings, get_settings
@@ -52,6 +53,6 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.add_middleware(BodySizeLimit, max_json_bytes=settings.max_request_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(RefuseNulInUrl)
-    for module in (health, files, reward_functions, environments, jobs, job_outputs, secrets, graders):
+    for module in (health, files, reward_functions, environments, jobs, job_outputs, secrets, graders, webhooks):
         app.include_router(module.router)
     return app

@@ -201,6 +201,37 @@ class JobSample(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
 
+class WebhookEndpoint(Base):
+    """Where a project's job outcomes are POSTed, signed with its secret (shown once, at registration)."""
+
+    __tablename__ = "webhook_endpoint"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("whep_"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    url: Mapped[str] = mapped_column(String(2048))
+    secret: Mapped[str] = mapped_column(String(100))  # whsec_<base64 key>: needed in clear to sign
+    events: Mapped[list] = mapped_column(JSON)  # the event types it receives
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class WebhookDelivery(Base):
+    """The outbox: one row per (endpoint, job outcome), sent until the receiver answers 2xx or we give up."""
+
+    __tablename__ = "webhook_delivery"
+    __table_args__ = (UniqueConstraint("endpoint_id", "job_id"),)
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("evt_"))  # the webhook-id
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoint.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"))
+    type: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)  # when the event happened
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float] = mapped_column(Float, index=True)
+    delivered_at: Mapped[int | None] = mapped_column(BigInteger)
+    failed_at: Mapped[int | None] = mapped_column(BigInteger)  # gave up after the last retry
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+
 class Checkpoint(Base):
     __tablename__ = "checkpoint"
     __table_args__ = (UniqueConstraint("job_id", "step"),)
