@@ -31,12 +31,14 @@ def _number(value: float) -> float | None:
 
 
 def pick_indices(rewards: list[float], group_size: int, limit: int) -> list[int]:
-    """Sequence indices: each group's best then worst (one if they are the same), first groups first."""
+    """Sequence indices: each group's best then worst (one if they are the same), first groups first.
+    A non-finite reward ranks lowest."""
+    ranked = [r if math.isfinite(r) else -math.inf for r in rewards]
     picked: list[int] = []
     for start in range(0, len(rewards), group_size):
         group = range(start, min(start + group_size, len(rewards)))
-        best = max(group, key=lambda i: rewards[i])
-        worst = min(group, key=lambda i: rewards[i])
+        best = max(group, key=lambda i: ranked[i])
+        worst = min(group, key=lambda i: ranked[i])
         for i in dict.fromkeys((best, worst)):
             if len(picked) == limit:
                 return picked
