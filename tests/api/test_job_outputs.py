@@ -11,11 +11,11 @@ import io
 import json
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from service.db.models import Job, JobMetric
 from service.repositories.job_outputs import parse_sample_id, sample_id
-from tests.api.conftest import assert_error, running_api, uploaded
+from tests.api.conftest import assert_error, created_job, running_api, uploaded
 from worker.job_runner import run_job
 from worker.progress import StepClock
 from tests.worker.test_job_runner import make_settings as worker_settings
@@ -143,3 +143,16 @@ def test_sample_ids_round_trip():
     for bad in ("ftsample-1", "ftsample-a-1", "file-1-2", "ftsample--1-2"):
         with pytest.raises(ValueError):
             parse_sample_id(bad)
+
+
+def test_estimated_finish_is_shown_only_while_the_job_runs(api):
+    job_id = created_job(api)["id"]
+    with api.session() as s:  # as the worker leaves it after a step
+        s.execute(update(Job).where(Job.id == job_id).values(status="running", estimated_finish=2_000_000_000))
+        s.commit()
+    assert api.client.get(f"/v1/fine_tuning/jobs/{job_id}").json()["estimated_finish"] == 2_000_000_000
+    with api.session() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(status="cancelled"))
+        s.commit()
+    job = api.client.get(f"/v1/fine_tuning/jobs/{job_id}").json()
+    assert job["estimated_finish"] is None and job["result_files"] == []
