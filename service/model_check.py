@@ -60,6 +60,8 @@ def _local(model: str) -> ModelInfo:
         raise ModelProblem(f"{model!r} has no config.json") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelProblem(f"{model!r}: config.json is not valid JSON ({e})") from None
+    except OSError as e:
+        raise ModelProblem(f"{model!r}: config.json cannot be read ({e.strerror})") from None
     arch = _causal_lm(config, model)
     tokenizer_json = root / "tokenizer.json"
     if not tokenizer_json.is_file():
