@@ -32,6 +32,7 @@ from service.storage import ObjectStore
 log = logging.getLogger(__name__)
 
 PURPOSE = "fine-tune"
+RESULTS_PURPOSE = "fine-tune-results"  # a job's metrics CSV, written by the worker (worker/results.py), never uploaded
 MAX_REPORTED_ROWS = 10
 MAX_FILENAME = 512
 

@@ -14,11 +14,11 @@ import io
 from sqlalchemy.orm import Session
 
 from service.db.models import File, JobMetric, new_id
+from service.files import RESULTS_PURPOSE
 from service.repositories import job_outputs
 from service.repositories import jobs
 from service.storage import ObjectStore
 
-PURPOSE = "fine-tune-results"
 MAX_METRIC_ROWS = 2_000_000  # steps x metrics; far above any real job, so the file is complete
 
 
@@ -47,7 +47,7 @@ def publish(session: Session, store: ObjectStore, job_id: str, epoch: int, proje
     file_id = new_id("file-")
     key = f"files/{file_id}"
     store.put_bytes(key, content)
-    file = File(id=file_id, project_id=project_id, filename=f"{job_id}-results.csv", purpose=PURPOSE,
+    file = File(id=file_id, project_id=project_id, filename=f"{job_id}-results.csv", purpose=RESULTS_PURPOSE,
                 bytes=len(content), sha256=hashlib.sha256(content).hexdigest(), rows=content.count(b"\n") - 1,
                 storage_key=key)
     if not job_outputs.attach_result_file(session, job_id, epoch, file):

@@ -74,6 +74,7 @@ def test_samples_results_and_estimated_finish_of_a_finished_job(finished):
     assert meta["purpose"] == "fine-tune-results"
     content = api.client.get(f"/v1/files/{file_id}/content")
     assert content.status_code == 200 and int(content.headers["content-length"]) == meta["bytes"]
+    assert content.headers["content-disposition"] == f'attachment; filename="{file_id}.csv"'
     table = list(csv.DictReader(io.StringIO(content.text)))
     assert [int(line["step"]) for line in table] == [0, 1, 2, 3]  # the step-0 evaluation, then each step
     assert set(table[0]) == {"step", *{m.name for m in metrics}}
