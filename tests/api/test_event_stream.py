@@ -17,7 +17,7 @@ from sqlalchemy import update
 from service.db.models import Job, now
 from service.repositories import jobs as jobs_repo
 from tests.api.conftest import assert_error, created_job
-from tests.api.live_server import serving
+from tests.api.uvicorn_thread import serving
 
 
 def read_stream(response, *, until_end: bool = True, count: int | None = None, timeout: float = 20) -> list[dict]:
