@@ -114,3 +114,17 @@ def post_json(target: Target, payload: object, policy: EgressPolicy, *, headers:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{target.url}: the response is not JSON ({e})") from None
+
+
+def post_bytes(target: Target, body: bytes, policy: EgressPolicy, *, headers: dict[str, str]) -> int:
+    """POST a body to a checked target and return the status; the answer is read up to the cap and dropped."""
+    timeout = httpx.Timeout(policy.read_timeout_s, connect=policy.connect_timeout_s)
+    with httpx.Client(timeout=timeout, follow_redirects=False) as client:
+        with client.stream("POST", target.pinned_url, content=body, headers={"Host": target.host, **headers},
+                           extensions={"sni_hostname": target.host}) as response:
+            read = 0
+            for chunk in response.iter_bytes():
+                read += len(chunk)
+                if read > policy.max_response_bytes:
+                    break
+            return response.status_code

@@ -1,7 +1,7 @@
 """Dataset files: validate an upload completely before anything is stored.
 
-Every row is checked with the worker's rules (a JSON object whose `prompt`
-is a non-empty string or a list of {role, content} messages; blank lines are
+Every row is checked with the worker's rule (service/schemas/dataset.py: a
+JSON object with our `prompt` or OpenAI's `messages`; blank lines are
 skipped), so a job never fails hours later on line 90 000. Errors carry line
 numbers and all of them (up to a few) are reported at once. Only a file that
 passes gets a storage object and a row; the caller commits.
@@ -32,6 +32,7 @@ from service.storage import ObjectStore
 log = logging.getLogger(__name__)
 
 PURPOSE = "fine-tune"
+RESULTS_PURPOSE = "fine-tune-results"  # a job's metrics CSV, written by the worker (worker/results.py), never uploaded
 MAX_REPORTED_ROWS = 10
 MAX_FILENAME = 512
 
@@ -114,6 +115,20 @@ def create(session: Session, store: ObjectStore, project_id: str, *, filename: s
                                             rows=scan.rows, storage_key=key))
         store.put_file(key, path)
     return file
+
+
+def iter_rows(store: ObjectStore, file: File) -> Iterator[tuple[int, dict]]:
+    """(line number, row) of a stored dataset, streamed; it passed row_problem at upload, blank lines are skipped."""
+    pending = b""
+    line_no = 0
+    for chunk in store.iter_bytes(file.storage_key):
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            line_no += 1
+            if line.strip():
+                yield line_no, json.loads(line)
+    if pending.strip():
+        yield line_no + 1, json.loads(pending)
 
 
 def discard_object(store: ObjectStore, file: File) -> None:

@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     metrics_token: str = Field(
         "", description="Bearer token Prometheus sends to scrape GET /metrics; empty: /metrics is off (404)."
     )
+    model_hub_url: str = Field("https://huggingface.co", description="Where a dry run fetches a hub model's "
+                               "config.json (an unreachable hub skips that check); empty: never fetch.")
 
     @field_validator("database_url")
     @classmethod

@@ -30,6 +30,7 @@ def run_job(job_id: str) -> str | None:
 
 @worker_ready.connect
 def _start_reconciler(**_):
-    from worker import reconciler
+    from worker import reconciler, webhook_sender
 
     reconciler.start(get_settings(), interval_s=max(5.0, get_settings().lease_ttl_s / 3))
+    webhook_sender.start(get_settings())

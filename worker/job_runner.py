@@ -15,12 +15,13 @@ import os
 import shutil
 import socket
 import threading
+import time
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.session import session_factory
-from service.repositories import jobs
+from service.repositories import job_outputs, jobs
 from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
 from service.schemas.rewards import secret_names
@@ -28,6 +29,8 @@ from service.settings import Settings
 from service.storage import ObjectStore, open_store
 from worker.artifacts import download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
+from worker.progress import StepClock
+from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import RewardErrorRateExceeded, summarize
 from worker.trainer.data import DataError
@@ -58,6 +61,7 @@ class JobReporter:
         self.cancel = self.pause = self.lost = False
         self._reward_errors_seen: set[str] = set()  # messages already shown in a warn event
         self._reward_warned_at: int | None = None
+        self._clock = StepClock(total_steps)
         self._stop_beat = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{job_id}", daemon=True)
 
@@ -105,6 +109,8 @@ class JobReporter:
             summary = ", ".join(f"{k}={finite[k]:.4g}" for k in EVENT_METRICS if k in finite)
             jobs.add_event(s, self.job_id, f"Step {step}/{self.total_steps}: {summary}", type="metrics",
                            data={"step": step, "total_steps": self.total_steps, **finite})
+            eta = self._clock.estimate(time.time(), step, finite.get("step_seconds", 0.0))
+            job_outputs.set_estimated_finish(s, self.job_id, self.epoch, eta)
         self.heartbeat()
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
@@ -116,6 +122,13 @@ class JobReporter:
                 return
             jobs.add_event(s, self.job_id, f"Evaluation at step {step}: reward {metrics.get('eval_reward_mean', float('nan')):.4f}",
                            type="metrics", data={"step": step, **metrics})
+
+    def on_samples(self, step: int, samples: list[dict]) -> None:
+        if self.lost or not samples:
+            return
+        with self.sessions.begin() as s:
+            if not job_outputs.add_samples(s, self.job_id, self.epoch, step, samples):
+                self.lost = True
 
     def on_checkpoint(self, step: int, path: Path) -> None:
         if self.lost:
@@ -188,6 +201,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         if epoch is None:
             return None  # someone else holds it, or it is no longer runnable
         job = jobs.get_for_worker(s, job_id)
+        project_id = job.project_id
         spec = JobSpec.model_validate(job.spec)
         latest = jobs.latest_checkpoint(s, job_id)
         latest = (latest.step, latest.storage_prefix, dict(latest.files)) if latest else None
@@ -237,6 +251,12 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         reporter.stop()
 
     with sessions.begin() as s:
+        if error or status != "paused":  # a terminal end: the metrics CSV becomes the job's result file
+            try:
+                with s.begin_nested():  # a failure here rolls back only this, not the job's end
+                    publish_results(s, store, job_id, epoch, project_id)
+            except Exception:  # the job's outcome matters more than its CSV
+                log.exception("job %s: could not publish the result file", job_id)
         if error:
             ended = jobs.finish(s, job_id, epoch, "failed", error_code=error[0], error_message=error[1][:2000])
         else:

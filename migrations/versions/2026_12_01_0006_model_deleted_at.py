@@ -1,7 +1,7 @@
 """job.model_deleted_at: DELETE /v1/models/{id} retires a job's fine-tuned model
 
 Revision ID: 0006
-Revises: 0002
+Revises: 0005
 Create Date: 2026-12-01
 """
 from typing import Sequence, Union
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 
 revision: str = '0006'
-down_revision: Union[str, None] = '0002'
+down_revision: Union[str, None] = '0005'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 

@@ -16,7 +16,7 @@ from service.api import envelope
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.request_metrics import RecordRequests, RequestMetrics
 from service.api.routes import (environments, files, graders, health, job_outputs, jobs, models, prometheus,
-                                reward_functions, secrets)
+                                reward_functions, secrets, webhooks)
 from service.dashboard import routes as dashboard
 from service.db.session import session_factory
 from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_job, make_celery
@@ -58,6 +58,6 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.request_metrics = RequestMetrics()
     app.add_middleware(RecordRequests, metrics=app.state.request_metrics)  # outermost: times everything
     for module in (health, files, reward_functions, environments, jobs, job_outputs, secrets, graders, models,
-                   prometheus, dashboard):
+                   prometheus, dashboard, webhooks):
         app.include_router(module.router)
     return app

@@ -7,8 +7,9 @@ from typing import Any
 
 from service import fine_tuned_models
 from service.auth import Principal
-from service.db.models import Checkpoint, File, Job, JobEvent, JobMetric, RewardFunction
+from service.db.models import Checkpoint, File, Job, JobEvent, JobMetric, JobSample, RewardFunction
 from service.jobs_spec import public_hyperparameters
+from service.repositories.job_outputs import sample_id
 from service.repositories.pagination import Page
 from service.schemas.api import (
     CheckpointObject,
@@ -19,6 +20,7 @@ from service.schemas.api import (
     ListObject,
     MetricPoint,
     RewardFunctionObject,
+    SampleObject,
 )
 from service.schemas.model_api import ModelObject
 
@@ -67,6 +69,8 @@ def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
         hyperparameters=public_hyperparameters(row.spec, training_rows), method=row.method,
         steps_done=row.steps_done, total_steps=row.total_steps, reward_function=row.reward_function_id,
         environment=row.environment_id,
+        estimated_finish=row.estimated_finish if row.status == "running" else None,
+        result_files=[row.result_file_id] if row.result_file_id else [],
     )
 
 
@@ -94,3 +98,9 @@ def metric(row: JobMetric) -> MetricPoint:
 def model(row: Job, who: Principal) -> ModelObject:
     return ModelObject(id=model_name(row, who), created=row.finished_at or row.created_at, owned_by=row.project_id,
                        root=row.model, fine_tuning_job_id=row.id)
+
+
+def sample(row: JobSample) -> SampleObject:
+    return SampleObject(id=sample_id(row), step=row.step, prompt=row.prompt, completion=row.completion,
+                        reward=finite(row.reward), advantage=finite(row.advantage), rewards=finite(row.rewards or {}),
+                        created_at=row.created_at)

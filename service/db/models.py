@@ -159,6 +159,9 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     # Set by DELETE /v1/models/{id}: the job stays, its adapter checkpoints are gone.
     model_deleted_at: Mapped[int | None] = mapped_column(BigInteger)
+    # What the client sees of progress and results (written by the worker, fenced like metrics).
+    estimated_finish: Mapped[int | None] = mapped_column(BigInteger)
+    result_file_id: Mapped[str | None] = mapped_column(String(40))  # the metrics CSV (purpose fine-tune-results)
 
 
 class JobEvent(Base):
@@ -181,6 +184,54 @@ class JobMetric(Base):
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[float] = mapped_column(Float)
+
+
+class JobSample(Base):
+    """A few of a step's completions, for people to read; (job, step, slot) is unique, so a repeat is harmless."""
+
+    __tablename__ = "job_sample"
+    __table_args__ = (UniqueConstraint("job_id", "step", "slot"),)
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    slot: Mapped[int] = mapped_column(Integer)  # its place among the step's samples
+    prompt: Mapped[str] = mapped_column(Text)
+    completion: Mapped[str] = mapped_column(Text)
+    reward: Mapped[float | None] = mapped_column(Float)
+    advantage: Mapped[float | None] = mapped_column(Float)
+    rewards: Mapped[dict] = mapped_column(JSON)  # per component (a multi reward's parts, an episode's turns)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class WebhookEndpoint(Base):
+    """Where a project's job outcomes are POSTed, signed with its secret (shown once, at registration)."""
+
+    __tablename__ = "webhook_endpoint"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("whep_"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    url: Mapped[str] = mapped_column(String(2048))
+    secret: Mapped[str] = mapped_column(String(100))  # whsec_<base64 key>: needed in clear to sign
+    events: Mapped[list] = mapped_column(JSON)  # the event types it receives
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class WebhookDelivery(Base):
+    """The outbox: one row per (endpoint, job outcome), sent until the receiver answers 2xx or we give up."""
+
+    __tablename__ = "webhook_delivery"
+    __table_args__ = (UniqueConstraint("endpoint_id", "job_id"),)
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("evt_"))  # the webhook-id
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoint.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"))
+    type: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)  # when the event happened
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float] = mapped_column(Float, index=True)
+    delivered_at: Mapped[int | None] = mapped_column(BigInteger)
+    failed_at: Mapped[int | None] = mapped_column(BigInteger)  # gave up after the last retry
+    last_error: Mapped[str | None] = mapped_column(Text)
 
 
 class Checkpoint(Base):

@@ -126,6 +126,21 @@ class MetricList(BaseModel):
     has_more: bool
 
 
+class SampleObject(BaseModel):
+    """One of the few completions the worker keeps per step (texts cut to a few thousand characters)."""
+
+    object: Literal["fine_tuning.job.sample"] = "fine_tuning.job.sample"
+    id: str = Field(description="Stable within the job; pass it as `after` for the next page.")
+    step: int
+    prompt: str = Field(description="What the model saw, chat template applied.")
+    completion: str = Field(description="The sampled text (an environment job: the episode after the prompt).")
+    reward: float | None = Field(description="The sample's reward (null if not finite).")
+    advantage: float | None = Field(description="Its group-relative advantage.")
+    rewards: dict[str, float | None] = Field(
+        description="Per component: a multi reward's parts (null where the part failed), an episode's turn rewards.")
+    created_at: int
+
+
 # -- jobs --------------------------------------------------------------------
 
 
@@ -151,14 +166,16 @@ class JobObject(BaseModel):
     finished_at: int | None
     fine_tuned_model: str | None
     organization_id: str
-    result_files: list[str] = []
+    result_files: list[str] = Field([], description="At the end: a metrics CSV (purpose fine-tune-results), "
+                                    "downloadable with GET /v1/files/{id}/content.")
     status: str
     validation_file: str | None
     training_file: str
     trained_tokens: int | None
     error: JobError | None
     seed: int
-    estimated_finish: int | None = None
+    estimated_finish: int | None = Field(None, description="While running: Unix seconds, from the measured "
+                                         "step rate.")
     integrations: list[dict[str, Any]] = []
     metadata: dict[str, str] | None
     user_provided_suffix: str | None
@@ -170,9 +187,19 @@ class JobObject(BaseModel):
     environment: str | None = None  # the registered environment's id (env-...), when the job uses one
 
 
+class DryRunCheck(BaseModel):
+    name: Literal["model", "reward_fields", "prompt_lengths", "estimate"]
+    status: Literal["passed", "warning", "skipped"] = Field(
+        description="skipped: not checked, and the message says why (a failed check refuses the request).")
+    message: str
+    param: str | None = None
+
+
 class DryRunObject(BaseModel):
     object: Literal["fine_tuning.job.dry_run"] = "fine_tuning.job.dry_run"
     spec: dict[str, Any]
+    checks: list[DryRunCheck] = Field(description="What was checked and found, and what was not checked.")
+    estimated_seconds: int | None = Field(description="From earlier jobs' step rate on this model; null without one.")
 
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]

@@ -44,8 +44,16 @@ class CispoHyperparameters(Request):
 
 
 class CispoMethod(Request):
-    reward_function: Text | None = Field(None, description="Id of a registered reward function (rwfn-...).")
-    reward: ServiceReward | None = Field(None, description="An inline reward spec.")
+    reward_function: Text | None = Field(
+        None,
+        description="Id (rwfn-...) of a reward function registered with POST /v1/reward_functions in this "
+        "project; the job copies its spec at creation, so later changes to the registry do not affect it. Each "
+        "completion is scored with the row's fields: e.g. exact_match compares it with row[field], a python "
+        "reward is called as reward(completion, **row) in a sandbox. Give exactly one of reward_function, "
+        "reward or environment.",
+    )
+    reward: ServiceReward | None = Field(None, description="An inline reward spec (the same types as a registered "
+                                         "reward function).")
     environment: EnvironmentRef | None = Field(
         None, description="A multi-turn environment instead of a reward: a registered id (env-...) or an inline spec.")
     hyperparameters: CispoHyperparameters = CispoHyperparameters()

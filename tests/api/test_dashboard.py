@@ -25,34 +25,29 @@ CSP_WATCH = ("window.__csp = []; document.addEventListener('securitypolicyviolat
              "e => window.__csp.push(e.violatedDirective + ' ' + e.blockedURI));")
 
 
-def _sample(step: int, completion: str, reward: float) -> dict:
-    return {"object": "fine_tuning.job.sample", "step": step, "prompt": "Say alpha", "completion": completion,
-            "reward": reward, "advantage": reward - 0.5, "rewards": {"exact_match": reward},
-            "created_at": int(time.time())}
+def _sample(completion: str, reward: float) -> dict:
+    return {"prompt": "Say alpha", "completion": completion, "reward": reward, "advantage": reward - 0.5,
+            "rewards": {"exact_match": reward}}
 
 
 @pytest.fixture
 def populated(tmp_path):
     """A live API with a succeeded job (metrics, events, a checkpoint, samples) and a running one."""
     chromium_path()
-    samples_file = tmp_path / "samples.json"
-    with live_api(tmp_path, "tests.api.dashboard_app:create_app", CISPO_TEST_SAMPLES=str(samples_file)) as live:
+    with live_api(tmp_path) as live:
         with live.client() as client:
             upload = client.post("/v1/files", files={"file": ("train.jsonl", jsonl(TRAIN_ROWS))},
                                  data={"purpose": "fine-tune"}).json()
             done, running = (client.post("/v1/fine_tuning/jobs", json=cispo_body(upload["id"])).json()
                              for _ in range(2))
-        ckpt = train(live.database_url, live.store, done["id"])
+        ckpt = train(live.database_url, live.store, done["id"],
+                     samples={2: [_sample("beta", 0.0)], 3: [_sample(XSS_COMPLETION, 1.0)]})
         lease = train(live.database_url, live.store, running["id"], status=None, steps=2, checkpoint_step=None)
         with session_factory(live.database_url).begin() as s:
             jobs_repo.add_event(s, done["id"], XSS_EVENT, level="warn")
-        samples_file.write_text(json.dumps({done["id"]: [_sample(3, XSS_COMPLETION, 1.0),
-                                                         _sample(2, "beta", 0.0)]}))
         with live.client() as client:
-            served = client.get(f"/v1/fine_tuning/jobs/{done['id']}/samples").json().get("data")
-        assert served and served[0]["completion"] == XSS_COMPLETION, (
-            "the real samples endpoint is present: write these samples through its repository here "
-            "instead of the CISPO_TEST_SAMPLES stand-in (tests/api/dashboard_app.py)")
+            served = client.get(f"/v1/fine_tuning/jobs/{done['id']}/samples").json()["data"]
+        assert [(x["step"], x["completion"]) for x in served] == [(3, XSS_COMPLETION), (2, "beta")]
         yield live, done["id"], running["id"], ckpt, lease["epoch"]
 
 

@@ -136,3 +136,30 @@ def test_delete_is_refused_while_a_live_job_uses_the_file(api):
     assert api.store.exists(f"files/{file_id}")
     api.client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")
     assert api.client.delete(f"/v1/files/{file_id}").status_code == 200
+
+
+def test_openai_rft_message_rows_are_accepted(api):
+    rows = [{"messages": [{"role": "developer", "content": "answer in one word"},
+                          {"role": "user", "content": "Say alpha"}], "reference_answer": "alpha"},
+            {"prompt": "Say beta", "reference_answer": "beta"}]  # both shapes may share a file
+    r = upload(api.client, rows)
+    assert r.status_code == 200, r.text
+    with api.session() as s:
+        assert s.scalar(select(File.rows).where(File.id == r.json()["id"])) == 2
+
+
+def test_bad_message_rows_name_the_line_and_the_field(api):
+    content = (b'{"messages": [{"role": "user", "content": "hi"}]}\n'
+               b'{"messages": []}\n'
+               b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+               b'{"messages": [{"role": "user", "content": 3}]}\n'
+               b'{"messages": "hi"}\n'
+               b'{"messages": [{"role": "user", "content": "a"}], "prompt": "b"}\n')
+    error = assert_error(upload(api.client, content=content), 400, "5 invalid row(s)",
+                         "line 2: 'messages' is an empty list",
+                         "line 3: 'messages' ends with an assistant message",
+                         "line 4: 'messages'[0] needs a string 'content'",
+                         "line 5: 'messages' must be a list",
+                         "line 6: give 'prompt' or 'messages', not both")
+    assert "line 1:" not in error["message"]
+    assert _file_rows(api) == 0

@@ -238,3 +238,9 @@ def test_a_concurrent_duplicate_that_loses_the_insert_returns_the_winner(api, mo
     loser = api.client.post(JOBS, json=body, headers={"Idempotency-Key": "race"})
     assert loser.status_code == 200 and loser.json()["id"] == winner["id"]
     assert len(calls) == 2 and _count(api) == 1 and api.enqueued.ids == [winner["id"]]
+
+
+def test_openapi_documents_the_cispo_reward_function(api):
+    schemas = api.client.get("/openapi.json").json()["components"]["schemas"]
+    described = schemas["CispoMethod"]["properties"]["reward_function"]["description"]
+    assert "/v1/reward_functions" in described and "reward(completion, **row)" in described

@@ -7,6 +7,7 @@ import io
 import tarfile
 
 from service.db.session import session_factory
+from service.repositories import job_outputs
 from service.repositories import jobs as jobs_repo
 
 # Per step: the curves the dashboard draws (names as worker/trainer/loop.py and metrics.py write them).
@@ -28,9 +29,9 @@ def adapter_tar(payload: bytes = b"lora weights") -> bytes:
 
 
 def train(database_url: str, store, job_id: str, *, status: str | None = "succeeded",
-          steps: int = 3, checkpoint_step: int | None = 3) -> dict:
-    """Run the job's records through `steps` steps; returns the lease epoch and the checkpoint's
-    id, sha256, tar bytes and storage prefix."""
+          steps: int = 3, checkpoint_step: int | None = 3, samples: dict[int, list[dict]] | None = None) -> dict:
+    """Run the job's records through `steps` steps (with `samples` per step, if given); returns the lease
+    epoch and the checkpoint's id, sha256, tar bytes and storage prefix."""
     sessions = session_factory(database_url)
     with sessions.begin() as s:
         epoch = jobs_repo.claim(s, job_id, "test-worker", ttl_s=600)
@@ -42,6 +43,8 @@ def train(database_url: str, store, job_id: str, *, status: str | None = "succee
             assert jobs_repo.record_step(s, job_id, epoch, step, values, trained_tokens=10, ttl_s=600)
             jobs_repo.add_event(s, job_id, f"Step {step}: reward {values['reward_mean']}", type="metrics",
                                 data={"step": step, **values})
+            if samples and step in samples:
+                assert job_outputs.add_samples(s, job_id, epoch, step, samples[step])
     out: dict = {"epoch": epoch}
     if checkpoint_step:
         tar = adapter_tar()

@@ -44,6 +44,7 @@ from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, Scores, co
 from worker.envs import Environment, make_environment
 from worker.trainer.feedback import Feedback, assign_advantages, collect_feedback
 from worker.trainer.rollout import generate
+from worker.trainer.samples import pick_samples
 from worker.trainer.schedule import lr_multiplier
 from worker.trainer.update import Updater
 
@@ -57,7 +58,8 @@ class Callbacks(Protocol):
     def on_checkpoint(self, step: int, path: Path) -> None: ...
     def should_stop(self) -> bool: ...
     # Optional: on_reward_errors(step, errors: list[str]), the messages of a step's samples that failed to
-    # score (callbacks without it are skipped, see _report_reward_errors).
+    # score (callbacks without it are skipped, see _report_reward_errors); on_samples(step, samples: list[dict]),
+    # a few of the step's completions (worker/trainer/samples.py).
 
 
 class NoCallbacks:
@@ -190,6 +192,9 @@ class Trainer:
         advantages_PG, zero_P = advantages.episode_PG, advantages.zero_P
         keep_P = ~zero_P if adv.drop_zero_groups else torch.ones_like(zero_P)
         indices = [i for i in range(len(rollout)) if keep_P[i // tc.group_size]]
+        if (record := getattr(self.callbacks, "on_samples", None)) is not None:
+            record(self.step + 1, pick_samples(self.policy.tokenizer, rollout, feedback, advantages_PG, tc.group_size,
+                                               multi_turn=self.environment is not None))
 
         update_started = time.perf_counter()
         stats = self.updater.run(rollout, advantages.per_token, indices)

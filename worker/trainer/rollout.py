@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from service.schemas.dataset import row_prompt
 from service.schemas.job_spec import SamplingSpec
 from worker.envs.protocol import Environment
 from worker.trainer.policy import Policy
@@ -117,7 +118,7 @@ def generate(
 
     if environment is None:
         for ep in episodes:
-            ep.append(encode_prompt(tok, ep.row["prompt"]), turn=None)
+            ep.append(encode_prompt(tok, row_prompt(ep.row)), turn=None)
     else:
         seeds = seeds or [0] * len(rows)
         outcomes = environment.reset([(ep.id, seeds[i // copies], ep.row) for i, ep in enumerate(episodes)])

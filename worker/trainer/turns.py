@@ -20,7 +20,7 @@ the action ended with EOS and the closing text starts with the EOS token
 
 from __future__ import annotations
 
-from service.schemas.dataset import row_problem
+from service.schemas.dataset import row_problem, row_prompt
 from worker.envs.protocol import Observation
 
 SENTINEL = "\u2063CISPO-ACTION\u2063"
@@ -53,8 +53,8 @@ def first_messages(observation: Observation | None, row: dict) -> list[dict]:
     if observation is not None:
         return as_messages(observation)
     if row_problem(row) is not None:
-        raise ValueError("reset returned no observation and the row has no usable 'prompt'")
-    return as_messages(row["prompt"])
+        raise ValueError("reset returned no observation and the row has no usable 'prompt' or 'messages'")
+    return as_messages(row_prompt(row))
 
 
 def _render(tokenizer, messages: list[dict], *, generation_prompt: bool) -> str:

@@ -15,7 +15,6 @@ from service.repositories import files as files_repo
 from service.schemas.api import Deleted, FileObject, ListObject
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
-
 UPLOAD_FIELDS = {"file", "purpose"}
 
 
@@ -60,9 +59,10 @@ def get_file(file_id: str, session: SessionDep, who: PrincipalDep) -> FileObject
 def file_content(file_id: str, session: SessionDep, store: StoreDep, who: PrincipalDep) -> StreamingResponse:
     row = files_service.get(session, who.project_id, file_id)
     chunks = store.iter_bytes(row.storage_key)  # raises NotFound now, not mid-stream
+    extension = "csv" if row.purpose == files_service.RESULTS_PURPOSE else "jsonl"  # a job's metrics, or a dataset
     return StreamingResponse(chunks, media_type="application/octet-stream", headers={
         "content-length": str(row.bytes), "x-sha256": row.sha256,
-        "content-disposition": f'attachment; filename="{row.id}.jsonl"'})
+        "content-disposition": f'attachment; filename="{row.id}.{extension}"'})
 
 
 @router.delete("/{file_id}", response_model=Deleted)

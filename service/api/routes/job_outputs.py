@@ -1,19 +1,20 @@
-"""What a job leaves behind, read-only: events, checkpoints (and their bytes), per-step metrics."""
+"""What a job leaves behind, read-only: events, checkpoints (and their bytes), per-step metrics, samples."""
 
 from __future__ import annotations
 
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from service import jobs as jobs_service
-from service.api import presenters
+from service.api import event_stream, presenters
 from service.api.deps import PrincipalDep, SessionDep, StoreDep
-from service.errors import NotFound
+from service.errors import InvalidRequest, NotFound
+from service.repositories import job_outputs as outputs_repo
 from service.repositories import jobs as jobs_repo
-from service.schemas.api import CheckpointObject, EventObject, ListObject, MetricList
+from service.schemas.api import CheckpointObject, EventObject, ListObject, MetricList, SampleObject
 from service.storage import ObjectStore
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs/{fine_tuning_job_id}", tags=["fine-tuning jobs"])
@@ -22,10 +23,28 @@ ARCHIVE = "adapter.tar"
 MANIFEST = "manifest.json"
 
 
-@router.get("/events", response_model=ListObject[EventObject])
-def list_events(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, after: str | None = None,
-                limit: Annotated[int, Query(ge=1, le=100)] = 20) -> ListObject:
+@router.get("/events", response_model=ListObject[EventObject],
+            responses={200: {"content": {"text/event-stream": {}},
+                             "description": "A page of events, newest first; with stream=true, server-sent events."}})
+def list_events(request: Request, fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep,
+                after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                stream: Annotated[bool, Query(description="Stream events, oldest first, until the job ends "
+                                                          "(text/event-stream; resume with Last-Event-ID).")] = False,
+                include_metrics: Annotated[bool, Query(description="Streams: also the per-step metrics "
+                                                                   "events.")] = False,
+                last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None):
     job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
+    if stream:
+        after_seq = 0
+        if last_event_id:
+            after_seq = outputs_repo.event_seq(session, job.id, last_event_id)
+            if after_seq is None:
+                raise InvalidRequest(f"Last-Event-ID: {last_event_id!r} is not an event of this job",
+                                     param="Last-Event-ID")
+        body = event_stream.stream(request, request.app.state.sessions, job.id, after_seq=after_seq,
+                                   include_metrics=include_metrics)
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
     rows = jobs_repo.events(session, job.id, after=after, limit=limit)
     return presenters.page([presenters.event(r) for r in rows.items], rows.has_more)
 
@@ -47,6 +66,22 @@ def list_metrics(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep
     job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
     rows = jobs_repo.metrics(session, job.id, names=name, step_min=step_min, step_max=step_max, limit=limit + 1)
     return MetricList(data=[presenters.metric(r) for r in rows[:limit]], has_more=len(rows) > limit)
+
+
+@router.get("/samples", response_model=ListObject[SampleObject])
+def list_samples(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep,
+                 step: Annotated[int | None, Query(ge=0)] = None, after: str | None = None,
+                 limit: Annotated[int, Query(ge=1, le=100)] = 20) -> ListObject:
+    """A few completions per step (each group's best and worst), newest step first."""
+    job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
+    if after is not None:
+        try:
+            outputs_repo.parse_sample_id(after)
+        except ValueError:
+            raise InvalidRequest(f"after: {after!r} is not a sample id (ftsample-<step>-<slot>)",
+                                 param="after") from None
+    rows = outputs_repo.samples(session, job.id, step=step, after=after, limit=limit)
+    return presenters.page([presenters.sample(r) for r in rows.items], rows.has_more)
 
 
 def _stream(store: ObjectStore, key: str, sha256: str, filename: str, media_type: str) -> StreamingResponse:

@@ -10,11 +10,12 @@ from fastapi import APIRouter, Header, Query, Request
 from sqlalchemy.exc import IntegrityError
 
 from service import jobs as jobs_service
+from service.dry_run import dry_run as run_dry_run
 from service.api import presenters
-from service.api.deps import Enqueue, EnqueueDep, PrincipalDep, SessionDep, SettingsDep
+from service.api.deps import Enqueue, EnqueueDep, PrincipalDep, SessionDep, SettingsDep, StoreDep
 from service.auth import Principal
 from service.db.models import Job
-from service.schemas.api import DryRunObject, JobObject, ListObject
+from service.schemas.api import DryRunCheck, DryRunObject, JobObject, ListObject
 from service.schemas.job_request import JobCreate
 
 log = logging.getLogger(__name__)
@@ -41,11 +42,14 @@ def _present(session, who: Principal, job: Job) -> JobObject:
 
 @router.post("", response_model=JobObject | DryRunObject)
 def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue: EnqueueDep, settings: SettingsDep,
-               idempotency_key: IdempotencyKey = None, dry_run: bool = False) -> JobObject | DryRunObject:
+               store: StoreDep, idempotency_key: IdempotencyKey = None,
+               dry_run: bool = False) -> JobObject | DryRunObject:
     if dry_run:
         prepared = jobs_service.prepare(session, who.project_id, body, settings=settings)
+        report = run_dry_run(session, store, who.project_id, body, prepared.spec, hub_url=settings.model_hub_url)
         session.rollback()
-        return DryRunObject(spec=prepared.spec.model_dump(mode="json"))
+        return DryRunObject(spec=prepared.spec.model_dump(mode="json"), estimated_seconds=report.estimated_seconds,
+                            checks=[DryRunCheck(**vars(c)) for c in report.checks])
     try:
         job, created = jobs_service.create(session, who.project_id, body, idempotency_key=idempotency_key,
                                            settings=settings)

@@ -1,0 +1,192 @@
+"""POST /v1/fine_tuning/jobs?dry_run=true: everything that can be known about a job before it runs.
+
+After the request resolves to a JobSpec (service/jobs.py prepare), a dry run
+checks what would otherwise fail or mislead hours later:
+
+- model: the model resolves (service/model_check.py);
+- reward_fields: every row field the reward reads is in every row (the lines
+  that lack one are listed); what user code reads is reported as not checked;
+- prompt_lengths: prompts fit in sampling.max_model_len - max_output_tokens,
+  counted with the model's tokenizer when `tokenizers` and a local
+  tokenizer.json are at hand, else estimated from characters (stated);
+- estimate: the run's duration from the step rate this project's earlier jobs
+  on the same model measured, scaled by sampled tokens per step.
+
+A failed check refuses the request (400, all failures named); the answer
+lists every check with what it found, including what was not checked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service import files as files_service
+from service.db.models import Job, JobMetric
+from service.errors import InvalidRequest
+from service.model_check import ModelInfo, ModelProblem, check_model
+from service.reward_fields import FieldUse, fields_read, has_path
+from service.schemas.dataset import row_prompt
+from service.schemas.job_request import JobCreate
+from service.schemas.job_spec import JobSpec
+from service.storage import ObjectStore
+
+CHARS_PER_TOKEN = 3  # when no tokenizer is at hand: a cautious average for BPE tokenizers on English text
+MESSAGE_OVERHEAD_TOKENS = 8  # chat template tokens around each message (role markers), when not rendered
+MAX_LINES_SHOWN = 10
+HISTORY_JOBS = 5
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # passed | failed | warning | skipped
+    message: str
+    param: str | None = None
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+    estimated_seconds: int | None = None
+
+    def add(self, name: str, status: str, message: str, param: str | None = None) -> None:
+        self.checks.append(Check(name, status, message, param))
+
+
+def _lines(numbers: list[int]) -> str:
+    shown = ", ".join(map(str, numbers[:MAX_LINES_SHOWN]))
+    return shown + (f" (and {len(numbers) - MAX_LINES_SHOWN} more)" if len(numbers) > MAX_LINES_SHOWN else "")
+
+
+class _Counter:
+    """Prompt tokens: counted with the model's tokenizer.json where possible, else estimated from characters."""
+
+    def __init__(self, model: ModelInfo | None):
+        self.tokenizer = None
+        if model is not None and model.tokenizer_json is not None:
+            try:
+                from tokenizers import Tokenizer
+
+                self.tokenizer = Tokenizer.from_file(str(model.tokenizer_json))
+            except Exception:  # an unreadable tokenizer.json: fall back to the estimate, and say so
+                self.tokenizer = None
+
+    def _text(self, text: str, special: bool) -> int:
+        if self.tokenizer is None:
+            return math.ceil(len(text) / CHARS_PER_TOKEN)
+        return len(self.tokenizer.encode(text, add_special_tokens=special).ids)
+
+    def count(self, prompt) -> tuple[int, bool]:
+        """(tokens, exact): a string prompt with a tokenizer is exact; chat templates are not rendered here."""
+        if isinstance(prompt, str):
+            return self._text(prompt, True), self.tokenizer is not None
+        return sum(self._text(m["content"], False) + MESSAGE_OVERHEAD_TOKENS for m in prompt), False
+
+    def how(self) -> str:
+        if self.tokenizer is None:
+            return f"estimated at {CHARS_PER_TOKEN} characters per token (no local tokenizer.json)"
+        return "counted with the model's tokenizer.json"
+
+
+def _rows(session: Session, store: ObjectStore, project_id: str, spec: JobSpec) -> Iterator[tuple[str, int, dict]]:
+    for param, file_id in (("training_file", spec.data.train_file), ("validation_file", spec.data.validation_file)):
+        if file_id:
+            for line, row in files_service.iter_rows(store, files_service.get(session, project_id, file_id)):
+                yield param, line, row
+
+
+def _scan(report: Report, rows: Iterator[tuple[str, int, dict]], spec: JobSpec, uses: list[FieldUse],
+          counter: _Counter, reward_param: str) -> None:
+    """One pass over the rows: missing reward fields, prompts that do not fit."""
+    missing: dict[tuple[str, str], list[int]] = {}
+    limit = spec.sampling.max_model_len - spec.sampling.max_output_tokens
+    longest, over_exact, over_estimated = 0, {}, {}
+    for file_param, line, row in rows:
+        for use in uses:
+            if not has_path(row, use.path):
+                missing.setdefault((file_param, use.shown, use.param), []).append(line)
+        tokens, exact = counter.count(row_prompt(row))
+        longest = max(longest, tokens)
+        if tokens > limit:
+            (over_exact if exact else over_estimated).setdefault(file_param, []).append(line)
+
+    if uses:
+        if missing:
+            for (file_param, shown, param), lines in missing.items():
+                report.add("reward_fields", "failed", f"{reward_param}.{param} reads row field {shown!r}, which "
+                           f"{file_param} lacks on line(s) {_lines(lines)}", f"{reward_param}.{param}")
+        else:
+            names = ", ".join(sorted({repr(u.shown) for u in uses}))
+            report.add("reward_fields", "passed", f"every row has {names}")
+
+    sampling = "method.cispo.hyperparameters.sampling" if reward_param.startswith("method.cispo") else None
+    where = f"max_model_len - max_output_tokens = {limit} tokens; prompts {counter.how()}"
+    for file_param, lines in over_exact.items():
+        report.add("prompt_lengths", "failed", f"{file_param}: prompts on line(s) {_lines(lines)} are longer than "
+                   f"{where}", sampling)
+    for file_param, lines in over_estimated.items():
+        report.add("prompt_lengths", "warning", f"{file_param}: prompts on line(s) {_lines(lines)} may be longer "
+                   f"than {where} (chat messages: contents plus about {MESSAGE_OVERHEAD_TOKENS} tokens each)",
+                   sampling)
+    if not over_exact and not over_estimated:
+        report.add("prompt_lengths", "passed", f"the longest prompt is {longest} tokens, within {where}")
+
+
+def _estimate(session: Session, project_id: str, body: JobCreate, spec: JobSpec) -> tuple[int | None, str]:
+    """Seconds for the run, from earlier jobs' measured step_seconds per sampled token."""
+    earlier = list(session.execute(
+        select(Job.id, Job.spec).where(Job.project_id == project_id, Job.model == body.model)
+        .order_by(Job.seq.desc()).limit(HISTORY_JOBS)))
+    rates = []
+    for job_id, job_spec in earlier:
+        seconds = list(session.scalars(select(JobMetric.value).where(
+            JobMetric.job_id == job_id, JobMetric.name == "step_seconds")))
+        if seconds:
+            t = job_spec["training"]
+            tokens = t["batch_size"] * t["group_size"] * job_spec["sampling"]["max_output_tokens"]
+            rates.append(sum(seconds) / len(seconds) / tokens)
+    if not rates:
+        return None, "no earlier job of this project on this model has measured a step rate"
+    tc = spec.training
+    per_step = sorted(rates)[len(rates) // 2] * tc.batch_size * tc.group_size * spec.sampling.max_output_tokens
+    total = round(per_step * tc.steps)
+    return total, (f"about {total} s ({tc.steps} steps of {per_step:.1f} s), from {len(rates)} earlier job(s) on this "
+                   "model, scaled by sampled tokens per step; evaluations and checkpoints add to it")
+
+
+def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCreate, spec: JobSpec, *,
+            hub_url: str) -> Report:
+    """Run every check; raises InvalidRequest naming all failures."""
+    report = Report()
+    model = None
+    try:
+        model = check_model(body.model, hub_url=hub_url)
+        report.add("model", "passed" if model.checked else "skipped", f"model: {model.detail}")
+    except ModelProblem as e:
+        report.add("model", "failed", f"model: {e}", "model")
+
+    reward_param = "method.cispo.reward" if body.method.type == "cispo" else "method.reinforcement.grader"
+    if body.method.type == "cispo" and body.method.cispo.reward_function:
+        reward_param = "method.cispo.reward_function"
+    uses: list[FieldUse] = []
+    if spec.reward is not None:
+        uses, opaque = fields_read(spec.reward.model_dump(mode="json"))
+        for at, why in opaque:
+            report.add("reward_fields", "skipped", f"{reward_param}{'.' + at if at else ''}: not checked, {why}")
+    else:
+        report.add("reward_fields", "skipped", "an environment reads rows in its own code: not checked")
+    _scan(report, _rows(session, store, project_id, spec), spec, uses, _Counter(model), reward_param)
+
+    report.estimated_seconds, how = _estimate(session, project_id, body, spec)
+    report.add("estimate", "passed" if report.estimated_seconds is not None else "skipped", how)
+
+    failed = [c for c in report.checks if c.status == "failed"]
+    if failed:
+        raise InvalidRequest(f"dry run: {len(failed)} check(s) failed: " + "; ".join(c.message for c in failed),
+                             param=failed[0].param, code="dry_run_failed")
+    return report

@@ -1,0 +1,102 @@
+"""Does a job's `model` name something the worker can load? Checked by a dry run, without torch.
+
+- A local directory must hold a config.json that parses and describes a
+  causal LM (an ``architectures`` entry ending in ForCausalLM or LMHeadModel),
+  and a tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary).
+- Anything else must look like a hub id (``name`` or ``owner/name``). Its
+  config.json is fetched from the configured hub when one is set and answers;
+  an unreachable hub leaves the check undone (and says so), it never fails it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+TOKENIZER_VOCABS = ("tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+HUB_TIMEOUT_S = 3.0
+
+
+class ModelProblem(ValueError):
+    """The model cannot be loaded; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    source: str  # "local" or "hub"
+    checked: bool  # False: only the id's format was checked
+    detail: str
+    tokenizer_json: Path | None = None  # a local tokenizer.json, to count prompt tokens with
+
+
+def _looks_local(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~")) or Path(model).is_dir()
+
+
+def _causal_lm(config: dict, where: str) -> str:
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ModelProblem(f"{where}: config.json has no model_type, so it is not a transformers model config")
+    archs = config.get("architectures") or []
+    causal = [a for a in archs if isinstance(a, str) and a.endswith(CAUSAL_SUFFIXES)]
+    if not causal:
+        raise ModelProblem(f"{where}: config.json describes {', '.join(map(str, archs)) or 'no architecture'}, "
+                           "not a causal LM (an architecture ending in ForCausalLM or LMHeadModel)")
+    return causal[0]
+
+
+def _local(model: str) -> ModelInfo:
+    root = Path(model).expanduser()
+    if not root.is_dir():
+        raise ModelProblem(f"{model!r} is not a directory on this host")
+    try:
+        config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelProblem(f"{model!r} has no config.json") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelProblem(f"{model!r}: config.json is not valid JSON ({e})") from None
+    except OSError as e:
+        raise ModelProblem(f"{model!r}: config.json cannot be read ({e.strerror})") from None
+    arch = _causal_lm(config, model)
+    tokenizer_json = root / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        tokenizer_json = None
+        if not ((root / "tokenizer_config.json").is_file() and any((root / v).is_file() for v in TOKENIZER_VOCABS)):
+            raise ModelProblem(f"{model!r} has no tokenizer (tokenizer.json, or tokenizer_config.json with "
+                               f"one of {', '.join(TOKENIZER_VOCABS)})")
+    return ModelInfo("local", True, f"local directory: {arch} with a tokenizer", tokenizer_json)
+
+
+def _hub(model: str, hub_url: str) -> ModelInfo:
+    if not HUB_ID.match(model) or ".." in model or "--" in model:
+        raise ModelProblem(f"{model!r} is neither a local directory nor a hub id ('name' or 'owner/name': letters, "
+                           "digits, '-', '_', '.', at most 96 characters each)")
+    if not hub_url:
+        return ModelInfo("hub", False, "hub id: format checked; no hub is configured, so its config was not fetched")
+    url = f"{hub_url.rstrip('/')}/{model}/resolve/main/config.json"
+    try:
+        response = httpx.get(url, timeout=HUB_TIMEOUT_S, follow_redirects=True)
+    except httpx.HTTPError as e:
+        return ModelInfo("hub", False, f"hub id: format checked; the hub did not answer ({type(e).__name__}), "
+                                       "so its config was not fetched")
+    if response.status_code in (401, 403, 404):
+        raise ModelProblem(f"{model!r}: the hub has no config.json for it (HTTP {response.status_code}: "
+                           "no such model, or a gated or private one)")
+    if response.status_code != 200:
+        return ModelInfo("hub", False, f"hub id: format checked; the hub answered HTTP {response.status_code}, "
+                                       "so its config was not checked")
+    try:
+        config = response.json()
+    except ValueError:
+        raise ModelProblem(f"{model!r}: the hub's config.json is not valid JSON") from None
+    return ModelInfo("hub", True, f"hub model: {_causal_lm(config, model)}")
+
+
+def check_model(model: str, *, hub_url: str) -> ModelInfo:
+    """What was found; raises ModelProblem when the model cannot be the one a job loads."""
+    return _local(model) if _looks_local(model) else _hub(model, hub_url)

@@ -1,0 +1,211 @@
+"""Signed webhooks for job outcomes, against a real HTTP receiver on loopback.
+
+The receiver is a plain http.server that verifies nothing itself; the tests verify the Standard Webhooks
+signature independently, and count what the receiver would process (deduped by webhook-id).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import threading
+import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from service import webhooks
+from service.egress import EgressPolicy
+from service.repositories import jobs as jobs_repo
+from tests.api.conftest import assert_error, created_job, running_api
+from tests.conftest import free_port
+
+LOOPBACK = EgressPolicy.from_setting("127.0.0.1")
+FAST = webhooks.Backoff(base_s=0.0)
+
+
+class Receiver:
+    def __init__(self, port: int, *, fail_first: int = 0, delay_s: float = 0.0):
+        self.port, self.fail_first, self.delay_s = port, fail_first, delay_s
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        self.server = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hooks"
+
+    def processed(self) -> dict[str, dict]:
+        """What a receiver that dedupes on webhook-id would act on: each id once, from its first 2xx."""
+        return {r["headers"]["webhook-id"]: r for r in reversed(self.requests) if r["status"] == 200}
+
+    def start(self) -> None:
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                time.sleep(receiver.delay_s)
+                with receiver.lock:
+                    status = 500 if receiver.fail_first > 0 else 200
+                    receiver.fail_first -= 1
+                    receiver.requests.append({"headers": {k.lower(): v for k, v in self.headers.items()},
+                                              "body": body, "status": status})
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextmanager
+def receiver(**kw):
+    r = Receiver(free_port(), **kw)
+    r.start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+@pytest.fixture
+def hooks(database_url, tmp_path):
+    with running_api(database_url, tmp_path, egress_allow="127.0.0.1") as api:
+        yield api
+
+
+def verify(secret: str, request: dict) -> dict:
+    """Standard Webhooks verification, written out independently of the service's code."""
+    h = request["headers"]
+    key = base64.b64decode(secret.split("_", 1)[1])
+    signed = f"{h['webhook-id']}.{h['webhook-timestamp']}.".encode() + request["body"]
+    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+    assert h["webhook-signature"] == f"v1,{expected}"
+    assert abs(int(h["webhook-timestamp"]) - time.time()) < 60
+    return json.loads(request["body"])
+
+
+def register(api, url: str, **extra) -> dict:
+    r = api.client.post("/v1/webhook_endpoints", json={"url": url, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def end_three_jobs(api) -> dict[str, str]:
+    """job id -> how it ended, each through the code path that really ends jobs that way."""
+    ended = {}
+    cancelled = created_job(api)["id"]
+    assert api.client.post(f"/v1/fine_tuning/jobs/{cancelled}/cancel").json()["status"] == "cancelled"
+    ended[cancelled] = "fine_tuning.job.cancelled"
+    failed, succeeded = created_job(api)["id"], created_job(api)["id"]
+    with api.session() as s:
+        assert jobs_repo.fail_unclaimed(s, failed, "too_many_attempts", "gave up")
+        epoch = jobs_repo.claim(s, succeeded, "worker-1", 30)
+        assert jobs_repo.finish(s, succeeded, epoch, "succeeded")
+        s.commit()
+    ended[failed], ended[succeeded] = "fine_tuning.job.failed", "fine_tuning.job.succeeded"
+    return ended
+
+
+def dispatch_until(api, done, *, backoff=FAST, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "deliveries did not arrive in time"
+        webhooks.dispatch_once(api.app.state.sessions, LOOPBACK, backoff=backoff)
+        time.sleep(0.05)
+
+
+def test_registration_checks_the_url_and_shows_the_secret_once(api, hooks):
+    assert_error(api.client.post("/v1/webhook_endpoints", json={"url": "http://127.0.0.1:9/x"}), 400, "url: ",
+                 "non-public address")  # loopback without the operator's allow-list
+    assert_error(api.client.post("/v1/webhook_endpoints", json={"url": "ftp://example.com/x"}), 400, "url")
+    assert_error(hooks.client.post("/v1/webhook_endpoints", json={"url": "http://127.0.0.1:9/x",
+                                                                  "events": ["fine_tuning.job.paused"]}), 422, "events")
+    created = register(hooks, "http://127.0.0.1:9/x")
+    assert created["secret"].startswith("whsec_") and len(base64.b64decode(created["secret"][6:])) == 32
+    assert created["events"] == ["fine_tuning.job.succeeded", "fine_tuning.job.failed", "fine_tuning.job.cancelled"]
+    shown = hooks.client.get(f"/v1/webhook_endpoints/{created['id']}").json()
+    assert shown["secret"] is None and shown["url"] == created["url"]
+    assert hooks.client.get("/v1/webhook_endpoints").json()["data"][0]["secret"] is None
+    assert hooks.other.get(f"/v1/webhook_endpoints/{created['id']}").status_code == 404
+    assert hooks.other.delete(f"/v1/webhook_endpoints/{created['id']}").status_code == 404
+    assert hooks.client.delete(f"/v1/webhook_endpoints/{created['id']}").json()["deleted"] is True
+
+
+def test_outcomes_are_signed_retried_and_processed_once(hooks):
+    with receiver(fail_first=4) as rx:
+        endpoint = register(hooks, rx.url)
+        ended = end_three_jobs(hooks)
+        dispatch_until(hooks, lambda: len(rx.processed()) == 3)
+        for _ in range(3):  # later passes send nothing more
+            webhooks.dispatch_once(hooks.app.state.sessions, LOOPBACK, backoff=FAST)
+        requests = list(rx.requests)
+    assert len(requests) == 4 + 3  # four refusals retried, then one success per event
+    events = {}
+    for request in requests:
+        event = verify(endpoint["secret"], request)
+        assert event["id"] == request["headers"]["webhook-id"] and event["object"] == "event"
+        events.setdefault(event["id"], set()).add((event["type"], event["data"]["id"]))
+    # every attempt of one event carries the same id and payload
+    assert sorted(next(iter(v)) for v in events.values()) == sorted((t, j) for j, t in ended.items())
+    deliveries = hooks.client.get(f"/v1/webhook_endpoints/{endpoint['id']}/deliveries").json()["data"]
+    assert {d["status"] for d in deliveries} == {"delivered"} and sum(d["attempts"] for d in deliveries) == 7
+
+
+def test_a_receiver_that_is_down_gets_the_event_when_it_comes_back(hooks):
+    port = free_port()
+    endpoint = register(hooks, f"http://127.0.0.1:{port}/hooks")
+    job_id = created_job(hooks)["id"]
+    hooks.client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+    backoff = webhooks.Backoff(base_s=1.0)
+    webhooks.dispatch_once(hooks.app.state.sessions, LOOPBACK, backoff=backoff)  # nobody listens
+    [pending] = hooks.client.get(f"/v1/webhook_endpoints/{endpoint['id']}/deliveries").json()["data"]
+    assert (pending["status"], pending["attempts"]) == ("pending", 1)
+    assert "ConnectError" in pending["last_error"] and pending["next_attempt_at"] >= time.time() - 1
+    assert webhooks.dispatch_once(hooks.app.state.sessions, LOOPBACK, backoff=backoff) == 0  # backing off
+
+    rx = Receiver(port)
+    rx.start()
+    try:
+        dispatch_until(hooks, lambda: len(rx.processed()) == 1, backoff=backoff)
+    finally:
+        rx.stop()
+    event = verify(endpoint["secret"], rx.requests[0])
+    assert (event["type"], event["data"]["id"], event["id"]) == ("fine_tuning.job.cancelled", job_id, pending["id"])
+
+
+def test_concurrent_senders_send_each_attempt_once(hooks):
+    with receiver(delay_s=0.3) as rx:
+        register(hooks, rx.url)
+        end_three_jobs(hooks)
+        senders = [threading.Thread(target=webhooks.dispatch_once, args=(hooks.app.state.sessions, LOOPBACK))
+                   for _ in range(3)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(30)
+        ids = [r["headers"]["webhook-id"] for r in rx.requests]
+    assert len(ids) == 3 and len(set(ids)) == 3
+
+
+def test_a_delivery_is_given_up_after_the_last_attempt(hooks, monkeypatch):
+    monkeypatch.setattr(webhooks, "MAX_ATTEMPTS", 3)
+    with receiver(fail_first=100) as rx:
+        endpoint = register(hooks, rx.url, events=["fine_tuning.job.cancelled"])
+        end_three_jobs(hooks)  # only the cancelled one is subscribed
+        for _ in range(6):
+            webhooks.dispatch_once(hooks.app.state.sessions, LOOPBACK, backoff=FAST)
+        assert len(rx.requests) == 3
+    [failed] = hooks.client.get(f"/v1/webhook_endpoints/{endpoint['id']}/deliveries").json()["data"]
+    assert (failed["status"], failed["attempts"], failed["last_error"]) == ("failed", 3, "HTTP 500")

@@ -1,0 +1,48 @@
+"""The samples a step records for people to read: which ones, and what each shows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.trainer.feedback import Feedback
+from worker.trainer.rewards import Scores
+from worker.trainer.rollout import Rollout
+from worker.trainer.samples import pick_samples
+
+
+@pytest.fixture(scope="module")
+def tok(toy_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(toy_dir / "model")
+
+
+def _rollout(tok, prompts: list[str], completions: list[str], turns: list[int]) -> Rollout:
+    ids = [tok(p)["input_ids"] + tok(c, add_special_tokens=False)["input_ids"] for p, c in zip(prompts, completions)]
+    return Rollout(rows=[{}] * len(ids), token_ids=ids, action_mask=[[0] * len(i) for i in ids],
+                   action_turns=[[] for _ in ids], prompt_lengths=[len(tok(p)["input_ids"]) for p in prompts],
+                   completions=[c[-1:] for c in completions], truncated=[False] * len(ids), turns=turns)
+
+
+def test_single_turn_samples_carry_reward_parts_and_are_cut(tok):
+    rollout = _rollout(tok, ["ab=", "ab=", "cd=", "cd="], ["b", "a\x00", "d" * 50, "c"], [1] * 4)
+    rollout.completions = ["b", "a\x00", "d" * 50, "c"]
+    scores = Scores(rewards=torch.tensor([1.0, 0.0, float("nan"), 0.5]),
+                    components={"exact": [1.0, 0.0, None, 0.5]})
+    feedback = Feedback([[1.0], [0.0], [float("nan")], [0.5]], scores=scores)
+    advantages_PG = torch.tensor([[0.5, -0.5], [0.0, 0.0]])
+    samples = pick_samples(tok, rollout, feedback, advantages_PG, 2, multi_turn=False, limit=4, max_chars=10)
+    assert [s["completion"] for s in samples] == ["b", "a\ufffd", "c", "ddddddddd\u2026"]  # best, worst per group
+    assert samples[0] == {"prompt": samples[0]["prompt"], "completion": "b", "reward": 1.0, "advantage": 0.5,
+                          "rewards": {"exact": 1.0}}
+    assert "ab=" in samples[0]["prompt"]
+    assert samples[3]["reward"] is None and samples[3]["rewards"] == {"exact": None}  # NaN is not stored
+
+
+def test_multi_turn_samples_show_the_episode_and_turn_rewards(tok):
+    rollout = _rollout(tok, ["ab=", "ab="], ["x?y", "z"], [2, 1])
+    feedback = Feedback([[0.25, 1.0], [0.0]])
+    samples = pick_samples(tok, rollout, feedback, torch.tensor([[0.6, -0.6]]), 2, multi_turn=True)
+    assert [s["completion"] for s in samples] == ["x?y", "z"]  # everything after the prompt, not the last action
+    assert samples[0]["rewards"] == {"turn_1": 0.25, "turn_2": 1.0} and samples[0]["reward"] == 1.25

@@ -1,0 +1,71 @@
+"""A few of a step's completions, picked for people to read (the API's /samples).
+
+Per group, the best and the worst completion by reward (the contrast the
+advantage is made of), from the first groups until ``limit`` samples are
+picked. Text is cut to ``max_chars`` so a long rollout cannot bloat the
+database. The prompt is what the model saw (the chat template applied); for
+an environment job the completion is the whole episode after the prompt,
+environment turns included.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from worker.trainer.feedback import Feedback
+from worker.trainer.rollout import Rollout
+
+SAMPLES_PER_STEP = 4
+MAX_SAMPLE_CHARS = 4000
+
+
+def _cut(text: str, max_chars: int) -> str:
+    text = text.replace("\x00", "\ufffd")  # PostgreSQL text cannot hold NUL
+    return text if len(text) <= max_chars else text[: max_chars - 1] + "\u2026"
+
+
+def _number(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def pick_indices(rewards: list[float], group_size: int, limit: int) -> list[int]:
+    """Sequence indices: each group's best then worst (one if they are the same), first groups first.
+    A non-finite reward ranks lowest."""
+    ranked = [r if math.isfinite(r) else -math.inf for r in rewards]
+    picked: list[int] = []
+    for start in range(0, len(rewards), group_size):
+        group = range(start, min(start + group_size, len(rewards)))
+        best = max(group, key=lambda i: ranked[i])
+        worst = min(group, key=lambda i: ranked[i])
+        for i in dict.fromkeys((best, worst)):
+            if len(picked) == limit:
+                return picked
+            picked.append(i)
+    return picked
+
+
+def pick_samples(tokenizer, rollout: Rollout, feedback: Feedback, advantages_PG: Tensor, group_size: int, *,
+                 multi_turn: bool, limit: int = SAMPLES_PER_STEP, max_chars: int = MAX_SAMPLE_CHARS) -> list[dict]:
+    rewards = feedback.rewards.tolist()
+    advantages = advantages_PG.flatten().tolist()
+    components = feedback.scores.components if feedback.scores is not None else {}
+    samples = []
+    for i in pick_indices(rewards, group_size, limit):
+        ids, start = rollout.token_ids[i], rollout.prompt_lengths[i]
+        completion = tokenizer.decode(ids[start:]) if multi_turn else rollout.completions[i]
+        if components:
+            parts = {name: values[i] for name, values in components.items()}
+        elif multi_turn:
+            parts = {f"turn_{t + 1}": r for t, r in enumerate(feedback.turn_rewards[i])}
+        else:
+            parts = {}
+        samples.append({
+            "prompt": _cut(tokenizer.decode(ids[:start]), max_chars),
+            "completion": _cut(completion, max_chars),
+            "reward": _number(rewards[i]),
+            "advantage": _number(advantages[i]),
+            "rewards": {k: _number(v) if v is not None else None for k, v in parts.items()},
+        })
+    return samples
