@@ -169,6 +169,12 @@ class VLLMEngine:
             self._asleep = False
 
     def close(self) -> None:
-        self._lora = None
+        """Shut the engine down and free its process-wide state, so a later job in this worker can start one."""
+        if self.llm is None:
+            return
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm, self._lora = None, None
+        cleanup_dist_env_and_memory()
         shutil.rmtree(self._adapters, ignore_errors=True)
-        self.llm = None

@@ -6,8 +6,8 @@ reward -> group-relative advantages -> update_epochs x mini_batches
 CISPO optimizer steps on that batch (logp_old frozen at rollout) -> metrics
 -> evaluation and checkpoint when due.
 
-Simplifications, on purpose: one process (CPU or one GPU), transformers
-generation for rollouts, the LM head applied in chunks for log-probs, the
+Simplifications, on purpose: one process (CPU or one GPU), rollouts from
+the spec's engine in that process (transformers, or vLLM: worker/rollout/), the LM head applied in chunks for log-probs, the
 learning rate set per trainer step from a pure schedule function. A run
 resumes from the newest complete checkpoint in its output directory and
 reaches the same weights as an uninterrupted run with the same seed.
