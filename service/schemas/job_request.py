@@ -22,6 +22,7 @@ from service.schemas.job_spec import (
     CispoLossSpec,
     LoraSpec,
     OptimizerSpec,
+    RolloutSpec,
     SamplingSpec,
     Schedule,
     TrainingSpec,
@@ -36,6 +37,7 @@ class CispoHyperparameters(Request):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     lora: LoraSpec | None = None
     sampling: SamplingSpec | None = None
+    rollout: RolloutSpec | None = None
     advantages: AdvantageSpec | None = None
     loss: CispoLossSpec | None = None
     optimizer: OptimizerSpec | None = None

@@ -60,6 +60,37 @@ class SamplingSpec(Strict):
         return self
 
 
+class RolloutSpec(Strict):
+    """Which engine samples the rollouts, and the correction for its log-prob mismatch with the trainer.
+
+    'hf' generates with transformers inside the trainer's own model. 'vllm' runs a
+    vLLM engine in the worker (the optional `vllm` extra): the LoRA adapter is
+    hot-loaded each step, and its sampling log-probs feed the truncated
+    importance-sampling (TIS) correction.
+    """
+
+    engine: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers) or 'vllm'.")
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=0.95,
+        description="vllm on GPU: share of GPU memory for weights and KV cache; the trainer needs the rest.",
+    )
+    sleep_mode: bool = Field(
+        True, description="vllm on GPU: free the engine's GPU memory while the trainer updates (ignored on CPU)."
+    )
+    tis_cap: float | None = Field(
+        2.0, ge=0.0, le=100.0,
+        description="Truncated IS weight min(exp(logp_old - logp_sampler), tis_cap) on each policy-gradient term, "
+        "when the engine reports log-probs (vllm); null or 0 disables it. 2.0 as in AgileRL.",
+    )
+
+    @model_validator(mode="after")
+    def _cap_not_below_one(self) -> RolloutSpec:
+        if self.tis_cap and self.tis_cap < 1.0:
+            raise ValueError(f"tis_cap ({self.tis_cap}) must be null or 0 (off), or at least 1: a cap below 1 "
+                             "would scale down every token the trainer and sampler agree on")
+        return self
+
+
 class AdvantageSpec(Strict):
     """Group-relative advantages (MiniMax-M1 Eq. 2; mean-only as in Dr.GRPO and AgileRL)."""
 
@@ -221,6 +252,7 @@ class JobSpec(Strict):
     environment: EnvironmentSpec | None = Field(None, description="Multi-turn environment; give this or reward.")
     lora: LoraSpec = LoraSpec()
     sampling: SamplingSpec = SamplingSpec()
+    rollout: RolloutSpec = RolloutSpec()
     advantages: AdvantageSpec = AdvantageSpec()
     loss: CispoLossSpec = CispoLossSpec()
     optimizer: OptimizerSpec = OptimizerSpec()

@@ -72,6 +72,17 @@ def test_unset_optional_values_are_kept_as_sent(api):
     assert spec["optimizer"]["max_grad_norm"] is None and spec["optimizer"]["lr"] == 3e-5
 
 
+def test_rollout_engine_is_a_hyperparameter(api):
+    """The rollout section reaches the spec as sent; a bad value is a 422 naming its field."""
+    body = cispo_body(uploaded(api.client))
+    body["method"]["cispo"]["hyperparameters"]["rollout"] = {"engine": "vllm", "tis_cap": None}
+    spec = api.client.post(JOBS, params={"dry_run": "true"}, json=body).json()["spec"]
+    assert spec["rollout"]["engine"] == "vllm" and spec["rollout"]["tis_cap"] is None
+    body["method"]["cispo"]["hyperparameters"]["rollout"] = {"engine": "sglang"}
+    assert_error(api.client.post(JOBS, json=body), 422, "method.cispo.hyperparameters.rollout.engine")
+    assert _count(api) == 0
+
+
 def test_reinforcement_string_check_maps_onto_cispo(api):
     file_id = uploaded(api.client)
     body = {"model": "tiny-model", "training_file": file_id, "seed": 1, "method": {

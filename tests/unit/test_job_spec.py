@@ -160,3 +160,40 @@ def test_max_turns_bounds_and_reward_jobs_are_single_turn():
     assert _errors(training={"max_turns": 0})[0]["loc"] == ("training", "max_turns")
     with pytest.raises(ValidationError, match="max_turns is 2, but a reward function scores a single turn"):
         JobSpec.model_validate(_spec(training={"max_turns": 2}))
+
+
+def test_rollout_defaults_to_transformers_with_tis_on():
+    """Without a rollout section the job samples with transformers; the TIS cap waits for an engine's log-probs."""
+    job = JobSpec.model_validate(_spec())
+    assert job.rollout.engine == "hf"
+    assert job.rollout.tis_cap == 2.0
+    assert job.rollout.gpu_memory_utilization == 0.3
+    vllm = JobSpec.model_validate(_spec(rollout={"engine": "vllm", "gpu_memory_utilization": 0.5, "tis_cap": None}))
+    assert (vllm.rollout.engine, vllm.rollout.gpu_memory_utilization, vllm.rollout.tis_cap) == ("vllm", 0.5, None)
+
+
+@pytest.mark.parametrize(
+    "rollout,loc,kind",
+    [
+        ({"engine": "sglang"}, ("rollout", "engine"), "literal_error"),
+        ({"gpu_memory_utilization": 0.0}, ("rollout", "gpu_memory_utilization"), "greater_than"),
+        ({"gpu_memory_utilization": 0.99}, ("rollout", "gpu_memory_utilization"), "less_than_equal"),
+        ({"tis_cap": -1.0}, ("rollout", "tis_cap"), "greater_than_equal"),
+        ({"tensor_parallel": 2}, ("rollout", "tensor_parallel"), "extra_forbidden"),
+    ],
+)
+def test_rollout_bad_values_name_the_field(rollout, loc, kind):
+    """Unknown engines, out-of-range knobs and unknown fields are refused at their own loc."""
+    assert [(e["type"], e["loc"]) for e in _errors(rollout=rollout)] == [(kind, loc)]
+
+
+@pytest.mark.parametrize("cap", [0.0, 1.0, 3.0])
+def test_rollout_tis_cap_zero_disables_and_one_or_more_accepted(cap):
+    assert JobSpec.model_validate(_spec(rollout={"tis_cap": cap})).rollout.tis_cap == cap
+
+
+def test_rollout_tis_cap_below_one_refused():
+    """A cap in (0, 1) would shrink every token; the message names tis_cap."""
+    errors = _errors(rollout={"tis_cap": 0.5})
+    assert len(errors) == 1 and errors[0]["loc"] == ("rollout",)
+    assert "tis_cap" in errors[0]["msg"]

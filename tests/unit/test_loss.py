@@ -215,3 +215,91 @@ def test_on_policy_is_reinforce():
     _close(out.loss, expected)
     (grad,) = torch.autograd.grad(out.loss, logp)
     _close(grad, -(adv[:, None] * mask) / mask.sum())
+
+
+# -- truncated importance sampling against the sampler's log-probs ---------------
+#
+# s = exp(old - sampler) = [[1, 4, 9(masked)], [1/2, 1, 3]]; tis_cap 2: tis = [[1, 2, -], [1/2, 1, 2]]
+# -w*A*logp*tis = [[5, 4, -], [-0.03125, -6, -12]]          sum -9.03125 over 5 tokens
+# |old - sampler| = ln s: 0 + 2 ln2 + ln2 + 0 + ln3;  k3(sampler, old) = s - ln s - 1: 0 + (3 - 2 ln2)
+# + (ln2 - 1/2) + 0 + (2 - ln3) = 4.5 - ln2 - ln3
+
+SAMPLER_RATIO = [[1.0, 4.0, 9.0], [0.5, 1.0, 3.0]]
+
+
+def _with_sampler(inputs: LossInputs) -> LossInputs:
+    sampler = inputs.old_logprobs_BT - _t(SAMPLER_RATIO).log()
+    return LossInputs(inputs.logprobs_BT, inputs.old_logprobs_BT, inputs.advantages_B, inputs.action_mask_BT,
+                      inputs.ref_logprobs_BT, sampler_logprobs_BT=sampler)
+
+
+def test_tis_weight_hand_computed():
+    """The policy-gradient terms are multiplied by min(exp(old - sampler), cap); the masked token is not counted."""
+    _, inputs = _small_case()
+    out = cispo_loss(_with_sampler(inputs), normalizer=5, ratio_max=5.0, tis_cap=2.0)
+    _close(out.loss, -9.03125 / 5)
+    _close(out.sums["pg_loss"], -9.03125)
+    _close(out.sums["tis_weight"], 6.5)
+    assert out.sums["tis_capped"].item() == 2.0
+    _close(out.sums["sampler_abs_diff"], 3 * LN2 + math.log(3.0))
+    _close(out.sums["sampler_kl"], 4.5 - LN2 - math.log(3.0))
+    _close(out.ratio_N, [8.0, 1.0, 0.125, 2.0, 1.0])  # the CISPO ratio itself is unchanged
+
+
+def test_tis_gradient_treats_weight_as_constant():
+    """d loss / d logp = -w * tis * A / N: the sampler weight carries no gradient."""
+    logp, inputs = _small_case()
+    (grad,) = torch.autograd.grad(cispo_loss(_with_sampler(inputs), normalizer=5, tis_cap=2.0).loss, logp)
+    _close(grad, [[-1.0, -0.4, 0.0], [0.025, 0.8, 0.8]])
+
+
+def test_tis_does_not_weight_the_kl_penalty():
+    """With a reference, only the policy-gradient part is corrected: the KL term is as without TIS."""
+    _, inputs = _small_case(with_ref=True)
+    out = cispo_loss(_with_sampler(inputs), normalizer=5, ratio_max=5.0, kl_beta=0.1, tis_cap=2.0)
+    _close(out.loss, -9.03125 / 5 + 0.1 * (E - 1.5) / 5)
+
+
+@pytest.mark.parametrize("cap", [None, 0.0])
+def test_tis_disabled_leaves_loss_but_reports_mismatch(cap):
+    """tis_cap None/0: the loss is plain CISPO, and the sampler mismatch is still measured."""
+    _, inputs = _small_case()
+    out = cispo_loss(_with_sampler(inputs), normalizer=5, ratio_max=5.0, tis_cap=cap)
+    _close(out.loss, -1.0125)
+    assert "tis_weight" not in out.sums and "tis_capped" not in out.sums
+    _close(out.sums["sampler_abs_diff"], 3 * LN2 + math.log(3.0))
+    _close(out.sums["sampler_kl"], 4.5 - LN2 - math.log(3.0))
+
+
+def test_tis_without_sampler_logprobs_changes_nothing():
+    """An engine that reports no log-probs (transformers) gets plain CISPO and no mismatch metrics."""
+    _, inputs = _small_case()
+    out = cispo_loss(inputs, normalizer=5, ratio_max=5.0, tis_cap=2.0)
+    _close(out.loss, -1.0125)
+    assert not {"tis_weight", "tis_capped", "sampler_abs_diff", "sampler_kl"} & out.sums.keys()
+
+
+def test_tis_cap_below_one_raises():
+    """A cap below 1 would shrink every on-policy token; refuse it."""
+    _, inputs = _small_case()
+    with pytest.raises(ValueError, match="tis_cap"):
+        cispo_loss(_with_sampler(inputs), normalizer=5, tis_cap=0.5)
+
+
+def test_tis_micro_batches_sum_to_whole_batch():
+    """With TIS on, micro-batch losses, gradients and sums still add up to the whole batch's."""
+    logp0, old, adv, mask, ref = _random_batch(2)
+    sampler = old + 0.7 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    kwargs = dict(normalizer=float(mask.sum()), ratio_max=2.0, kl_beta=0.05, tis_cap=1.5)
+    logp = logp0.clone().requires_grad_()
+    whole = cispo_loss(LossInputs(logp, old, adv, mask, ref, sampler), **kwargs)
+    assert 0 < whole.sums["tis_capped"].item() < whole.sums["tokens"].item()  # the cap binds somewhere
+    (grad_whole,) = torch.autograd.grad(whole.loss, logp)
+    logp = logp0.clone().requires_grad_()
+    parts = [slice(0, 2), slice(2, 3), slice(3, 6)]
+    outs = [cispo_loss(LossInputs(logp[s], old[s], adv[s], mask[s], ref[s], sampler[s]), **kwargs) for s in parts]
+    (grad_parts,) = torch.autograd.grad(sum(o.loss for o in outs), logp)
+    _close(sum(o.loss for o in outs), whole.loss.detach())
+    _close(grad_parts, grad_whole)
+    for key in ("tis_weight", "tis_capped", "sampler_abs_diff", "sampler_kl"):
+        _close(sum(o.sums[key] for o in outs), whole.sums[key])

@@ -6,8 +6,8 @@ _B sequences, _G group, _T tokens, _V vocabulary.
 
 from worker.cispo.advantages import group_advantages
 from worker.cispo.logprobs import token_logprobs
-from worker.cispo.loss import LossInputs, LossOutput, cispo_loss
+from worker.cispo.loss import LossInputs, LossOutput, cispo_loss, truncated_is_weight
 from worker.cispo.turn_advantages import rewards_to_go, turn_advantages
 
 __all__ = ["group_advantages", "turn_advantages", "rewards_to_go", "token_logprobs", "cispo_loss", "LossInputs",
-           "LossOutput"]
+           "LossOutput", "truncated_is_weight"]

@@ -22,6 +22,18 @@ averaged instead, and ``normalizer`` counts sequences.
 The k3 estimator exp(ref - logp) - (ref - logp) - 1 is unbiased and
 non-negative (Schulman, "Approximating KL divergence"); it is clamped per
 token at kl_clamp so a single runaway token cannot dominate.
+
+Truncated importance sampling (TIS; verl PR #2953, AgileRL, TRL): when the
+tokens were sampled by another engine (vLLM) whose log-probs differ a little
+from the trainer's, the batch is off-policy even at ratio 1. Given the
+sampler's log-probs, each policy-gradient term is also multiplied by
+
+    tis   = min(exp(logp_old - logp_sampler), tis_cap)     detached
+
+(the KL penalty is not: it is computed on trainer log-probs only). The
+mismatch is reported whenever sampler log-probs are given, with or without
+the correction: mean |logp_old - logp_sampler| and the k3 estimate of
+KL(sampler || old) from the sampler's own tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ class LossInputs:
     advantages_B: Tensor  # (B,) per sequence, or (B, T) per token (per-turn advantages)
     action_mask_BT: Tensor  # 1 for generated tokens that are trained on
     ref_logprobs_BT: Tensor | None = None  # reference policy, when computed
+    sampler_logprobs_BT: Tensor | None = None  # the rollout engine's own log-probs, when it reports them
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,11 @@ def k3_kl(logp: Tensor, other_logp: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+def truncated_is_weight(old_logp: Tensor, sampler_logp: Tensor, cap: float) -> Tensor:
+    """Per-token min(exp(old - sampler), cap), detached: corrects for tokens drawn by a slightly different sampler."""
+    return torch.exp((old_logp - sampler_logp).detach().clamp(-20.0, 20.0)).clamp(max=cap)
+
+
 def cispo_loss(
     inputs: LossInputs,
     *,
@@ -62,9 +80,13 @@ def cispo_loss(
     kl_beta: float = 0.0,
     kl_clamp: float = 10.0,
     per_sequence: bool = False,
+    tis_cap: float | None = None,
 ) -> LossOutput:
+    """``tis_cap`` None or 0 leaves the truncated IS correction off (mismatch metrics are still reported)."""
     if ratio_max < 1.0:
         raise ValueError(f"ratio_max must be >= 1, got {ratio_max}")
+    if tis_cap and tis_cap < 1.0:
+        raise ValueError(f"tis_cap must be >= 1 (or None/0 to disable), got {tis_cap}")
     if normalizer <= 0:
         raise ValueError(f"normalizer must be positive, got {normalizer}")
     logp = inputs.logprobs_BT
@@ -74,7 +96,13 @@ def cispo_loss(
     weight = ratio.clamp(max=ratio_max)  # detached: built from logp.detach()
     adv = inputs.advantages_B.to(logp.dtype)
     adv_BT = adv[:, None] if adv.ndim == 1 else adv
-    per_token = -weight * adv_BT * logp
+    pg_weight = weight
+    sampler = inputs.sampler_logprobs_BT
+    tis = None
+    if sampler is not None and tis_cap:
+        tis = truncated_is_weight(inputs.old_logprobs_BT, sampler, tis_cap)
+        pg_weight = weight * tis
+    per_token = -pg_weight * adv_BT * logp
 
     kl_ref = None
     if inputs.ref_logprobs_BT is not None:
@@ -96,8 +124,15 @@ def cispo_loss(
             "tokens": mask.sum(),
             "clipped": ((ratio > ratio_max) & active).sum().to(logp.dtype),
             "kl_old": (k3_kl(logp.detach(), inputs.old_logprobs_BT) * mask).sum(),
-            "pg_loss": (-weight * adv_BT * logp.detach() * mask).sum(),
+            "pg_loss": (-pg_weight * adv_BT * logp.detach() * mask).sum(),
         }
+        if sampler is not None:
+            old = inputs.old_logprobs_BT.detach()
+            sums["sampler_abs_diff"] = ((old - sampler).abs() * mask).sum()
+            sums["sampler_kl"] = (k3_kl(sampler, old) * mask).sum()
+        if tis is not None:
+            sums["tis_weight"] = (tis * mask).sum()
+            sums["tis_capped"] = ((torch.exp(old - sampler) > tis_cap) & active).sum().to(logp.dtype)
         if kl_ref is not None:
             sums["kl_ref"] = (kl_ref.detach() * mask).sum()
     return LossOutput(loss=loss, ratio_N=ratio[active].detach(), sums=sums)

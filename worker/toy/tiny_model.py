@@ -59,7 +59,8 @@ def _format_batch(tokenizer, rng: random.Random, n: int) -> torch.Tensor:
     return ids
 
 
-def build_tiny_model(out_dir: Path, *, seed: int = 0, pretrain_steps: int = 150) -> Path:
+def build_tiny_model(out_dir: Path, *, seed: int = 0, pretrain_steps: int = 150, attention_heads: int = 4) -> Path:
+    """``attention_heads`` 2 gives head_dim 32, the smallest vLLM's CPU attention supports (4 gives 16)."""
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -69,8 +70,8 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, pretrain_steps: int = 150)
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=attention_heads,
+        num_key_value_heads=attention_heads,
         max_position_embeddings=256,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -6,8 +6,8 @@ reward -> group-relative advantages -> update_epochs x mini_batches
 CISPO optimizer steps on that batch (logp_old frozen at rollout) -> metrics
 -> evaluation and checkpoint when due.
 
-Simplifications, on purpose: one process (CPU or one GPU), transformers
-generation for rollouts, the LM head applied in chunks for log-probs, the
+Simplifications, on purpose: one process (CPU or one GPU), rollouts from
+the spec's engine in that process (transformers, or vLLM: worker/rollout/), the LM head applied in chunks for log-probs, the
 learning rate set per trainer step from a pure schedule function. A run
 resumes from the newest complete checkpoint in its output directory and
 reaches the same weights as an uninterrupted run with the same seed.
@@ -43,7 +43,7 @@ from worker.rewards.errors import RewardErrorRateExceeded, error_rate_message
 from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, Scores, component_metrics, make_scorer
 from worker.envs import Environment, make_environment
 from worker.trainer.feedback import Feedback, assign_advantages, collect_feedback
-from worker.trainer.rollout import generate
+from worker.rollout import RolloutEngine, make_engine, refuse_unavailable_engine
 from worker.trainer.samples import pick_samples
 from worker.trainer.schedule import lr_multiplier
 from worker.trainer.update import Updater
@@ -107,8 +107,14 @@ class Trainer:
     """Composes policy, data, reward, updater and checkpoints for one job."""
 
     def __init__(self, spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None, resume: bool = True,
-                 scoring: ScoringContext | None = None, environment: Environment | None = None):
-        """`reward_fn` / `environment`: trusted in-process stand-ins for the spec's reward or environment."""
+                 scoring: ScoringContext | None = None, environment: Environment | None = None,
+                 engine: RolloutEngine | None = None):
+        """`reward_fn` / `environment`: trusted in-process stand-ins for the spec's reward or environment.
+
+        `engine`: a rollout engine to use instead of the spec's own (tests share one vLLM engine); the caller
+        keeps ownership of it."""
+        if engine is None:
+            refuse_unavailable_engine(spec)  # before any sandboxed child starts
         self.spec, self.output_dir = spec, Path(output_dir)
         self.checkpoint_root = self.output_dir / "checkpoints"
         seed_everything(spec.seed)
@@ -147,6 +153,8 @@ class Trainer:
             self.step = int(resumed.state["step"])
             restore_rng(resumed.state["rng"], {k[4:]: v for k, v in resumed.tensors.items() if k.startswith("rng.")})
         self.updater = Updater(self.policy, self.optimizer, spec)
+        self.engine: RolloutEngine = engine or make_engine(spec, self.policy)
+        self._owns_engine = engine is None
         self.last_checkpoint: Path | None = resumed.path if resumed else None
 
     # -- phases ---------------------------------------------------------------
@@ -161,7 +169,8 @@ class Trainer:
         """Greedy completions on the held-out rows (or the first training rows when there are none)."""
         rows = (self.val_rows or self.train_rows)[: self.spec.training.eval_max_rows]
         seeds = [(self.spec.seed + i) % 2**31 for i in range(len(rows))]  # the same episodes at every evaluation
-        rollout = generate(self.policy, rows, self.spec.sampling, group_size=1, greedy=True, **self._episodes(seeds))
+        rollout = self.engine.generate(self.policy, rows, self.spec.sampling, group_size=1, greedy=True,
+                                       **self._episodes(seeds))
         feedback = collect_feedback(rollout, self.scorer, failure_score=self.spec.training.reward_failure_score)
         return {
             "eval_reward_mean": float(feedback.rewards.mean()),
@@ -181,7 +190,8 @@ class Trainer:
         rows = self.sampler.next_batch(tc.batch_size)
         # Episode seeds come from the job's RNG (saved in checkpoints), one per prompt, shared by its group.
         seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist() if self.environment is not None else []
-        rollout = generate(self.policy, rows, spec.sampling, group_size=tc.group_size, **self._episodes(seeds))
+        rollout = self.engine.generate(self.policy, rows, spec.sampling, group_size=tc.group_size,
+                                       **self._episodes(seeds))
         rollout_s = time.perf_counter() - started
 
         feedback = collect_feedback(rollout, self.scorer, failure_score=tc.reward_failure_score)
@@ -264,6 +274,8 @@ class Trainer:
             for owner in (self.scorer, self.environment):  # sandboxed children, connection pools
                 if owner is not None:
                     owner.close()
+            if self._owns_engine:
+                self.engine.close()
 
     def _run(self, callbacks: Callbacks | None) -> TrainResult:
         cb = self.callbacks = callbacks or NoCallbacks()

@@ -40,6 +40,12 @@ class UpdateStats:
             "trained_tokens": tokens,
             "optimizer_steps": float(len(self.step_losses)),
         }
+        if "sampler_kl" in self.sums:  # the rollout engine reported its log-probs (vLLM)
+            out["sampler_logprob_abs_diff"] = self.sums["sampler_abs_diff"] / tokens
+            out["sampler_kl"] = self.sums["sampler_kl"] / tokens
+        if "tis_weight" in self.sums:
+            out["tis_weight_mean"] = self.sums["tis_weight"] / tokens
+            out["tis_capped_fraction"] = self.sums["tis_capped"] / tokens
         if "kl_ref" in self.sums:
             out["kl_ref"] = self.sums["kl_ref"] / tokens
         if self.grad_norms:

@@ -12,6 +12,11 @@ Each sequence keeps its full token ids and an action mask: 1 on the ids the
 policy generated (kept verbatim, never re-tokenized), 0 on the prompt and on
 environment turns, which therefore never get a gradient.
 
+The sampling itself is pluggable: ``sampler`` (a rollout engine's, see
+worker/rollout/) replaces transformers generation for every turn and may
+return the sampler's log-prob of each generated token, kept per sequence in
+``sampler_logprobs`` (aligned with the action tokens).
+
 ``truncated`` flags an episode cut by a length limit: a turn that reached its
 token budget (max_output_tokens, or what is left of max_model_len) without
 EOS, or an environment turn that would not fit. A turn cut by
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -36,7 +42,13 @@ from worker.envs.protocol import Environment
 from worker.trainer.policy import Policy
 from worker.trainer.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
 
-__all__ = ["Rollout", "generate", "encode_prompt"]
+__all__ = ["Rollout", "TokenSampler", "generate", "encode_prompt"]
+
+
+class TokenSampler(Protocol):
+    def __call__(self, seqs: list[list[int]], budgets: list[int], *,
+                 greedy: bool) -> tuple[list[list[int]], list[list[float]] | None]:
+        """New ids per sequence (at most its budget, ending with EOS when it ended), and their log-probs if known."""
 
 
 @dataclass
@@ -53,6 +65,7 @@ class Rollout:
     turns: list[int]  # assistant turns taken
     turn_rewards: list[list[float]] = field(default_factory=list)  # environment rewards, per turn
     errors: list[str | None] = field(default_factory=list)  # an environment failure ended the episode
+    sampler_logprobs: list[list[float]] | None = None  # per action token, when the sampler reported them
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -68,6 +81,7 @@ class _Episode:
         self.ids: list[int] = []
         self.mask: list[int] = []
         self.action_turns: list[int] = []
+        self.sampler_logprobs: list[float] = []
         self.history: list[dict] = []
         self.prompt_length = 0
         self.completion = ""
@@ -110,6 +124,7 @@ def generate(
     environment: Environment | None = None,
     max_turns: int = 1,
     seeds: list[int] | None = None,
+    sampler: TokenSampler | None = None,
 ) -> Rollout:
     tok = policy.tokenizer
     copies = 1 if greedy else group_size
@@ -150,11 +165,16 @@ def generate(
         if not active:
             break
         budgets = [min(sampling.max_output_tokens, sampling.max_model_len - len(ep.ids)) for ep in active]
-        generated = _sample(policy, [ep.ids for ep in active], max(budgets), knobs, sampling)
-        for ep, new, budget in zip(active, generated, budgets):
+        if sampler is None:
+            generated, logprobs = _sample(policy, [ep.ids for ep in active], max(budgets), knobs, sampling), None
+        else:
+            generated, logprobs = sampler([ep.ids for ep in active], budgets, greedy=greedy)
+        for j, (ep, new, budget) in enumerate(zip(active, generated, budgets)):
             ended = tok.eos_token_id in new[:budget]
             action = new[: new.index(tok.eos_token_id) + 1] if ended else new[:budget]
             ep.append(action, turn=turn)
+            if logprobs is not None:
+                ep.sampler_logprobs += logprobs[j][: len(action)]
             ep.truncated |= not ended
             ep.turns = turn + 1
             ep.completion = tok.decode(action, skip_special_tokens=True)
@@ -178,6 +198,7 @@ def generate(
         turns=[ep.turns for ep in episodes],
         turn_rewards=[ep.rewards for ep in episodes] if environment is not None else [],
         errors=[ep.error for ep in episodes] if environment is not None else [],
+        sampler_logprobs=[ep.sampler_logprobs for ep in episodes] if sampler is not None else None,
     )
 
 

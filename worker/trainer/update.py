@@ -80,6 +80,9 @@ class Updater:
         if isinstance(advantages, Tensor):
             advantages = [advantages[i].repeat(counts[i]) for i in range(len(rollout))]
         token_adv = {i: advantages[i] for i in indices}
+        # The rollout engine's own log-probs (vLLM), for the truncated IS correction; None with transformers.
+        sampler = None if rollout.sampler_logprobs is None else {
+            i: torch.tensor(rollout.sampler_logprobs[i], dtype=torch.float32) for i in indices}
         loss_spec = self.spec.loss
         on_policy_only = self.training.updates_per_rollout == 1
         old = None if on_policy_only else self._frozen_logprobs(rollout, indices, reference=False)
@@ -110,12 +113,14 @@ class Updater:
                             advantages_B=_scatter(token_adv, micro, mask, logp),
                             action_mask_BT=batch.action_mask_BT,
                             ref_logprobs_BT=ref_logp,
+                            sampler_logprobs_BT=None if sampler is None else _scatter(sampler, micro, mask, logp),
                         ),
                         normalizer=normalizer,
                         ratio_max=loss_spec.ratio_max,
                         kl_beta=loss_spec.kl_beta,
                         kl_clamp=loss_spec.kl_clamp,
                         per_sequence=per_sequence,
+                        tis_cap=self.spec.rollout.tis_cap,
                     )
                     out.loss.backward()
                     step_loss += float(out.loss.detach())

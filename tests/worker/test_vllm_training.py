@@ -1,0 +1,78 @@
+"""A CISPO job with rollout.engine 'vllm': runs end to end, reports the sampler mismatch, and learns."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.worker.vllm_fixtures import vllm_job_spec
+from worker.rollout import make_engine
+from worker.trainer.loop import Trainer
+from worker.trainer.policy import load_policy
+
+
+class Collect:
+    def __init__(self):
+        self.steps: list[dict] = []
+
+    def on_step(self, step, metrics):
+        self.steps.append(metrics)
+
+    def on_eval(self, step, metrics):
+        pass
+
+    def on_checkpoint(self, step, path):
+        pass
+
+    def should_stop(self):
+        return False
+
+
+def test_vllm_job_reports_truncated_is_metrics(vllm_toy_dir, vllm_engine, tmp_path):
+    """Every step reports the TIS weight and the sampler/trainer mismatch; on this fp32 engine they are tiny."""
+    spec = vllm_job_spec(vllm_toy_dir, rollout={"tis_cap": 2.0})
+    seen = Collect()
+    result = Trainer(spec, tmp_path, engine=vllm_engine).run(seen)
+    assert result.steps_done == 2 and result.last_checkpoint is not None
+    for m in seen.steps:
+        assert 0.0 <= m["sampler_logprob_abs_diff"] < 1e-3
+        assert abs(m["sampler_kl"]) < 1e-4
+        assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert m["tis_capped_fraction"] == 0.0
+        assert m["optimizer_steps"] == 2.0
+
+
+def test_vllm_job_without_tis_still_reports_the_mismatch(vllm_toy_dir, vllm_engine, tmp_path):
+    seen = Collect()
+    Trainer(vllm_job_spec(vllm_toy_dir, rollout={"tis_cap": None}, training={"steps": 1}), tmp_path,
+            engine=vllm_engine).run(seen)
+    assert "sampler_kl" in seen.steps[0] and "tis_weight_mean" not in seen.steps[0]
+
+
+@pytest.mark.slow
+def test_cispo_learns_the_toy_task_with_vllm_rollouts(vllm_toy_dir, vllm_engine, tmp_path):
+    """The toy task's reward rises when every rollout is sampled by vLLM with the hot-loaded adapter.
+
+    Seen on 2 cores: train reward 0.18 -> 0.21 (means of the first and last 8 steps), greedy eval on 64 rows
+    0.19 -> 0.38; the eval doubling is the clear signal in 30 steps."""
+    spec = vllm_job_spec(vllm_toy_dir, training={"steps": 30, "batch_size": 16, "group_size": 8,
+                                                 "mini_batches": 4, "micro_batch_size": 32, "eval_max_rows": 64})
+    seen = Collect()
+    result = Trainer(spec, tmp_path, engine=vllm_engine).run(seen)
+    rewards = [m["reward_mean"] for m in seen.steps]
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    print(f"vllm rollouts: train reward {first:.3f} -> {last:.3f}; eval "
+          f"{result.first_eval['eval_reward_mean']:.3f} -> {result.last_eval['eval_reward_mean']:.3f}")
+    assert last > first
+    assert result.last_eval["eval_reward_mean"] >= result.first_eval["eval_reward_mean"] + 0.15
+
+
+def test_vllm_job_without_vllm_fails_naming_the_field(vllm_toy_dir, tmp_path, monkeypatch):
+    """A worker without vllm refuses the job with an error naming rollout.engine (the job then fails with it)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an installation without vllm looks like to find_spec
+    spec = vllm_job_spec(vllm_toy_dir)
+    with pytest.raises(ValueError, match=r"rollout\.engine is 'vllm' but vllm is not installed"):
+        make_engine(spec, load_policy(spec, resume_from=None, warm_start=None))
+    with pytest.raises(ValueError, match=r"rollout\.engine"):
+        Trainer(spec, tmp_path)

