@@ -156,7 +156,11 @@ class Job(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_epoch: Mapped[int] = mapped_column(Integer, default=0)
     lease_expires_at: Mapped[float | None] = mapped_column(Float)
+    # Runs that used up an attempt: the current one, and any that crashed or failed transiently
+    # (a pause or a worker's graceful shutdown gives its attempt back).
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # A job queued again after a failed attempt is not claimed before this moment (retry backoff).
+    not_before: Mapped[float | None] = mapped_column(Float)
 
 
 class JobEvent(Base):
