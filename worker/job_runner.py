@@ -213,7 +213,7 @@ def _claim(sessions: sessionmaker[Session], job_id: str, owner: str, settings: S
             # Someone else holds it, it is waiting out a backoff, it is no longer runnable, or it
             # used up its attempts (then it fails now; a live lease is never touched).
             return "failed" if jobs.fail_exhausted(s, job_id, settings.max_attempts) else None
-        job = jobs.get_for_worker(s, job_id)
+        s.refresh(job)  # the claim changed the row behind the session's back
         spec = JobSpec.model_validate(job.spec)
         latest = jobs.latest_checkpoint(s, job_id)
         latest = (latest.step, latest.storage_prefix, dict(latest.files)) if latest else None
@@ -232,9 +232,15 @@ def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, 
 
     local_spec = _materialize(claimed.spec, store, work / "data")
     run_dir = work / "run"
+    committed = checkpoint_name(claimed.latest[0]) if claimed.latest else None
+    # Only the committed checkpoint may be resumed from: a local one left by a failed or killed run on
+    # this machine was never recorded (a final one would then never be uploaded at all).
+    for local in (run_dir / "checkpoints").glob("*"):
+        if local.name != committed:
+            shutil.rmtree(local, ignore_errors=True)
     if claimed.latest is not None:  # resume from the committed checkpoint, wherever it was written
         step, prefix, files = claimed.latest
-        download_checkpoint(store, prefix, files, run_dir / "checkpoints" / checkpoint_name(step))
+        download_checkpoint(store, prefix, files, run_dir / "checkpoints" / committed)
     trainer = Trainer(local_spec, run_dir, scoring=ScoringContext.from_settings(settings, claimed.secrets))
     if trainer.step:
         reporter.event(f"Resumed from the checkpoint at step {trainer.step}")

@@ -61,3 +61,57 @@ def test_a_stalled_broker_fails_sends_and_pings_quickly():
                 attempt()
             assert time.monotonic() - t < 10
         proxy.unstall()
+
+
+def _s3_settings(tmp_path, database_url, s3_url, **kw) -> Settings:
+    return Settings(home=tmp_path / "home", database_url=database_url, storage_url=s3_url,
+                    heartbeat_s=0.2, lease_ttl_s=30, retry_backoff_s=0, **kw)
+
+
+def _through(proxy: TcpProxy, s3_url: str) -> str:
+    return s3_url.replace(f"endpoint_url=http://127.0.0.1:{proxy.target_port}",
+                          f"endpoint_url=http://127.0.0.1:{proxy.port}")
+
+
+def _wait_for_checkpoint(settings, job_id, step, timeout=120):
+    deadline = time.time() + timeout
+    while True:
+        with session_factory(settings.resolved_database_url()).begin() as s:
+            if s.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.step == step)):
+                return
+        assert time.time() < deadline, f"no checkpoint at step {step}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_an_object_store_outage_retries_the_job_from_its_last_checkpoint(postgres_url, s3_url, moto_endpoint,
+                                                                        toy_dir, tmp_path):
+    import threading
+
+    port = int(urlsplit(moto_endpoint).port)
+    proxy = TcpProxy("127.0.0.1", port).start()
+    try:
+        settings = _s3_settings(tmp_path, postgres_url, _through(proxy, s3_url))
+        job_id = submit(settings, toy_dir, steps=4)
+        out = {}
+        worker = threading.Thread(target=lambda: out.setdefault("status", run_job(job_id, settings)))
+        worker.start()
+        _wait_for_checkpoint(settings, job_id, 2)
+        proxy.kill()  # the store goes away: the step-4 upload fails (after the client's own retries)
+        worker.join(180)
+        assert out["status"] == "queued"  # not failed: another attempt may well succeed
+        job = job_row(settings, job_id)
+        assert (job.status, job.attempts, job.error_code) == ("queued", 1, None)
+
+        proxy = TcpProxy("127.0.0.1", port, port=proxy.port).start()  # the store is back
+        assert run_job(job_id, settings) == "succeeded"
+        job = job_row(settings, job_id)
+        assert (job.status, job.attempts, job.steps_done) == ("succeeded", 2, 4)
+        from service.db.models import JobEvent
+
+        with session_factory(postgres_url).begin() as s:
+            messages = [e.message for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
+        assert any("storage_unavailable" in m and "runs again" in m for m in messages)
+        assert "Resumed from the checkpoint at step 2" in messages
+    finally:
+        proxy.kill()
