@@ -15,6 +15,7 @@ checkpoint, until it has used `max_attempts` runs.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -34,7 +35,7 @@ from service.schemas.rewards import secret_names
 from service.settings import Settings
 from service.queue import enqueue_job
 from service.storage import ObjectStore, StorageError, open_store
-from worker.artifacts import download_checkpoint, upload_checkpoint
+from worker.artifacts import MANIFEST, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import RewardErrorRateExceeded, summarize
@@ -226,21 +227,27 @@ def _claim(sessions: sessionmaker[Session], job_id: str, owner: str, settings: S
     return Claimed(epoch, job.attempts, spec, latest, secrets)
 
 
+def _is_committed(local: Path, latest: tuple[int, str, dict] | None) -> bool:
+    """A local checkpoint directory holds exactly the committed one (same manifest, so same files)."""
+    if latest is None or local.name != checkpoint_name(latest[0]) or not (local / MANIFEST).is_file():
+        return False
+    return hashlib.sha256((local / MANIFEST).read_bytes()).hexdigest() == latest[2].get(MANIFEST, {}).get("sha256")
+
+
 def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, reporter: JobReporter):
     """Run the trainer for the job in this process, from its newest committed checkpoint; returns its TrainResult."""
     from worker.trainer.loop import Trainer  # torch loads here, not at worker import
 
     local_spec = _materialize(claimed.spec, store, work / "data")
     run_dir = work / "run"
-    committed = checkpoint_name(claimed.latest[0]) if claimed.latest else None
     # Only the committed checkpoint may be resumed from: a local one left by a failed or killed run on
     # this machine was never recorded (a final one would then never be uploaded at all).
     for local in (run_dir / "checkpoints").glob("*"):
-        if local.name != committed:
+        if not _is_committed(local, claimed.latest):
             shutil.rmtree(local, ignore_errors=True)
     if claimed.latest is not None:  # resume from the committed checkpoint, wherever it was written
         step, prefix, files = claimed.latest
-        download_checkpoint(store, prefix, files, run_dir / "checkpoints" / committed)
+        download_checkpoint(store, prefix, files, run_dir / "checkpoints" / checkpoint_name(step))
     trainer = Trainer(local_spec, run_dir, scoring=ScoringContext.from_settings(settings, claimed.secrets))
     if trainer.step:
         reporter.event(f"Resumed from the checkpoint at step {trainer.step}")
