@@ -115,3 +115,57 @@ def test_an_object_store_outage_retries_the_job_from_its_last_checkpoint(postgre
         assert "Resumed from the checkpoint at step 2" in messages
     finally:
         proxy.kill()
+
+
+_RUN_ONE_JOB = ("import sys; from service.settings import Settings; from worker.job_runner import run_job; "
+                "print('run ended:', run_job(sys.argv[1], Settings()), flush=True)")
+
+
+def _stored_versions(settings: Settings, job_id: str) -> dict[str, tuple]:
+    """(LastModified, ETag) of every object a committed checkpoint points at."""
+    store = open_store(settings.resolved_storage_url())
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))
+    versions = {}
+    for c in ckpts:
+        for rel in c.files:
+            head = store.client.head_object(Bucket=store.bucket, Key=store._key(f"{c.storage_prefix}/{rel}"))
+            versions[f"{c.storage_prefix}/{rel}"] = (head["LastModified"], head["ETag"])
+    return versions
+
+
+@pytest.mark.slow
+def test_a_worker_frozen_past_its_lease_never_overwrites_a_committed_checkpoint(postgres_url, s3_url, moto_endpoint,
+                                                                                toy_dir, tmp_path):
+    from tests.worker.test_job_runner import wait_for_step
+
+    with TcpProxy("127.0.0.1", int(urlsplit(moto_endpoint).port)) as proxy:
+        settings = Settings(home=tmp_path / "b", database_url=postgres_url, storage_url=s3_url,
+                            heartbeat_s=0.5, lease_ttl_s=6, retry_backoff_s=0)
+        job_id = submit(settings, toy_dir, steps=4)  # checkpoints at steps 2 and 4
+        env = {**os.environ, "DATABASE_URL": postgres_url, "STORAGE_URL": _through(proxy, s3_url),
+               "CISPO_HOME": str(tmp_path / "a"), "CISPO_HEARTBEAT_S": "0.5", "CISPO_LEASE_TTL_S": "6"}
+        stale = subprocess.Popen([sys.executable, "-c", _RUN_ONE_JOB, job_id], env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            wait_for_step(settings, job_id, 1, timeout=300)
+            proxy.stall()  # the store hangs for this worker: its step-2 checkpoint upload blocks
+            wait_for_step(settings, job_id, 2)
+            time.sleep(1.0)
+            os.kill(stale.pid, signal.SIGSTOP)  # frozen mid-upload: no heartbeat, the lease runs out
+            time.sleep(settings.lease_ttl_s + 1)
+
+            assert run_job(job_id, settings) == "succeeded"  # a healthy worker takes over and finishes
+            committed = _stored_versions(settings, job_id)
+            assert len(committed) > 4
+
+            os.kill(stale.pid, signal.SIGCONT)  # the stale worker wakes up and its upload goes through
+            proxy.unstall()
+            out, _ = stale.communicate(timeout=180)
+            assert "run ended: None" in out, out[-3000:]  # it found its lease gone and stopped
+            assert _stored_versions(settings, job_id) == committed  # not one committed object rewritten
+            assert job_row(settings, job_id).status == "succeeded"
+        finally:
+            if stale.poll() is None:
+                os.kill(stale.pid, signal.SIGCONT)
+                stale.kill()
