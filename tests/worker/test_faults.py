@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -19,7 +20,7 @@ from service.db.session import session_factory
 from service.queue import enqueue_job, make_celery
 from service.settings import Settings
 from service.storage import open_store
-from tests.conftest import BUCKET, REDIS_TEST_URL
+from tests.conftest import REDIS_TEST_URL
 from tests.tcp_proxy import TcpProxy
 from tests.worker.test_job_runner import job_row, submit
 from worker.job_runner import run_job
@@ -56,10 +57,19 @@ def test_a_stalled_broker_fails_sends_and_pings_quickly():
         for attempt in (lambda: enqueue_job("ftjob-stalled", settings=settings),
                         lambda: make_celery(settings).connection_for_write().ensure_connection(max_retries=1,
                                                                                              timeout=1)):
-            t = time.monotonic()
-            with pytest.raises(Exception):
-                attempt()
-            assert time.monotonic() - t < 10
+            outcome = []
+
+            def call(attempt=attempt):
+                try:
+                    attempt()
+                    outcome.append("returned")
+                except Exception as e:
+                    outcome.append(e)
+
+            caller = threading.Thread(target=call, daemon=True)  # a hang must fail the test, not block it
+            caller.start()
+            caller.join(10)
+            assert outcome and isinstance(outcome[0], Exception), f"still waiting on the broker: {outcome}"
         proxy.unstall()
 
 
@@ -86,8 +96,6 @@ def _wait_for_checkpoint(settings, job_id, step, timeout=120):
 @pytest.mark.slow
 def test_an_object_store_outage_retries_the_job_from_its_last_checkpoint(postgres_url, s3_url, moto_endpoint,
                                                                         toy_dir, tmp_path):
-    import threading
-
     port = int(urlsplit(moto_endpoint).port)
     proxy = TcpProxy("127.0.0.1", port).start()
     try:
