@@ -252,14 +252,15 @@ def record_step(session: Session, job_id: str, epoch: int, step: int, values: di
 
 
 def add_checkpoint(session: Session, job_id: str, epoch: int, *, step: int, storage_prefix: str,
-                   files: dict, metrics: dict, ttl_s: float) -> Checkpoint | None:
+                   files: dict, metrics: dict, ttl_s: float | None = None) -> Checkpoint | None:
     """Point at an uploaded, hashed checkpoint; None if the lease is lost.
 
-    The fence is an UPDATE (it renews the lease), not a SELECT: it locks the job row until commit, so a
-    claim racing with this write waits, and then takes the job with this checkpoint already recorded.
+    The fence is an UPDATE (it renews the lease when given ttl_s), not a SELECT: it locks the job row until
+    commit, so a claim racing with this write waits, and then takes the job with this checkpoint recorded.
     """
+    expires = Job.lease_expires_at if ttl_s is None else time.time() + ttl_s
     result = session.execute(
-        update(Job).where(_fenced(job_id, epoch)).values(lease_expires_at=time.time() + ttl_s)
+        update(Job).where(_fenced(job_id, epoch)).values(lease_expires_at=expires)
         .execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:
