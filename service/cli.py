@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 
 from service.cli_jobs import add_jobs_command
@@ -43,20 +41,18 @@ def cmd_api(args) -> int:
 
 
 def cmd_up(args) -> int:
-    """API + worker on the embedded default: SQLite, a server-less broker, a local object store."""
+    """API + worker on the embedded default (SQLite, a server-less broker, a local object store), supervised:
+    a worker that dies is restarted, and SIGTERM/SIGINT stop both before `cispo up` exits."""
+    from service.supervisor import Child, supervise
+
     cmd_db_upgrade(args)
     settings = get_settings()
     print(f"cispo: state in {settings.home.resolve()}; API on http://{args.host}:{args.port}", flush=True)
-    worker = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker", "--pool", "solo"], env=os.environ.copy())
-    try:
-        cmd_api(args)
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-    return 0
+    cli = [sys.executable, "-m", "worker.cli"]
+    return supervise([
+        Child("api", [*cli, "api", "--host", args.host, "--port", str(args.port)], restart=False),
+        Child("worker", [*cli, "worker", "--pool", "solo"], restart=True),
+    ], env=os.environ.copy())
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -32,9 +32,21 @@ def make_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
     )
     if broker.startswith(("redis://", "rediss://")):
-        # Redis redelivers unacked messages after this long, even to a live worker;
-        # the lease makes a duplicate harmless, so keep it long.
-        app.conf.broker_transport_options = {"visibility_timeout": 2 * 3600}
+        timeout = settings.broker_timeout_s
+        app.conf.broker_transport_options = {
+            # Redis redelivers unacked messages after this long, even to a live worker;
+            # the lease makes a duplicate harmless, so keep it long.
+            "visibility_timeout": 2 * 3600,
+            # A Redis that accepts connections but stops answering must fail a send or a ping,
+            # not hang the request (and, thread by thread, the whole API) forever.
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "socket_keepalive": True,
+        }
+        app.conf.broker_connection_timeout = timeout
+        # One quick retry for a blip; a broker still gone is the reconciler's to repair from SQL.
+        app.conf.task_publish_retry_policy = {"max_retries": 1, "interval_start": 0, "interval_step": 0.5,
+                                              "interval_max": 0.5}
     return app
 
 
@@ -43,9 +55,11 @@ def celery_app() -> Celery:
     return make_celery(get_settings())
 
 
-def enqueue_job(job_id: str) -> None:
-    """Ask a worker to run the job; call only after the job row is committed."""
-    celery_app().send_task(RUN_JOB, args=[job_id], queue=JOBS_QUEUE)
+def enqueue_job(job_id: str, delay_s: float = 0.0, settings: Settings | None = None) -> None:
+    """Ask a worker to run the job (not before delay_s); call only after the job row is committed.
+    `settings` other than the process's name another broker (tests, tools)."""
+    app = celery_app() if settings is None or settings is get_settings() else make_celery(settings)
+    app.send_task(RUN_JOB, args=[job_id], queue=JOBS_QUEUE, countdown=delay_s or None)
 
 
 def broker_ping(timeout_s: float = 2.0) -> None:

@@ -31,7 +31,10 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="JSON bodies.")
     lease_ttl_s: float = Field(90.0, gt=0)
     heartbeat_s: float = Field(15.0, gt=0)
-    max_attempts: int = Field(3, ge=1)
+    max_attempts: int = Field(3, ge=1, description="Runs a job may use up; pauses and graceful shutdowns are free.")
+    retry_backoff_s: float = Field(10.0, ge=0, description="Wait before the 2nd run (doubling each time, max 6 min).")
+    broker_timeout_s: float = Field(5.0, gt=0, description="Socket timeout on the broker: a stalled Redis "
+                                    "fails a send or a ping instead of hanging the API.")
     work_dir: Path | None = Field(None, description="Worker scratch space (default HOME/work).")
     sandbox: Literal["auto", "namespaces", "off"] = Field("auto", description="User code: 'off' refuses it.")
     sandbox_uid: int = Field(100000, ge=1, description="The first of the uids sandboxes run as, one per live "

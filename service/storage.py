@@ -248,6 +248,10 @@ class S3Store(ObjectStore):
         self.prefix = _check_prefix(prefix)
         # Custom endpoints (MinIO, moto, ...) seldom have wildcard DNS for virtual-host buckets.
         base = Config(s3={"addressing_style": "path"}) if endpoint_url else Config()
+        # Bounded waits, and retries with backoff for throttling, 5xx and dropped connections: a blip
+        # must not fail a job, and a hung endpoint must not hang one forever.
+        base = base.merge(Config(connect_timeout=10, read_timeout=60,
+                                 retries={"mode": "standard", "total_max_attempts": 5}))
         # A private session: boto3's default one is not safe to build clients from concurrently.
         self.client = boto3.session.Session().client(
             "s3", endpoint_url=endpoint_url, region_name=region,

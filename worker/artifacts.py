@@ -2,8 +2,10 @@
 
 Upload order is what makes a stored checkpoint trustworthy: every file
 first, the adapter archive next, manifest.json last. Only after all of them
-are stored does the worker record the checkpoint in SQL, so the database
-never points at a half-uploaded checkpoint.
+are stored does the worker record the checkpoint in SQL (fenced by its lease
+epoch), so the database never points at a half-uploaded checkpoint; and
+since every run uploads under its own epoch's prefix, no upload ever
+replaces an object a committed checkpoint points at.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ ARCHIVE = "adapter.tar"
 MANIFEST = "manifest.json"
 
 
-def checkpoint_prefix(job_id: str, checkpoint_dir: Path) -> str:
-    return f"jobs/{job_id}/checkpoints/{checkpoint_dir.name}"
+def checkpoint_prefix(job_id: str, epoch: int, checkpoint_dir: Path) -> str:
+    """Each run (lease epoch) writes under its own prefix: a stale worker that wakes up after another
+    took over its job uploads to a prefix nothing points at, never over a committed checkpoint."""
+    return f"jobs/{job_id}/checkpoints/epoch-{epoch:06d}/{checkpoint_dir.name}"
 
 
 def adapter_archive(adapter_dir: Path) -> bytes:
@@ -38,9 +42,9 @@ def adapter_archive(adapter_dir: Path) -> bytes:
     return buf.getvalue()
 
 
-def upload_checkpoint(store: ObjectStore, job_id: str, checkpoint_dir: Path) -> tuple[str, dict]:
+def upload_checkpoint(store: ObjectStore, job_id: str, epoch: int, checkpoint_dir: Path) -> tuple[str, dict]:
     """Store a complete local checkpoint; returns (prefix, {relative path: {sha256, bytes}})."""
-    prefix = checkpoint_prefix(job_id, checkpoint_dir)
+    prefix = checkpoint_prefix(job_id, epoch, checkpoint_dir)
     manifest = json.loads((checkpoint_dir / MANIFEST).read_text())
     files: dict[str, dict] = {}
     for rel, meta in sorted(manifest["files"].items()):

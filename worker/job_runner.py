@@ -2,13 +2,20 @@
 
 The SQL row is the truth. A duplicate broker message finds the lease taken
 and returns; a worker that loses its lease stops writing at once (every write
-is fenced by the lease epoch). Cancellation and pause are honoured at the
-next step boundary; a paused job keeps its checkpoint in the object store and
-resumes from it, on this worker or any other.
+is fenced by the lease epoch, and its checkpoints go under its epoch's own
+prefix). Cancellation, pause and the worker's graceful shutdown (DRAIN) are
+honoured at the next step boundary, after a checkpoint; the job resumes from
+it on this worker or any other.
+
+Failures: a bad job (its data, checkpoint or reward) fails at once. Anything
+else (an unreachable object store, a crashed step) may be transient: the job
+is queued again after a growing backoff and resumes from its newest
+checkpoint, until it has used `max_attempts` runs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -16,6 +23,7 @@ import shutil
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -26,8 +34,9 @@ from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
 from service.schemas.rewards import secret_names
 from service.settings import Settings
-from service.storage import ObjectStore, open_store
-from worker.artifacts import download_checkpoint, upload_checkpoint
+from service.queue import enqueue_job
+from service.storage import ObjectStore, StorageError, open_store
+from worker.artifacts import MANIFEST, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
 from worker.progress import StepClock
 from worker.results import publish as publish_results
@@ -40,6 +49,11 @@ log = logging.getLogger(__name__)
 # Metrics worth a line in the job's event stream (all of them go to the metrics table).
 EVENT_METRICS = ("reward_mean", "loss", "clip_fraction", "kl_old", "completion_length_mean", "step_seconds")
 REWARD_WARN_EVERY = 10  # steps between warn events that repeat already-shown reward errors
+
+
+# Set when this worker is shutting down gracefully (see celery_app): the job checkpoints at its next
+# step boundary and is queued again for another worker, without using up an attempt.
+DRAIN = threading.Event()
 
 
 class LeaseLost(Exception):
@@ -55,9 +69,10 @@ class JobReporter:
     """Trainer callbacks that write to SQL (fenced) and the object store, and relay control requests."""
 
     def __init__(self, sessions: sessionmaker[Session], store: ObjectStore, job_id: str, epoch: int,
-                 settings: Settings, total_steps: int):
+                 settings: Settings, total_steps: int, keep_checkpoints: int = 3):
         self.sessions, self.store, self.job_id, self.epoch = sessions, store, job_id, epoch
         self.settings, self.total_steps = settings, total_steps
+        self.keep_checkpoints = keep_checkpoints
         self.cancel = self.pause = self.lost = False
         self._reward_errors_seen: set[str] = set()  # messages already shown in a warn event
         self._reward_warned_at: int | None = None
@@ -133,16 +148,22 @@ class JobReporter:
     def on_checkpoint(self, step: int, path: Path) -> None:
         if self.lost:
             return
-        prefix, files = upload_checkpoint(self.store, self.job_id, path)
+        prefix, files = upload_checkpoint(self.store, self.job_id, self.epoch, path)
         with self.sessions.begin() as s:
             metrics = {m.name: m.value for m in jobs.metrics(s, self.job_id, names=None, step_min=step,
                                                              step_max=step, limit=1000)}
             ckpt = jobs.add_checkpoint(s, self.job_id, self.epoch, step=step, storage_prefix=prefix,
-                                       files=files, metrics=metrics)
+                                       files=files, metrics=metrics, ttl_s=self.settings.lease_ttl_s)
             if ckpt is None:
                 self.lost = True
                 return
             jobs.add_event(s, self.job_id, f"Checkpoint saved at step {step}", data={"checkpoint": ckpt.id, "step": step})
+            dropped = jobs.prune_checkpoints(s, self.job_id, self.epoch, self.keep_checkpoints)
+        for old in dropped:  # after commit: no row points at them any more
+            try:
+                self.store.delete_prefix(old)
+            except StorageError:  # only space is lost; the next pass does not retry it
+                log.warning("job %s: could not delete the old checkpoint %s", self.job_id, old, exc_info=True)
 
     def on_reward_errors(self, step: int, errors: list[str]) -> None:
         """A warn event with the step's most frequent reward errors (up to 5 distinct, truncated) and counts.
@@ -167,7 +188,7 @@ class JobReporter:
                                        "errors": [{"message": m, "count": c} for m, c in top]})
 
     def should_stop(self) -> bool:
-        return self.cancel or self.pause or self.lost
+        return self.cancel or self.pause or self.lost or DRAIN.is_set()
 
 
 def _materialize(spec: JobSpec, store: ObjectStore, data_dir: Path) -> JobSpec:
@@ -183,25 +204,31 @@ def _materialize(spec: JobSpec, store: ObjectStore, data_dir: Path) -> JobSpec:
     return spec.model_copy(update={"data": spec.data.model_copy(update=update)})
 
 
-def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str | None:
-    """Run the job if its lease can be taken; returns the status it ended in (None if not ours)."""
-    sessions = session_factory(settings.resolved_database_url())
-    store = open_store(settings.resolved_storage_url())
-    owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+@dataclass(frozen=True)
+class Claimed:
+    """What a run needs from SQL, read under the lease."""
+
+    epoch: int
+    attempt: int
+    project_id: str
+    spec: JobSpec
+    latest: tuple[int, str, dict] | None  # newest committed checkpoint: (step, storage prefix, files)
+    secrets: dict[str, str]
+
+
+def _claim(sessions: sessionmaker[Session], job_id: str, owner: str, settings: Settings) -> Claimed | str | None:
+    """Take the lease; returns the claim, "failed" if the job has no attempt left, or None if not ours."""
     with sessions.begin() as s:
         job = jobs.get_for_worker(s, job_id)
         if job is None:
             log.warning("job %s does not exist; message dropped", job_id)
             return None
-        if job.attempts >= settings.max_attempts and job.status in ("queued", "running"):
-            jobs.fail_unclaimed(s, job_id, "too_many_attempts",
-                                f"the job was started {job.attempts} times without finishing")
-            return "failed"
-        epoch = jobs.claim(s, job_id, owner, settings.lease_ttl_s)
+        epoch = jobs.claim(s, job_id, owner, settings.lease_ttl_s, max_attempts=settings.max_attempts)
         if epoch is None:
-            return None  # someone else holds it, or it is no longer runnable
-        job = jobs.get_for_worker(s, job_id)
-        project_id = job.project_id
+            # Someone else holds it, it is waiting out a backoff, it is no longer runnable, or it
+            # used up its attempts (then it fails now; a live lease is never touched).
+            return "failed" if jobs.fail_exhausted(s, job_id, settings.max_attempts) else None
+        s.refresh(job)  # the claim changed the row behind the session's back
         spec = JobSpec.model_validate(job.spec)
         latest = jobs.latest_checkpoint(s, job_id)
         latest = (latest.step, latest.storage_prefix, dict(latest.files)) if latest else None
@@ -210,61 +237,125 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         if getattr(spec.environment, "auth_secret", None):  # an http environment's auth header
             needed.add(spec.environment.auth_secret)
         secrets = secrets_repo.values(s, job.project_id, needed)
-        jobs.add_event(s, job_id, f"Job started (attempt {job.attempts}) on {owner}")
+        jobs.add_event(s, job_id, f"Job started (attempt {job.attempts} of {settings.max_attempts}) on {owner}")
+    return Claimed(epoch, job.attempts, job.project_id, spec, latest, secrets)
 
-    reporter = JobReporter(sessions, store, job_id, epoch, settings, spec.training.steps)
+
+def _is_committed(local: Path, latest: tuple[int, str, dict] | None) -> bool:
+    """A local checkpoint directory holds exactly the committed one (same manifest, so same files)."""
+    if latest is None or local.name != checkpoint_name(latest[0]) or not (local / MANIFEST).is_file():
+        return False
+    return hashlib.sha256((local / MANIFEST).read_bytes()).hexdigest() == latest[2].get(MANIFEST, {}).get("sha256")
+
+
+def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, reporter: JobReporter):
+    """Run the trainer for the job in this process, from its newest committed checkpoint; returns its TrainResult."""
+    from worker.trainer.loop import Trainer  # torch loads here, not at worker import
+
+    local_spec = _materialize(claimed.spec, store, work / "data")
+    run_dir = work / "run"
+    # Only the committed checkpoint may be resumed from: a local one left by a failed or killed run on
+    # this machine was never recorded (a final one would then never be uploaded at all).
+    for local in (run_dir / "checkpoints").glob("*"):
+        if not _is_committed(local, claimed.latest):
+            shutil.rmtree(local, ignore_errors=True)
+    if claimed.latest is not None:  # resume from the committed checkpoint, wherever it was written
+        step, prefix, files = claimed.latest
+        download_checkpoint(store, prefix, files, run_dir / "checkpoints" / checkpoint_name(step))
+    trainer = Trainer(local_spec, run_dir, scoring=ScoringContext.from_settings(settings, claimed.secrets))
+    if trainer.step:
+        reporter.event(f"Resumed from the checkpoint at step {trainer.step}")
+    return trainer.run(reporter)
+
+
+def _failure(e: Exception) -> tuple[str, str, bool]:
+    """(error code, message, whether another attempt may succeed) for an exception out of a run."""
+    if isinstance(e, RewardErrorRateExceeded):
+        return "reward_error_rate", str(e), False
+    if isinstance(e, (DataError, CheckpointError, ValueError)):
+        return "invalid_job", str(e), False
+    if isinstance(e, StorageError):
+        return "storage_unavailable", f"the object store failed: {e}", True
+    return "training_error", f"{type(e).__name__}: {e}", True
+
+
+def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str | None:
+    """Run the job if its lease can be taken; returns the status it ended in (None if not ours)."""
+    sessions = session_factory(settings.resolved_database_url())
+    store = open_store(settings.resolved_storage_url())
+    owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+    claimed = _claim(sessions, job_id, owner, settings)
+    if not isinstance(claimed, Claimed):
+        return claimed
+
+    total = claimed.spec.training.steps
+    reporter = JobReporter(sessions, store, job_id, claimed.epoch, settings, total,
+                           keep_checkpoints=claimed.spec.training.checkpoint_keep)
     work = settings.resolved_work_dir() / job_id
-    status, error = "failed", None
+    status, error = "failed", None  # error: (code, message, retryable)
     reporter.start()
     try:
-        from worker.trainer.loop import Trainer  # torch loads here, not at worker import
-
-        local_spec = _materialize(spec, store, work / "data")
-        run_dir = work / "run"
-        if latest is not None:  # resume from the committed checkpoint, wherever it was written
-            download_checkpoint(store, latest[1], latest[2], run_dir / "checkpoints" / checkpoint_name(latest[0]))
-        trainer = Trainer(local_spec, run_dir, scoring=ScoringContext.from_settings(settings, secrets))
-        if trainer.step:
-            reporter.event(f"Resumed from the checkpoint at step {trainer.step}")
-        result = trainer.run(reporter)
+        result = train(claimed, store, work, settings, reporter)
         if reporter.lost:
             raise LeaseLost()
         if reporter.cancel:
             status = "cancelled"
         elif reporter.pause:
             status = "paused"
-        elif result.steps_done >= spec.training.steps:
+        elif result.steps_done >= total:
             status = "succeeded"
+        elif DRAIN.is_set():
+            status = "queued"
         else:
-            error = ("training_error", f"the run stopped at step {result.steps_done} of {spec.training.steps}")
+            error = ("training_error", f"the run stopped at step {result.steps_done} of {total}", False)
     except LeaseLost:
         log.warning("job %s: lease lost; another worker owns it now", job_id)
         return None
-    except RewardErrorRateExceeded as e:
-        error = ("reward_error_rate", str(e))
-    except (DataError, CheckpointError, ValueError) as e:
-        error = ("invalid_job", str(e))
-    except Exception as e:  # the job fails with a message; the worker lives on
-        log.exception("job %s failed", job_id)
-        error = ("training_error", f"{type(e).__name__}: {e}")
+    except Exception as e:  # the job fails or retries with a message; the worker lives on
+        log.exception("job %s: run failed", job_id)
+        error = _failure(e)
     finally:
         reporter.stop()
 
+    status, delay = _end(sessions, store, job_id, claimed, settings, status, error)
+    if status == "queued":  # after commit, as every enqueue; a lost message is the reconciler's to resend
+        try:
+            enqueue_job(job_id, delay_s=delay, settings=settings)
+        except Exception:
+            log.exception("job %s: could not enqueue its next run; the reconciler will", job_id)
+    if status not in ("paused", "queued"):
+        shutil.rmtree(work, ignore_errors=True)
+    return status
+
+
+def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claimed: Claimed, settings: Settings,
+         status: str, error: tuple[str, str, bool] | None) -> tuple[str | None, float]:
+    """Record how the run ended (fenced); returns (the job's status now, seconds before its next run)."""
+    epoch, delay = claimed.epoch, 0.0
     with sessions.begin() as s:
-        if error or status != "paused":  # a terminal end: the metrics CSV becomes the job's result file
+        if error and error[2] and claimed.attempt < settings.max_attempts:
+            delay = jobs.retry_delay(claimed.attempt, base_s=settings.retry_backoff_s)
+            if not jobs.requeue(s, job_id, epoch, delay_s=delay):
+                return None, 0.0  # the lease was lost meanwhile: the job is another worker's now
+            jobs.add_event(s, job_id, f"Attempt {claimed.attempt} of {settings.max_attempts} failed "
+                           f"({error[0]}: {error[1][:500]}); the job runs again in {delay:.0f} s from its "
+                           "newest checkpoint", level="warn")
+            return "queued", delay
+        if error or status not in ("paused", "queued"):  # a terminal end: the metrics CSV becomes the result file
             try:
                 with s.begin_nested():  # a failure here rolls back only this, not the job's end
-                    publish_results(s, store, job_id, epoch, project_id)
+                    publish_results(s, store, job_id, epoch, claimed.project_id)
             except Exception:  # the job's outcome matters more than its CSV
                 log.exception("job %s: could not publish the result file", job_id)
         if error:
             ended = jobs.finish(s, job_id, epoch, "failed", error_code=error[0], error_message=error[1][:2000])
+            message, status = f"Job failed: {error[1][:500]}", "failed"
+        elif status == "queued":
+            ended = jobs.requeue(s, job_id, epoch, failed=False)
+            message = "The worker is shutting down; the job is queued again from its newest checkpoint"
         else:
             ended = jobs.finish(s, job_id, epoch, status)
+            message = {"succeeded": "Job succeeded", "cancelled": "Job cancelled", "paused": "Job paused"}[status]
         if ended:
-            message = {"succeeded": "Job succeeded", "cancelled": "Job cancelled", "paused": "Job paused"}.get(
-                status if not error else "", f"Job failed: {error[1][:500] if error else 'unknown error'}")
             jobs.add_event(s, job_id, message, level="error" if error else "info")
-    if status != "paused":
-        shutil.rmtree(work, ignore_errors=True)
-    return "failed" if error else status
+    return status, delay

@@ -156,12 +156,16 @@ class Job(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_epoch: Mapped[int] = mapped_column(Integer, default=0)
     lease_expires_at: Mapped[float | None] = mapped_column(Float)
+    # Runs that used up an attempt: the current one, and any that crashed or failed transiently
+    # (a pause or a worker's graceful shutdown gives its attempt back).
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     # Set by DELETE /v1/models/{id}: the job stays, its adapter checkpoints are gone.
     model_deleted_at: Mapped[int | None] = mapped_column(BigInteger)
     # What the client sees of progress and results (written by the worker, fenced like metrics).
     estimated_finish: Mapped[int | None] = mapped_column(BigInteger)
     result_file_id: Mapped[str | None] = mapped_column(String(40))  # the metrics CSV (purpose fine-tune-results)
+    # A job queued again after a failed attempt is not claimed before this moment (retry backoff).
+    not_before: Mapped[float | None] = mapped_column(Float)
 
 
 class JobEvent(Base):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import weakref
 from functools import lru_cache
 
 from sqlalchemy import Engine, create_engine, event
@@ -32,6 +34,22 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5})
 
 
+_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
 @lru_cache
 def session_factory(url: str) -> sessionmaker[Session]:
-    return sessionmaker(make_engine(url), expire_on_commit=False)
+    engine = make_engine(url)
+    _engines.add(engine)
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def _forget_inherited_connections() -> None:
+    """In a forked child (a Celery prefork worker): give every engine a fresh pool. The pooled
+    connections are the parent's sockets; using them from two processes corrupts the protocol
+    stream, and closing them here would close the parent's, so they are dropped unclosed."""
+    for engine in list(_engines):
+        engine.dispose(close=False)
+
+
+os.register_at_fork(after_in_child=_forget_inherited_connections)

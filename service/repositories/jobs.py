@@ -7,7 +7,11 @@ has every later write refused, and stops.
 
     validating_files -> queued -> running -> succeeded | failed | cancelled
     queued | running -> paused -> queued          (pause / resume)
-    running -> queued                              (lease expired, retried)
+    running -> queued                              (lease expired or a transient error: retried after
+                                                    a backoff; a graceful worker shutdown: at once)
+
+A run uses up one of `max_attempts` when it is claimed; a pause or a graceful
+shutdown gives it back, so only crashes and failures count.
 """
 
 from __future__ import annotations
@@ -173,17 +177,28 @@ def resume(session: Session, job: Job) -> Job:
 # -- worker-side changes (fenced by the lease epoch) -------------------------
 
 
-def claim(session: Session, job_id: str, owner: str, ttl_s: float) -> int | None:
-    """Take the lease on a queued job (or a running one whose lease expired); returns the epoch."""
+def retry_delay(attempts: int, *, base_s: float, cap_s: float = 360.0) -> float:
+    """Exponential backoff before attempt `attempts + 1`: base, 2*base, 4*base, ... capped (as Kubernetes Jobs)."""
+    return min(cap_s, base_s * 2 ** max(0, attempts - 1))
+
+
+def _runnable(t: float, max_attempts: int):
+    """A queued job past its backoff, or a running one whose worker stopped renewing; with an attempt left."""
+    return and_(
+        Job.attempts < max_attempts,
+        or_(and_(Job.status == "queued", or_(Job.not_before.is_(None), Job.not_before <= t)),
+            and_(Job.status == "running", Job.lease_expires_at < t)),
+    )
+
+
+def claim(session: Session, job_id: str, owner: str, ttl_s: float, *, max_attempts: int = 3) -> int | None:
+    """Take the lease on a runnable job (see _runnable); returns the epoch. The run uses up an attempt."""
     t = time.time()
     result = session.execute(
         update(Job)
-        .where(
-            Job.id == job_id,
-            or_(Job.status == "queued", and_(Job.status == "running", Job.lease_expires_at < t)),
-        )
+        .where(Job.id == job_id, _runnable(t, max_attempts))
         .values(status="running", lease_owner=owner, lease_epoch=Job.lease_epoch + 1,
-                lease_expires_at=t + ttl_s, attempts=Job.attempts + 1,
+                lease_expires_at=t + ttl_s, attempts=Job.attempts + 1, not_before=None,
                 started_at=func.coalesce(Job.started_at, int(t)))
         .execution_options(synchronize_session=False)
     )
@@ -237,10 +252,18 @@ def record_step(session: Session, job_id: str, epoch: int, step: int, values: di
 
 
 def add_checkpoint(session: Session, job_id: str, epoch: int, *, step: int, storage_prefix: str,
-                   files: dict, metrics: dict) -> Checkpoint | None:
-    """Point at an uploaded, hashed checkpoint; None if the lease is lost."""
-    owned = session.scalar(select(Job.id).where(_fenced(job_id, epoch)))
-    if owned is None:
+                   files: dict, metrics: dict, ttl_s: float | None = None) -> Checkpoint | None:
+    """Point at an uploaded, hashed checkpoint; None if the lease is lost.
+
+    The fence is an UPDATE (it renews the lease when given ttl_s), not a SELECT: it locks the job row until
+    commit, so a claim racing with this write waits, and then takes the job with this checkpoint recorded.
+    """
+    expires = Job.lease_expires_at if ttl_s is None else time.time() + ttl_s
+    result = session.execute(
+        update(Job).where(_fenced(job_id, epoch)).values(lease_expires_at=expires)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
         return None
     existing = session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
     if existing is not None:
@@ -251,13 +274,27 @@ def add_checkpoint(session: Session, job_id: str, epoch: int, *, step: int, stor
     return ckpt
 
 
+def prune_checkpoints(session: Session, job_id: str, epoch: int, keep: int) -> list[str]:
+    """Forget all but the newest `keep` checkpoints (fenced); returns their storage prefixes to delete."""
+    if session.scalar(select(Job.id).where(_fenced(job_id, epoch))) is None:
+        return []
+    old = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                               .order_by(Checkpoint.step.desc()).offset(keep)))
+    for ckpt in old:
+        session.delete(ckpt)
+    session.flush()
+    return [c.storage_prefix for c in old]
+
+
 def finish(session: Session, job_id: str, epoch: int, status: str, *, error_code: str | None = None,
            error_message: str | None = None, error_param: str | None = None) -> bool:
-    """End the lease: a terminal status, `paused`, or `queued` for a retry."""
+    """End the lease with a terminal status or `paused`. A pause gives the run's attempt back: it did not fail."""
     values: dict = {"status": status, "lease_owner": None, "lease_expires_at": None,
                     "cancel_requested": False, "pause_requested": False}
     if status in TERMINAL:
         values["finished_at"] = now()
+    if status == "paused":
+        values["attempts"] = Job.attempts - 1
     if error_code is not None:
         values.update(error_code=error_code, error_message=error_message, error_param=error_param)
     result = session.execute(
@@ -266,34 +303,65 @@ def finish(session: Session, job_id: str, epoch: int, status: str, *, error_code
     return result.rowcount == 1
 
 
-def fail_unclaimed(session: Session, job_id: str, code: str, message: str) -> bool:
-    """Fail a queued job that can never run (e.g. it used up its attempts)."""
+def requeue(session: Session, job_id: str, epoch: int, *, delay_s: float = 0.0, failed: bool = True) -> bool:
+    """End the lease and queue the job again (fenced). A failed run keeps its attempt and waits `delay_s`;
+    one stopped by its worker's graceful shutdown (failed=False) gives the attempt back."""
+    values: dict = {"status": "queued", "lease_owner": None, "lease_expires_at": None,
+                    "not_before": time.time() + delay_s if delay_s > 0 else None}
+    if not failed:
+        values["attempts"] = Job.attempts - 1
     result = session.execute(
-        update(Job).where(Job.id == job_id, Job.status.in_(("queued", "running")))
-        .values(status="failed", error_code=code, error_message=message, finished_at=now(),
-                lease_owner=None, lease_expires_at=None)
-        .execution_options(synchronize_session=False)
+        update(Job).where(_fenced(job_id, epoch)).values(**values).execution_options(synchronize_session=False)
     )
     return result.rowcount == 1
 
 
-def requeue_expired(session: Session) -> list[str]:
-    """Put running jobs whose worker stopped heartbeating back in the queue; returns their ids."""
+def fail_exhausted(session: Session, job_id: str, max_attempts: int) -> bool:
+    """Fail a job that is waiting for a run but has used all its attempts; a live lease is never touched."""
     t = time.time()
-    expired = list(session.scalars(select(Job.id).where(Job.status == "running", Job.lease_expires_at < t)))
+    result = session.execute(
+        update(Job).where(
+            Job.id == job_id, Job.attempts >= max_attempts,
+            or_(Job.status == "queued", and_(Job.status == "running", Job.lease_expires_at < t)),
+        )
+        .values(status="failed", error_code="too_many_attempts",
+                error_message=f"the job failed {max_attempts} times: its worker crashed or lost its lease "
+                              "each time (see the job's events)",
+                finished_at=now(), lease_owner=None, lease_expires_at=None)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount == 1:
+        add_event(session, job_id, f"Job failed: no attempts left after {max_attempts}", level="error")
+    return result.rowcount == 1
+
+
+def requeue_expired(session: Session, *, max_attempts: int, backoff_s: float) -> list[str]:
+    """Queue again (after a backoff) running jobs whose worker stopped heartbeating, or fail those with no
+    attempt left; returns the ids queued again."""
+    t = time.time()
+    expired = list(session.execute(select(Job.id, Job.attempts)
+                                   .where(Job.status == "running", Job.lease_expires_at < t)))
     requeued = []
-    for job_id in expired:
+    for job_id, attempts in expired:
+        if attempts >= max_attempts:
+            fail_exhausted(session, job_id, max_attempts)
+            continue
+        delay = retry_delay(attempts, base_s=backoff_s)
         result = session.execute(
             update(Job).where(Job.id == job_id, Job.status == "running", Job.lease_expires_at < t)
-            .values(status="queued", lease_owner=None, lease_expires_at=None)
+            .values(status="queued", lease_owner=None, lease_expires_at=None, not_before=t + delay)
             .execution_options(synchronize_session=False)
         )
         if result.rowcount == 1:
-            add_event(session, job_id, "The worker stopped responding; the job is queued again", level="warn")
+            add_event(session, job_id, f"The worker stopped responding; the job runs again in {delay:.0f} s "
+                      f"(attempt {attempts + 1} of {max_attempts})", level="warn")
             requeued.append(job_id)
     return requeued
 
 
 def queued_before(session: Session, created_before: int) -> list[str]:
-    """Queued jobs older than a moment: candidates for a lost broker message."""
-    return list(session.scalars(select(Job.id).where(Job.status == "queued", Job.created_at < created_before)))
+    """Queued jobs older than a moment, past any retry backoff: candidates for a lost broker message."""
+    t = time.time()
+    return list(session.scalars(select(Job.id).where(
+        Job.status == "queued", Job.created_at < created_before, or_(Job.not_before.is_(None), Job.not_before <= t))))
+

@@ -213,7 +213,16 @@ class TrainingSpec(Strict):
     )
     eval_interval: int = Field(0, ge=0, description="Evaluate every N steps (0: only first and last).")
     eval_max_rows: int = Field(64, ge=1)
-    checkpoint_interval: int = Field(0, ge=0, description="Checkpoint every N steps (0: only the last).")
+    checkpoint_interval: int = Field(
+        50, ge=0, le=100_000,
+        description="Checkpoint every N steps, and always after the last (0: only the last). A crashed or "
+        "preempted job resumes from its newest checkpoint, so this bounds the steps it can lose.",
+    )
+    checkpoint_keep: int = Field(
+        3, ge=1, le=1000,
+        description="Keep the newest N checkpoints of a job; older ones are deleted from storage as new ones "
+        "are committed.",
+    )
     reward_failure_score: float = 0.0
     reward_error_threshold: float = Field(
         0.5, ge=0.0, le=1.0,

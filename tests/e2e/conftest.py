@@ -32,8 +32,15 @@ def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> N
 
 
 class Stack:
-    def __init__(self, base: str, env: dict, root: Path):
-        self.base, self.env, self.root = base, env, root
+    def __init__(self, base: str, env: dict, root: Path, procs: dict[str, subprocess.Popen]):
+        self.base, self.env, self.root, self.procs = base, env, root, procs
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        """Another process of the stack (e.g. a second worker); stopped with the stack."""
+        with (self.root / f"{name}.log").open("w") as log:
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", "worker.cli", *args], env=self.env,
+                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self.procs[name]
 
     def new_key(self, project: str) -> str:
         out = subprocess.run([sys.executable, "-m", "worker.cli", "keys", "create", "--project", project],
@@ -66,17 +73,14 @@ def stack(tmp_path_factory, moto_endpoint):
         "PYTHONUNBUFFERED": "1",
     }
     port = free_port()
-    logs = {name: root / f"{name}.log" for name in ("api", "worker")}
-    procs = []
+    stack = Stack(f"http://127.0.0.1:{port}", env, root, {})
     try:
-        for name, args in (("api", ["api", "--port", str(port)]), ("worker", ["worker", "--pool", "prefork"])):
-            with logs[name].open("w") as log:
-                procs.append(subprocess.Popen([sys.executable, "-m", "worker.cli", *args], env=env, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
-        base = f"http://127.0.0.1:{port}"
-        _wait(f"{base}/healthz", procs[0], logs["api"])
-        yield Stack(base, env, root)
+        api = stack.start("api", "api", "--port", str(port))
+        stack.start("worker", "worker", "--pool", "prefork")
+        _wait(f"{stack.base}/healthz", api, root / "api.log")
+        yield stack
     finally:
+        procs = list(stack.procs.values())
         for proc in procs:
             proc.terminate()
         for proc in procs:
@@ -84,6 +88,7 @@ def stack(tmp_path_factory, moto_endpoint):
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
-        for name, log in logs.items():
+        for name in stack.procs:
+            log = root / f"{name}.log"
             print(f"--- {name} log (tail) ---\n{log.read_text()[-2000:] if log.exists() else ''}")
         drop()

@@ -25,7 +25,7 @@ from worker.toy.__main__ import toy_spec
 
 def make_settings(tmp_path, database_url) -> Settings:
     return Settings(home=tmp_path / "home", database_url=database_url, storage_url=str(tmp_path / "objects"),
-                    heartbeat_s=0.2, lease_ttl_s=30)
+                    heartbeat_s=0.2, lease_ttl_s=30, retry_backoff_s=0)
 
 
 def submit(settings: Settings, toy_dir, *, reward: dict | None = None, **training) -> str:
@@ -174,7 +174,7 @@ def test_reconciler_requeues_a_job_whose_worker_died(database_url, toy_dir, tmp_
     with session_factory(database_url).begin() as s:
         jobs.claim(s, job_id, "dead-worker", ttl_s=-1)
     sent = []
-    monkeypatch.setattr(reconciler, "enqueue_job", sent.append)
+    monkeypatch.setattr(reconciler, "enqueue_job", lambda job_id, delay_s=0.0, settings=None: sent.append(job_id))
     assert reconciler.reconcile_once(settings) == [job_id]
     assert sent == [job_id] and job_row(settings, job_id).status == "queued"
     assert reconciler.reconcile_once(settings) == []  # nothing twice
@@ -188,7 +188,7 @@ def test_reconciler_resends_a_job_whose_message_was_lost(database_url, toy_dir, 
     settings = make_settings(tmp_path, database_url)
     job_id = submit(settings, toy_dir, steps=1)
     sent = []
-    monkeypatch.setattr(reconciler, "enqueue_job", sent.append)
+    monkeypatch.setattr(reconciler, "enqueue_job", lambda job_id, delay_s=0.0, settings=None: sent.append(job_id))
     memory: dict[str, float] = {}
     assert reconciler.reconcile_once(settings, resend_after_s=3600, sent=memory) == []  # too young to worry
     assert reconciler.reconcile_once(settings, resend_after_s=-1, sent=memory) == [job_id]

@@ -1,0 +1,179 @@
+"""Faults the production stack meets, injected for real: a forked worker child, a stalled Redis,
+an object store that goes away mid-job, a worker frozen (SIGSTOP) past its lease."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from urllib.parse import urlsplit
+
+import pytest
+from sqlalchemy import select, text
+
+from service.db.models import Checkpoint
+from service.db.session import session_factory
+from service.queue import enqueue_job, make_celery
+from service.settings import Settings
+from service.storage import open_store
+from tests.conftest import REDIS_TEST_URL
+from tests.tcp_proxy import TcpProxy
+from tests.worker.test_job_runner import job_row, submit
+from worker.job_runner import run_job
+
+
+def _backend_pid_in_child(url: str, out) -> None:
+    with session_factory(url).begin() as s:
+        out.put(s.scalar(text("SELECT pg_backend_pid()")))
+
+
+def test_a_forked_child_never_reuses_the_parents_database_connection(postgres_url):
+    # The reconciler runs in the Celery parent; prefork children used its pooled connection.
+    with session_factory(postgres_url).begin() as s:
+        parent = s.scalar(text("SELECT pg_backend_pid()"))
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_backend_pid_in_child, args=(postgres_url, out))
+    child.start()
+    child_pid = out.get(timeout=30)
+    child.join(30)
+    assert child.exitcode == 0
+    assert child_pid != parent  # its own server session, not the parent's socket
+    with session_factory(postgres_url).begin() as s:  # and the parent's connection still works
+        assert s.scalar(text("SELECT pg_backend_pid()")) == parent
+
+
+def test_a_stalled_broker_fails_sends_and_pings_quickly():
+    host, port = "127.0.0.1", int(urlsplit(REDIS_TEST_URL).port)
+    with TcpProxy(host, port) as proxy:
+        settings = Settings(broker_url=f"redis://127.0.0.1:{proxy.port}/{REDIS_TEST_URL.rsplit('/', 1)[1]}",
+                            broker_timeout_s=1)
+        enqueue_job("ftjob-healthy", settings=settings)  # through the proxy, while Redis answers
+        proxy.stall()  # accepts, never answers: without socket timeouts both calls below hang forever
+        for attempt in (lambda: enqueue_job("ftjob-stalled", settings=settings),
+                        lambda: make_celery(settings).connection_for_write().ensure_connection(max_retries=1,
+                                                                                             timeout=1)):
+            outcome = []
+
+            def call(attempt=attempt):
+                try:
+                    attempt()
+                    outcome.append("returned")
+                except Exception as e:
+                    outcome.append(e)
+
+            caller = threading.Thread(target=call, daemon=True)  # a hang must fail the test, not block it
+            caller.start()
+            caller.join(10)
+            assert outcome and isinstance(outcome[0], Exception), f"still waiting on the broker: {outcome}"
+        proxy.unstall()
+
+
+def _s3_settings(tmp_path, database_url, s3_url, **kw) -> Settings:
+    return Settings(home=tmp_path / "home", database_url=database_url, storage_url=s3_url,
+                    heartbeat_s=0.2, lease_ttl_s=30, retry_backoff_s=0, **kw)
+
+
+def _through(proxy: TcpProxy, s3_url: str) -> str:
+    return s3_url.replace(f"endpoint_url=http://127.0.0.1:{proxy.target_port}",
+                          f"endpoint_url=http://127.0.0.1:{proxy.port}")
+
+
+def _wait_for_checkpoint(settings, job_id, step, timeout=120):
+    deadline = time.time() + timeout
+    while True:
+        with session_factory(settings.resolved_database_url()).begin() as s:
+            if s.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.step == step)):
+                return
+        assert time.time() < deadline, f"no checkpoint at step {step}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_an_object_store_outage_retries_the_job_from_its_last_checkpoint(postgres_url, s3_url, moto_endpoint,
+                                                                        toy_dir, tmp_path):
+    port = int(urlsplit(moto_endpoint).port)
+    proxy = TcpProxy("127.0.0.1", port).start()
+    try:
+        settings = _s3_settings(tmp_path, postgres_url, _through(proxy, s3_url))
+        job_id = submit(settings, toy_dir, steps=4)
+        out = {}
+        worker = threading.Thread(target=lambda: out.setdefault("status", run_job(job_id, settings)))
+        worker.start()
+        _wait_for_checkpoint(settings, job_id, 2)
+        proxy.kill()  # the store goes away: the step-4 upload fails (after the client's own retries)
+        worker.join(180)
+        assert out["status"] == "queued"  # not failed: another attempt may well succeed
+        job = job_row(settings, job_id)
+        assert (job.status, job.attempts, job.error_code) == ("queued", 1, None)
+
+        proxy = TcpProxy("127.0.0.1", port, port=proxy.port).start()  # the store is back
+        assert run_job(job_id, settings) == "succeeded"
+        job = job_row(settings, job_id)
+        assert (job.status, job.attempts, job.steps_done) == ("succeeded", 2, 4)
+        from service.db.models import JobEvent
+
+        with session_factory(postgres_url).begin() as s:
+            messages = [e.message for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
+        assert any("storage_unavailable" in m and "runs again" in m for m in messages)
+        assert "Resumed from the checkpoint at step 2" in messages
+    finally:
+        proxy.kill()
+
+
+_RUN_ONE_JOB = ("import sys; from service.settings import Settings; from worker.job_runner import run_job; "
+                "print('run ended:', run_job(sys.argv[1], Settings()), flush=True)")
+
+
+def _stored_versions(settings: Settings, job_id: str) -> dict[str, tuple]:
+    """(LastModified, ETag) of every object a committed checkpoint points at."""
+    store = open_store(settings.resolved_storage_url())
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))
+    versions = {}
+    for c in ckpts:
+        for rel in c.files:
+            head = store.client.head_object(Bucket=store.bucket, Key=store._key(f"{c.storage_prefix}/{rel}"))
+            versions[f"{c.storage_prefix}/{rel}"] = (head["LastModified"], head["ETag"])
+    return versions
+
+
+@pytest.mark.slow
+def test_a_worker_frozen_past_its_lease_never_overwrites_a_committed_checkpoint(postgres_url, s3_url, moto_endpoint,
+                                                                                toy_dir, tmp_path):
+    from tests.worker.test_job_runner import wait_for_step
+
+    with TcpProxy("127.0.0.1", int(urlsplit(moto_endpoint).port)) as proxy:
+        settings = Settings(home=tmp_path / "b", database_url=postgres_url, storage_url=s3_url,
+                            heartbeat_s=0.5, lease_ttl_s=6, retry_backoff_s=0)
+        job_id = submit(settings, toy_dir, steps=4)  # checkpoints at steps 2 and 4
+        env = {**os.environ, "DATABASE_URL": postgres_url, "STORAGE_URL": _through(proxy, s3_url),
+               "CISPO_HOME": str(tmp_path / "a"), "CISPO_HEARTBEAT_S": "0.5", "CISPO_LEASE_TTL_S": "6"}
+        stale = subprocess.Popen([sys.executable, "-c", _RUN_ONE_JOB, job_id], env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            wait_for_step(settings, job_id, 1, timeout=300)
+            proxy.stall()  # the store hangs for this worker: its step-2 checkpoint upload blocks
+            wait_for_step(settings, job_id, 2)
+            time.sleep(1.0)
+            os.kill(stale.pid, signal.SIGSTOP)  # frozen mid-upload: no heartbeat, the lease runs out
+            time.sleep(settings.lease_ttl_s + 1)
+
+            assert run_job(job_id, settings) == "succeeded"  # a healthy worker takes over and finishes
+            committed = _stored_versions(settings, job_id)
+            assert len(committed) > 4
+
+            os.kill(stale.pid, signal.SIGCONT)  # the stale worker wakes up and its upload goes through
+            proxy.unstall()
+            out, _ = stale.communicate(timeout=180)
+            assert "run ended: None" in out, out[-3000:]  # it found its lease gone and stopped
+            assert _stored_versions(settings, job_id) == committed  # not one committed object rewritten
+            assert job_row(settings, job_id).status == "succeeded"
+        finally:
+            if stale.poll() is None:
+                os.kill(stale.pid, signal.SIGCONT)
+                stale.kill()
