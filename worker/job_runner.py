@@ -203,16 +203,14 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     status, error = "failed", None
     reporter.start()
     try:
-        from worker.trainer.loop import Trainer  # torch loads here, not at worker import
+        from worker.distributed.launch import run_training  # torch loads here, not at worker import
 
         local_spec = _materialize(spec, store, work / "data")
         run_dir = work / "run"
         if latest is not None:  # resume from the committed checkpoint, wherever it was written
             download_checkpoint(store, latest[1], latest[2], run_dir / "checkpoints" / checkpoint_name(latest[0]))
-        trainer = Trainer(local_spec, run_dir, scoring=ScoringContext.from_settings(settings, secrets))
-        if trainer.step:
-            reporter.event(f"Resumed from the checkpoint at step {trainer.step}")
-        result = trainer.run(reporter)
+        # One process, or torchrun across spec.resources.gpus (the lease and heartbeat stay here).
+        result = run_training(local_spec, run_dir, reporter, scoring=ScoringContext.from_settings(settings, secrets))
         if reporter.lost:
             raise LeaseLost()
         if reporter.cancel:
