@@ -253,3 +253,14 @@ def test_torchrun_job_reports_and_resumes_at_one(toy_dir, tmp_path):
     assert trainer.step == 2
     trainer.checkpoint_root = tmp_path / "saved-again"
     assert_same_checkpoint(result.last_checkpoint, trainer.save())
+
+
+@pytest.mark.slow
+def test_a_rank_error_of_a_known_kind_fails_the_job_as_that_kind(toy_dir, tmp_path):
+    """A bad warm start fails in every rank; the launcher raises CheckpointError (the job fails as invalid_job)."""
+    from worker.checkpoint import CheckpointError
+    from worker.distributed.launch import run_distributed
+
+    spec = job_spec(toy_dir, "lora", gpus=2).model_copy(update={"init_from": str(tmp_path / "no-such-checkpoint")})
+    with pytest.raises(CheckpointError, match="no-such-checkpoint is not a directory"):
+        run_distributed(spec, tmp_path / "run", Recorder())

@@ -112,10 +112,10 @@ def load_policy(spec: JobSpec, *, resume_from: Checkpoint | None, warm_start: Ch
             raise CheckpointError(f"checkpoint {ckpt.path} holds {have}, but the job (lora: "
                                   f"{'null' if spec.lora is None else 'set'}) needs {want}")
     if spec.lora is None:
-        policy = _full_policy(spec, from_pretrained, resume_from, warm_start)
+        model, reference, pinned = _full_model(spec, from_pretrained, resume_from, warm_start)
+        policy = Policy(model, tokenizer, device, reference_model=reference, pinned_full_reference=pinned)
     else:
         policy = Policy(_lora_model(spec, from_pretrained(spec.model), resume_from, warm_start), tokenizer, device)
-    policy.tokenizer, policy.device = tokenizer, device
     if group.active():
         shard_model(policy.model, device)
         if policy.reference_model is not None:
@@ -123,8 +123,9 @@ def load_policy(spec: JobSpec, *, resume_from: Checkpoint | None, warm_start: Ch
     return policy
 
 
-def _full_policy(spec: JobSpec, from_pretrained, resume_from: Checkpoint | None,
-                 warm_start: Checkpoint | None) -> Policy:
+def _full_model(spec: JobSpec, from_pretrained, resume_from: Checkpoint | None,
+                warm_start: Checkpoint | None) -> tuple[torch.nn.Module, torch.nn.Module | None, bool]:
+    """(model, reference or None, whether the reference came from a checkpoint)."""
     source = resume_from or warm_start
     model = from_pretrained(source.model_dir if source is not None else spec.model)
     reference, pinned = None, False
@@ -139,7 +140,7 @@ def _full_policy(spec: JobSpec, from_pretrained, resume_from: Checkpoint | None,
             reference = copy.deepcopy(model)
         reference.requires_grad_(False)
         reference.eval()
-    return Policy(model, None, None, reference_model=reference, pinned_full_reference=pinned)
+    return model, reference, pinned
 
 
 def _lora_model(spec: JobSpec, base: torch.nn.Module, resume_from: Checkpoint | None,

@@ -21,6 +21,8 @@ running a zero-weighted one.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -58,6 +60,16 @@ class Updater:
             device=self.policy.device,
         )
 
+    @contextmanager
+    def _frozen(self, reference: bool):
+        """The module that scores as the reference (or as the current policy), without gradients."""
+        if reference:
+            with self.policy.reference() as module:
+                yield module
+        else:
+            with torch.no_grad():
+                yield self.policy.model
+
     def _frozen_logprobs(self, rollout: Rollout, indices: list[int], *, reference: bool) -> dict[int, Tensor]:
         """Per-sequence action-token log-probs under the rollout (or reference) policy, no grad."""
         model = self.policy.model
@@ -67,8 +79,8 @@ class Updater:
         with unsharded(model, self.policy.reference_model if reference else None):
             for idx in _chunks(indices, self.training.micro_batch_size):
                 batch = self._batch(rollout, idx)
-                with self.policy.reference() if reference else torch.no_grad() as scorer:
-                    logp, _ = sequence_logprobs(scorer if reference else model, batch, temperature=self.temperature,
+                with self._frozen(reference) as scorer:
+                    logp, _ = sequence_logprobs(scorer, batch, temperature=self.temperature,
                                                 chunk_size=self.training.logprob_chunk_size)
                 result.update(zip(idx, _per_sequence(logp, batch.action_mask_BT)))
         model.train(was_training)
