@@ -98,8 +98,10 @@ def build_spec(body: JobCreate, *, seed: int, training_rows: int, reward: dict |
     method = body.method
     if method.type == "cispo":
         hp = method.cispo.hyperparameters
+        # A section left out takes the JobSpec default; an explicit `"lora": null` asks for full fine-tuning.
         sections = {name: value.model_dump() if hasattr(value, "model_dump") else value
-                    for name in type(hp).model_fields if (value := getattr(hp, name)) is not None}
+                    for name in type(hp).model_fields
+                    if (value := getattr(hp, name)) is not None or (name == "lora" and name in hp.model_fields_set)}
     else:
         sections = _reinforcement_sections(method.reinforcement, training_rows)
     data = {

@@ -7,6 +7,12 @@
   and a corrupted file is refused before anything from it is used.
 - Atomic rename: a checkpoint is built in a hidden sibling directory and renamed
   into place, so a crash never leaves a half-written ``step-NNNNNNNN``.
+
+A LoRA job's checkpoint holds ``adapter/`` (PEFT's format); a full fine-tuning
+job's holds ``model/`` (config + safetensors, loadable with from_pretrained).
+Either may hold ``reference/`` in the same format, the pinned reference policy.
+Weights and optimizer state are always whole (gathered from every FSDP rank),
+so a checkpoint resumes at any number of processes.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
-REQUIRED = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", STATE_JSON, STATE_TENSORS)
+REQUIRED = (STATE_JSON, STATE_TENSORS)
+ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")
+MODEL_CONFIG = "model/config.json"
 _OPT = "optimizer.state."  # prefix of optimizer tensors, in the file and in Checkpoint.tensors
 _USER = "user."  # prefix of the caller's tensors in the file only
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -50,24 +58,35 @@ class CheckpointError(ValueError):
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path
-    adapter_dir: Path
+    adapter_dir: Path | None  # a LoRA job's adapter; None in a full fine-tuning checkpoint
     reference_dir: Path | None
     state: dict
     tensors: dict[str, torch.Tensor]
     # param_groups and non-tensor optimizer state; kept apart so the caller's state stays exactly theirs.
     optimizer: dict | None = field(default=None, repr=False)
+    model_dir: Path | None = None  # a full fine-tuning job's whole model (from_pretrained loads it)
 
 
 def checkpoint_name(step: int) -> str:
     return "step-%08d" % step
 
 
-def save_checkpoint(path: Path, *, model, optimizer: torch.optim.Optimizer | None, state: dict,
+def save_checkpoint(path: Path, *, model, optimizer: torch.optim.Optimizer | dict | None, state: dict,
                     tensors: dict[str, torch.Tensor] | None = None,
-                    reference_adapter: str | None = None) -> Path:
+                    reference_adapter: str | None = None, model_state: dict[str, torch.Tensor] | None = None,
+                    reference_state: dict[str, torch.Tensor] | None = None, tokenizer=None) -> Path:
+    """Write a checkpoint of `model` (a PeftModel: its adapter; otherwise the whole model).
+
+    `optimizer` is an optimizer or its state_dict(); `model_state` and `reference_state` are whole state dicts
+    that replace model.state_dict() (an FSDP model's, gathered to this rank) and, for full fine-tuning,
+    the pinned reference's. `tokenizer` is saved with a whole model, so the folder loads on its own.
+    """
     path = Path(path)
     tensors = dict(tensors or {})
-    if reference_adapter is not None and (reference_adapter == "default" or reference_adapter not in model.peft_config):
+    if not hasattr(model, "peft_config"):
+        if reference_adapter is not None:
+            raise CheckpointError("a reference adapter needs a LoRA model; pass reference_state for a whole model")
+    elif reference_adapter is not None and (reference_adapter == "default" or reference_adapter not in model.peft_config):
         raise CheckpointError(f"reference adapter {reference_adapter!r} is not a loaded adapter other than 'default' "
                               f"(loaded: {sorted(model.peft_config)})")
     if clash := [k for k in tensors if k.startswith(_OPT)]:
@@ -77,7 +96,8 @@ def save_checkpoint(path: Path, *, model, optimizer: torch.optim.Optimizer | Non
     tmp.mkdir()
     old = None
     try:
-        _write_contents(tmp, model, optimizer, state, tensors, reference_adapter)
+        _write_weights(tmp, model, reference_adapter, model_state, reference_state, tokenizer)
+        _write_contents(tmp, optimizer, state, tensors)
         if path.exists():
             # Move the old one aside rather than deleting it first: until the rename below,
             # a crash then leaves no step directory at all, never a half-written one.
@@ -95,20 +115,34 @@ def save_checkpoint(path: Path, *, model, optimizer: torch.optim.Optimizer | Non
     return path
 
 
-def _write_contents(tmp: Path, model, optimizer, state, tensors, reference_adapter) -> None:
-    model.save_pretrained(tmp / "adapter", selected_adapters=["default"], safe_serialization=True)
+def _write_weights(tmp: Path, model, reference_adapter, model_state, reference_state, tokenizer) -> None:
+    if not hasattr(model, "peft_config"):  # full fine-tuning: the whole model, as from_pretrained reads it
+        model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "model")
+        if reference_state is not None:
+            model.save_pretrained(tmp / "reference", state_dict=reference_state, safe_serialization=True)
+        if not (tmp / MODEL_CONFIG).is_file():
+            raise CheckpointError(f"{type(model).__name__}.save_pretrained wrote no config.json")
+        return
+    model.save_pretrained(tmp / "adapter", selected_adapters=["default"], safe_serialization=True,
+                          state_dict=model_state)
     if reference_adapter is not None:
         # PEFT nests every adapter not named "default" in a subfolder named after it
         # (and puts README.md one level up), so save to scratch and lift the subfolder out.
         scratch = tmp / ".reference-scratch"
-        model.save_pretrained(scratch, selected_adapters=[reference_adapter], safe_serialization=True)
+        model.save_pretrained(scratch, selected_adapters=[reference_adapter], safe_serialization=True,
+                              state_dict=model_state)
         (scratch / reference_adapter).rename(tmp / "reference")
         shutil.rmtree(scratch)
     if not (tmp / "adapter" / "adapter_model.safetensors").is_file():
         raise CheckpointError(f"{type(model).__name__}.save_pretrained wrote no adapter_model.safetensors")
+
+
+def _write_contents(tmp: Path, optimizer, state, tensors) -> None:
     flat, opt_meta = {_USER + k: v for k, v in tensors.items()}, None
     if optimizer is not None:
-        sd = optimizer.state_dict()
+        sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
         opt_meta = {"param_groups": sd["param_groups"], "scalars": {}}
         for idx, pstate in sd["state"].items():
             for name, value in pstate.items():
@@ -151,6 +185,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
         fail(f"{MANIFEST} has format {version!r}, this code reads format {FORMAT}")
     if absent := [rel for rel in REQUIRED if rel not in files]:
         fail(f"{MANIFEST} does not list {', '.join(absent)}")
+    full = MODEL_CONFIG in files
+    if not full and (absent := [rel for rel in ADAPTER_FILES if rel not in files]):
+        fail(f"{MANIFEST} lists neither {MODEL_CONFIG} (a whole model) nor {', '.join(absent)} (an adapter)")
     for rel, meta in files.items():
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             fail(f"{MANIFEST} lists a path outside the checkpoint: {rel!r}")
@@ -163,11 +200,18 @@ def load_checkpoint(path: Path) -> Checkpoint:
             fail(f"{rel} sha256 mismatch (expected {meta.get('sha256')}, got {digest})")
     doc = json.loads((path / STATE_JSON).read_text())
     tensors = {k.removeprefix(_USER): v for k, v in load_file(path / STATE_TENSORS).items()}
-    reference = path / "reference" if "reference/adapter_config.json" in files else None
-    return Checkpoint(path, path / "adapter", reference, doc["state"], tensors, doc.get("optimizer"))
+    has_reference = ("reference/config.json" if full else "reference/adapter_config.json") in files
+    reference = path / "reference" if has_reference else None
+    return Checkpoint(path, None if full else path / "adapter", reference, doc["state"], tensors,
+                      doc.get("optimizer"), model_dir=path / "model" if full else None)
 
 
 def load_optimizer_state(optimizer, checkpoint: Checkpoint) -> None:
+    optimizer.load_state_dict(optimizer_state_dict(optimizer, checkpoint))
+
+
+def optimizer_state_dict(optimizer, checkpoint: Checkpoint) -> dict:
+    """The checkpoint's optimizer state as optimizer.state_dict() lays it out, checked against `optimizer`."""
     def fail(msg: str):
         raise CheckpointError(f"checkpoint {checkpoint.path.name}: {msg}")
     meta = checkpoint.optimizer
@@ -199,7 +243,7 @@ def load_optimizer_state(optimizer, checkpoint: Checkpoint) -> None:
         state.setdefault(int(idx), {})[name] = value.clone()
     for idx, values in meta.get("scalars", {}).items():
         state.setdefault(int(idx), {}).update(values)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
 
 
 def check_lora_config(adapter_dir: Path, lora: LoraSpec) -> None:

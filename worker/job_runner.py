@@ -249,8 +249,9 @@ def _is_committed(local: Path, latest: tuple[int, str, dict] | None) -> bool:
 
 
 def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, reporter: JobReporter):
-    """Run the trainer for the job in this process, from its newest committed checkpoint; returns its TrainResult."""
-    from worker.trainer.loop import Trainer  # torch loads here, not at worker import
+    """Run the trainer for the job from its newest committed checkpoint, in this process or across
+    spec.resources.gpus processes under torchrun (the lease and heartbeat stay here); returns its TrainResult."""
+    from worker.distributed.launch import run_training  # torch loads here, not at worker import
 
     local_spec = _materialize(claimed.spec, store, work / "data")
     run_dir = work / "run"
@@ -262,10 +263,7 @@ def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, 
     if claimed.latest is not None:  # resume from the committed checkpoint, wherever it was written
         step, prefix, files = claimed.latest
         download_checkpoint(store, prefix, files, run_dir / "checkpoints" / checkpoint_name(step))
-    trainer = Trainer(local_spec, run_dir, scoring=ScoringContext.from_settings(settings, claimed.secrets))
-    if trainer.step:
-        reporter.event(f"Resumed from the checkpoint at step {trainer.step}")
-    return trainer.run(reporter)
+    return run_training(local_spec, run_dir, reporter, scoring=ScoringContext.from_settings(settings, claimed.secrets))
 
 
 def _failure(e: Exception) -> tuple[str, str, bool]:

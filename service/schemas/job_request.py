@@ -22,6 +22,7 @@ from service.schemas.job_spec import (
     CispoLossSpec,
     LoraSpec,
     OptimizerSpec,
+    ResourcesSpec,
     RolloutSpec,
     SamplingSpec,
     Schedule,
@@ -35,7 +36,8 @@ class CispoHyperparameters(Request):
     """The JobSpec sections a client may set; anything left out takes the JobSpec default."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
-    lora: LoraSpec | None = None
+    lora: LoraSpec | None = Field(None, description="Left out: the default adapter; null: full fine-tuning.")
+    resources: ResourcesSpec | None = None
     sampling: SamplingSpec | None = None
     rollout: RolloutSpec | None = None
     advantages: AdvantageSpec | None = None

@@ -234,6 +234,9 @@ class TrainingSpec(Strict):
     max_turns: int = Field(
         1, ge=1, le=64, description="Assistant turns per episode (environments; a reward function scores one turn)."
     )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory, about a third more compute."
+    )
 
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainingSpec:
@@ -250,6 +253,16 @@ class TrainingSpec(Strict):
         return self.update_epochs * self.mini_batches
 
 
+class ResourcesSpec(Strict):
+    """What a job asks of the worker."""
+
+    gpus: int = Field(
+        1, ge=1, le=64,
+        description="Training processes, one per GPU (FSDP2 under torchrun when above 1; on a CPU-only worker the "
+        "processes share the CPU over gloo). Each process generates whole groups for batch_size / gpus prompts.",
+    )
+
+
 class JobSpec(Strict):
     """A whole CISPO fine-tuning job."""
 
@@ -259,7 +272,10 @@ class JobSpec(Strict):
     data: DataSpec
     reward: Reward | None = Field(None, description="Scores the completion; give this or environment.")
     environment: EnvironmentSpec | None = Field(None, description="Multi-turn environment; give this or reward.")
-    lora: LoraSpec = LoraSpec()
+    lora: LoraSpec | None = Field(
+        LoraSpec(), description="LoRA adapter to train; null trains every weight of the model (full fine-tuning)."
+    )
+    resources: ResourcesSpec = ResourcesSpec()
     sampling: SamplingSpec = SamplingSpec()
     rollout: RolloutSpec = RolloutSpec()
     advantages: AdvantageSpec = AdvantageSpec()
@@ -278,4 +294,16 @@ class JobSpec(Strict):
         if self.reward is not None and self.training.max_turns > 1:
             raise ValueError(f"training.max_turns is {self.training.max_turns}, but a reward function scores a "
                              "single turn; more turns need an environment")
+        return self
+
+    @model_validator(mode="after")
+    def _shares_fit(self) -> JobSpec:
+        gpus, tc = self.resources.gpus, self.training
+        if tc.batch_size % gpus:
+            raise ValueError(f"resources.gpus ({gpus}) must divide training.batch_size ({tc.batch_size}): "
+                             "each process generates whole groups for an equal share of the prompts")
+        per_process = tc.batch_size // gpus * tc.group_size
+        if tc.mini_batches > per_process:
+            raise ValueError(f"training.mini_batches ({tc.mini_batches}) exceeds the sequences per process "
+                             f"(batch_size / resources.gpus * group_size = {per_process})")
         return self

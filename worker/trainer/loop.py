@@ -6,8 +6,15 @@ reward -> group-relative advantages -> update_epochs x mini_batches
 CISPO optimizer steps on that batch (logp_old frozen at rollout) -> metrics
 -> evaluation and checkpoint when due.
 
-Simplifications, on purpose: one process (CPU or one GPU), rollouts from
-the spec's engine in that process (transformers, or vLLM: worker/rollout/), the LM head applied in chunks for log-probs, the
+With several processes (resources.gpus > 1, under torchrun, see
+worker/distributed/) every rank runs this same loop on its share of the
+batch's prompts, whole groups each, so advantages need no communication;
+metrics, reward-error checks and checkpoints are global (gathered), and a
+checkpoint resumes at any number of processes. Exact replay of a resumed run
+holds at one process.
+
+Simplifications, on purpose: rollouts from the spec's engine in the trainer's
+process (transformers, or vLLM: worker/rollout/), the LM head applied in chunks for log-probs, the
 learning rate set per trainer step from a pure schedule function. A run
 resumes from the newest complete checkpoint in its output directory and
 reaches the same weights as an uninterrupted run with the same seed.
@@ -18,6 +25,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Protocol
 
@@ -32,11 +40,15 @@ from worker.checkpoint import (
     checkpoint_name,
     latest_checkpoint,
     load_checkpoint,
-    load_optimizer_state,
+    optimizer_state_dict,
     restore_rng,
     save_checkpoint,
 )
+from worker.distributed import group
+from worker.distributed.shard import unsharded
+from worker.distributed.state import full_model_state, full_optimizer_state, load_full_optimizer_state
 from worker.trainer.data import PromptSampler, load_splits
+from worker.trainer.metrics import UpdateStats
 from worker.trainer.policy import REFERENCE, Policy, load_policy
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import RewardErrorRateExceeded, error_rate_message
@@ -85,6 +97,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _share(items: list, rank: int, world: int) -> list:
+    """This rank's contiguous share of a list that divides evenly (the spec checks batch_size)."""
+    n = len(items) // world
+    return items[rank * n : (rank + 1) * n]
+
+
+def _concat_ranks(local: dict[str, list]) -> dict[str, list]:
+    """Each list concatenated over the ranks, in rank order (the single-process order)."""
+    parts = group.gather_objects(local)
+    return {k: [x for part in parts for x in part[k]] for k in local}
+
+
 def _resume_mismatch(saved: dict, spec: JobSpec) -> list[str]:
     now = spec.model_dump(mode="json")
     try:  # fields added to the spec since the checkpoint, at their defaults, are not changes
@@ -94,7 +118,8 @@ def _resume_mismatch(saved: dict, spec: JobSpec) -> list[str]:
     # Dataset files may live at another path on another worker; what they hold is the job's.
     now["data"] = {**now["data"], "train_file": None, "validation_file": None}
     saved = {**saved, "data": {**saved.get("data", {}), "train_file": None, "validation_file": None}}
-    diffs = [k for k in now if k != "training" and now[k] != saved.get(k)]
+    # A checkpoint holds whole tensors, so the number of processes may change too.
+    diffs = [k for k in now if k not in ("training", "resources") and now[k] != saved.get(k)]
     diffs += [
         f"training.{k}"
         for k in now["training"]
@@ -140,7 +165,9 @@ class Trainer:
             if diffs:
                 raise ValueError(f"cannot resume from {resumed.path}: the spec changed in {', '.join(diffs)}")
 
+        # Every rank builds the same weights from the same seed (LoRA's initialisation draws from it).
         self.policy: Policy = load_policy(spec, resume_from=resumed, warm_start=warm)
+        self.rank, self.world = group.rank(), group.world_size()
         opt = spec.optimizer
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
@@ -148,10 +175,12 @@ class Trainer:
         self.sampler = PromptSampler(self.train_rows, seed=spec.seed)
         self.step = 0
         if resumed is not None:
-            load_optimizer_state(self.optimizer, resumed)
+            load_full_optimizer_state(self.policy.model, self.optimizer, optimizer_state_dict(self.optimizer, resumed))
             self.sampler = PromptSampler(self.train_rows, seed=spec.seed, **resumed.state["data"])
             self.step = int(resumed.state["step"])
             restore_rng(resumed.state["rng"], {k[4:]: v for k, v in resumed.tensors.items() if k.startswith("rng.")})
+        if self.rank:  # other ranks sample other completions; rank 0 keeps the one-process stream
+            seed_everything(spec.seed + 1_000_003 * self.rank + self.step)
         self.updater = Updater(self.policy, self.optimizer, spec)
         self.engine: RolloutEngine = engine or make_engine(spec, self.policy)
         self._owns_engine = engine is None
@@ -169,14 +198,21 @@ class Trainer:
         """Greedy completions on the held-out rows (or the first training rows when there are none)."""
         rows = (self.val_rows or self.train_rows)[: self.spec.training.eval_max_rows]
         seeds = [(self.spec.seed + i) % 2**31 for i in range(len(rows))]  # the same episodes at every evaluation
-        rollout = self.engine.generate(self.policy, rows, self.spec.sampling, group_size=1, greedy=True,
-                                       **self._episodes(seeds))
-        feedback = collect_feedback(rollout, self.scorer, failure_score=self.spec.training.reward_failure_score)
+        mine = list(range(self.rank, len(rows), self.world))  # the ranks split the rows
+        local = {"rewards": [], "errors": [], "lengths": [], "turns": []}
+        with unsharded(self.policy.model):
+            if mine:
+                rollout = self.engine.generate(self.policy, [rows[i] for i in mine], self.spec.sampling,
+                                               group_size=1, greedy=True, **self._episodes([seeds[i] for i in mine]))
+                feedback = collect_feedback(rollout, self.scorer, failure_score=self.spec.training.reward_failure_score)
+                local = {"rewards": feedback.rewards.tolist(), "errors": feedback.errors,
+                         "lengths": rollout.action_counts, "turns": rollout.turns}
+        every = _concat_ranks(local)
         return {
-            "eval_reward_mean": float(feedback.rewards.mean()),
-            "eval_reward_errors": float(len(feedback.errors)),
-            "eval_completion_length": sum(rollout.action_counts) / len(rollout),
-            "eval_turns_mean": sum(rollout.turns) / len(rollout),
+            "eval_reward_mean": sum(every["rewards"]) / len(rows),
+            "eval_reward_errors": float(len(every["errors"])),
+            "eval_completion_length": sum(every["lengths"]) / len(rows),
+            "eval_turns_mean": sum(every["turns"]) / len(rows),
             "eval_rows": float(len(rows)),
         }
 
@@ -187,15 +223,18 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-        rows = self.sampler.next_batch(tc.batch_size)
+        rows = _share(self.sampler.next_batch(tc.batch_size), self.rank, self.world)
         # Episode seeds come from the job's RNG (saved in checkpoints), one per prompt, shared by its group.
         seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist() if self.environment is not None else []
-        rollout = self.engine.generate(self.policy, rows, spec.sampling, group_size=tc.group_size,
-                                       **self._episodes(seeds))
+        with unsharded(self.policy.model):
+            rollout = self.engine.generate(self.policy, rows, spec.sampling, group_size=tc.group_size,
+                                           **self._episodes(seeds))
         rollout_s = time.perf_counter() - started
 
         feedback = collect_feedback(rollout, self.scorer, failure_score=tc.reward_failure_score)
-        self._check_reward_errors(self.step + 1, feedback, len(rollout))
+        # Every rank judges the whole step's errors, so all stop together.
+        errors = _concat_ranks({"errors": feedback.errors})["errors"]
+        self._check_reward_errors(self.step + 1, SimpleNamespace(errors=errors), len(rollout) * self.world)
         rewards = feedback.rewards
         adv = spec.advantages
         advantages = assign_advantages(rollout, feedback, adv, tc.group_size)
@@ -211,23 +250,33 @@ class Trainer:
         update_s = time.perf_counter() - update_started
         step_s = time.perf_counter() - started
 
-        completion_tokens = sum(rollout.action_counts)
-        all_tokens = sum(map(len, rollout.token_ids))
+        every = _concat_ranks({
+            "rewards": rewards.tolist(), "advantages": advantages_PG.flatten().tolist(),
+            "zero": zero_P.float().tolist(), "counts": rollout.action_counts, "turns": rollout.turns,
+            "truncated": rollout.truncated, "all_tokens": [sum(map(len, rollout.token_ids))],
+            "components": [feedback.scores.components] if feedback.scores is not None else [], "stats": [stats],
+        })
+        rewards, advantages_PG = torch.tensor(every["rewards"]), torch.tensor(every["advantages"])
+        sequences = len(every["counts"])
+        completion_tokens = sum(every["counts"])
+        all_tokens = sum(every["all_tokens"])
+        components = {name: [v for c in every["components"] for v in c[name]] for name in
+                      (every["components"][0] if every["components"] else {})}
         self.step += 1
         return {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)),
-            "reward_errors": float(len(feedback.errors)),
-            "reward_error_fraction": len(feedback.errors) / len(rollout),
-            **(component_metrics(feedback.scores) if feedback.scores is not None else {}),
+            "reward_errors": float(len(errors)),
+            "reward_error_fraction": len(errors) / sequences,
+            **(component_metrics(SimpleNamespace(components=components)) if every["components"] else {}),
             "advantage_mean": float(advantages_PG.mean()),
             "advantage_std": float(advantages_PG.std(unbiased=False)),
-            "zero_advantage_group_fraction": float(zero_P.float().mean()),
-            "completion_length_mean": completion_tokens / len(rollout),
-            "turns_mean": sum(rollout.turns) / len(rollout),
-            "truncated_fraction": sum(rollout.truncated) / len(rollout),
+            "zero_advantage_group_fraction": sum(every["zero"]) / len(every["zero"]),
+            "completion_length_mean": completion_tokens / sequences,
+            "turns_mean": sum(every["turns"]) / sequences,
+            "truncated_fraction": sum(every["truncated"]) / sequences,
             "lr": lr,
-            **stats.metrics(),
+            **UpdateStats.combined(every["stats"]).metrics(),
             "rollout_seconds": rollout_s,
             "update_seconds": update_s,
             "step_seconds": step_s,
@@ -248,11 +297,25 @@ class Trainer:
             raise RewardErrorRateExceeded(message)
 
     def save(self) -> Path:
+        """Gather whole weights and optimizer state from every rank (collective); rank 0 writes them."""
+        policy, path = self.policy, self.checkpoint_root / checkpoint_name(self.step)
+        model_state = full_model_state(policy.model)
+        optimizer_state = full_optimizer_state(policy.model, self.optimizer)
+        reference_state = None
+        if policy.pinned_full_reference:
+            reference_state = full_model_state(policy.reference_model) if self.world > 1 \
+                else policy.reference_model.state_dict()
+        if self.rank:
+            self.last_checkpoint = path
+            return path
         rng_json, rng_tensors = capture_rng()
         path = save_checkpoint(
-            self.checkpoint_root / checkpoint_name(self.step),
-            model=self.policy.model,
-            optimizer=self.optimizer,
+            path,
+            model=policy.model,
+            optimizer=optimizer_state,
+            model_state=model_state,
+            reference_state=reference_state,
+            tokenizer=None if policy.is_lora else policy.tokenizer,
             state={
                 "step": self.step,
                 "data": self.sampler.state(),
@@ -260,7 +323,7 @@ class Trainer:
                 "spec": self.spec.model_dump(mode="json"),
             },
             tensors={f"rng.{k}": v for k, v in rng_tensors.items()},
-            reference_adapter=REFERENCE if self.policy.has_pinned_reference else None,
+            reference_adapter=REFERENCE if policy.is_lora and policy.has_pinned_reference else None,
         )
         self.last_checkpoint = path
         return path

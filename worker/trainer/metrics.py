@@ -23,6 +23,19 @@ class UpdateStats:
         self.ratios.append(out.ratio_N.float().cpu())
         self.entropy_sum += entropy_sum
 
+    @classmethod
+    def combined(cls, ranks: list[UpdateStats]) -> UpdateStats:
+        """One step's stats from every rank's; losses and grad norms are already global (equal on every rank)."""
+        if len(ranks) == 1:
+            return ranks[0]
+        out = cls(step_losses=ranks[0].step_losses, grad_norms=ranks[0].grad_norms)
+        for part in ranks:
+            for k, v in part.sums.items():
+                out.sums[k] = out.sums.get(k, 0.0) + v
+            out.ratios.extend(part.ratios)
+            out.entropy_sum += part.entropy_sum
+        return out
+
     def metrics(self) -> dict[str, float]:
         tokens = self.sums.get("tokens", 0.0)
         if tokens == 0:

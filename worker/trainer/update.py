@@ -9,15 +9,27 @@ Sequences are collated with the rollout's action mask, so prompt and
 environment tokens are context only; advantages arrive per action token
 (one value per sequence is broadcast), which is how per-turn advantages
 reach each turn's tokens.
+
+With several processes (FSDP2) each rank updates on its own sequences. The
+normaliser is the action-token count of the whole optimizer step, summed over
+ranks, so the sharded losses add up to the global token mean; FSDP averages
+gradients over ranks, so each rank's loss is scaled by the world size to make
+that average the sum. Every rank runs the same number of micro-batches per
+optimizer step (FSDP's collectives pair up), a rank short of sequences
+running a zero-weighted one.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 from service.schemas.job_spec import JobSpec
 from worker.cispo import LossInputs, cispo_loss
+from worker.distributed import group
+from worker.distributed.shard import unsharded
 from worker.trainer.metrics import UpdateStats
 from worker.trainer.policy import Policy
 from worker.trainer.rollout import Rollout
@@ -48,21 +60,29 @@ class Updater:
             device=self.policy.device,
         )
 
+    @contextmanager
+    def _frozen(self, reference: bool):
+        """The module that scores as the reference (or as the current policy), without gradients."""
+        if reference:
+            with self.policy.reference() as module:
+                yield module
+        else:
+            with torch.no_grad():
+                yield self.policy.model
+
     def _frozen_logprobs(self, rollout: Rollout, indices: list[int], *, reference: bool) -> dict[int, Tensor]:
         """Per-sequence action-token log-probs under the rollout (or reference) policy, no grad."""
         model = self.policy.model
         was_training = model.training
         model.eval()  # the sampler ran without dropout
         result: dict[int, Tensor] = {}
-        for idx in _chunks(indices, self.training.micro_batch_size):
-            batch = self._batch(rollout, idx)
-            if reference:
-                with self.policy.reference():
-                    logp, _ = sequence_logprobs(model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size)
-            else:
-                with torch.no_grad():
-                    logp, _ = sequence_logprobs(model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size)
-            result.update(zip(idx, _per_sequence(logp, batch.action_mask_BT)))
+        with unsharded(model, self.policy.reference_model if reference else None):
+            for idx in _chunks(indices, self.training.micro_batch_size):
+                batch = self._batch(rollout, idx)
+                with self._frozen(reference) as scorer:
+                    logp, _ = sequence_logprobs(scorer, batch, temperature=self.temperature,
+                                                chunk_size=self.training.logprob_chunk_size)
+                result.update(zip(idx, _per_sequence(logp, batch.action_mask_BT)))
         model.train(was_training)
         return result
 
@@ -75,7 +95,7 @@ class Updater:
         stats = UpdateStats()
         counts = rollout.action_counts
         indices = [i for i in indices if counts[i] > 0]
-        if not indices:
+        if group.max_all(len(indices)) == 0:
             return stats
         if isinstance(advantages, Tensor):
             advantages = [advantages[i].repeat(counts[i]) for i in range(len(rollout))]
@@ -91,14 +111,20 @@ class Updater:
         model = self.policy.model
         model.train()
         params = self.policy.trainable_parameters()
+        world = group.world_size()
         for _ in range(self.training.update_epochs):
             order = [indices[i] for i in torch.randperm(len(indices)).tolist()]
-            n_mini = min(self.training.mini_batches, len(order))
-            for mini in (m.tolist() for m in torch.tensor(order).tensor_split(n_mini)):
-                normalizer = float(len(mini)) if per_sequence else float(sum(counts[i] for i in mini))
+            n_mini = group.max_all(min(self.training.mini_batches, len(order)))
+            for mini in (m.tolist() for m in torch.tensor(order, dtype=torch.long).tensor_split(n_mini)):
+                normalizer = group.sum_all(float(len(mini)) if per_sequence else float(sum(counts[i] for i in mini)))
+                if normalizer == 0:  # no rank has a sequence for this step
+                    continue
                 self.optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
-                for micro in _chunks(mini, self.training.micro_batch_size):
+                micros = _chunks(mini, self.training.micro_batch_size)
+                for _ in range(group.max_all(len(micros)) - len(micros)):
+                    self._zero_weight_pass(rollout)
+                for micro in micros:
                     batch = self._batch(rollout, micro)
                     logp, entropy = sequence_logprobs(
                         model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size
@@ -122,16 +148,24 @@ class Updater:
                         per_sequence=per_sequence,
                         tis_cap=self.spec.rollout.tis_cap,
                     )
-                    out.loss.backward()
+                    (out.loss * world).backward()  # FSDP averages gradients over ranks; the sum is wanted
                     step_loss += float(out.loss.detach())
                     stats.add(out, float((entropy * batch.action_mask_BT).sum()))
                 max_norm = self.spec.optimizer.max_grad_norm
                 norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-                stats.grad_norms.append(float(norm))
+                stats.grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
                 self.optimizer.step()
-                stats.step_losses.append(step_loss)
+                stats.step_losses.append(group.sum_all(step_loss))
         self.optimizer.zero_grad(set_to_none=True)
         return stats
+
+
+    def _zero_weight_pass(self, rollout: Rollout) -> None:
+        """A forward and backward that adds nothing to the gradients but joins FSDP's collectives."""
+        batch = self._batch(rollout, [0])
+        logp, _ = sequence_logprobs(self.policy.model, batch, temperature=self.temperature,
+                                    chunk_size=self.training.logprob_chunk_size)
+        (logp.sum() * 0.0).backward()
 
 
 def _scatter(per_seq: dict[int, Tensor], idx: list[int], mask_BT: Tensor, like_BT: Tensor) -> Tensor:

@@ -1,0 +1,266 @@
+"""FSDP2 on gloo: two processes match one, and checkpoints move between world sizes.
+
+Two CPU processes (torch.multiprocessing, gloo) run one CISPO optimizer step
+on the halves of a fixed batch; one process runs it on the whole batch. Loss,
+gradients and updated weights must agree, for LoRA and full fine-tuning,
+including a rank with fewer micro-batches than the other (it joins FSDP's
+collectives with a zero-weighted pass) and a KL term (the reference policy
+runs unsharded). Checkpoints hold whole tensors: one saved at 2 processes
+reloads at 1 and saves back identically, and the reverse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from service.schemas.job_spec import JobSpec
+from worker.toy.__main__ import toy_spec
+
+SEQUENCES = 8  # the global batch: 2 prompts x group 4
+KINDS = ("lora", "full")
+
+
+def job_spec(toy_dir: Path, kind: str, *, gpus: int = 1, **training) -> JobSpec:
+    raw = toy_spec(toy_dir)
+    raw["lora"] = raw["lora"] if kind == "lora" else None
+    raw["loss"] = {"kl_beta": 0.1}
+    raw["resources"] = {"gpus": gpus}
+    raw["training"].update({"steps": 2, "batch_size": 2, "group_size": 4, "mini_batches": 1, "micro_batch_size": 2,
+                            "eval_interval": 0, "eval_max_rows": 4, "checkpoint_interval": 1, **training})
+    return JobSpec.model_validate(raw)
+
+
+def fixed_batch():
+    """SEQUENCES prompt+completion sequences of uneven lengths, with advantages (deterministic)."""
+    from worker.trainer.rollout import Rollout
+
+    g = torch.Generator().manual_seed(7)
+    token_ids, masks = [], []
+    for i in range(SEQUENCES):
+        prompt, completion = 3 + i % 3, 2 + (5 * i) % 4
+        token_ids.append(torch.randint(4, 30, (prompt + completion,), generator=g).tolist())
+        masks.append([0] * prompt + [1] * completion)
+    rollout = Rollout(rows=[{}] * SEQUENCES, token_ids=token_ids, action_mask=masks,
+                      action_turns=[[0] * sum(m) for m in masks], prompt_lengths=[3 + i % 3 for i in range(SEQUENCES)],
+                      completions=[""] * SEQUENCES, truncated=[False] * SEQUENCES, turns=[1] * SEQUENCES)
+    advantages = torch.randn(SEQUENCES, generator=g)
+    return rollout, advantages
+
+
+def share(rollout, advantages, rank: int, world: int):
+    """A rank's contiguous share of the batch, as the trainer splits it."""
+    from worker.trainer.rollout import Rollout
+
+    n = SEQUENCES // world
+    part = slice(rank * n, (rank + 1) * n)
+    fields = {k: getattr(rollout, k)[part] for k in
+              ("rows", "token_ids", "action_mask", "action_turns", "prompt_lengths", "completions", "truncated", "turns")}
+    return Rollout(**fields), advantages[part]
+
+
+def one_update(spec: JobSpec, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """One optimizer step on this rank's share; returns (on rank 0) loss, whole gradients and weights."""
+    from worker.distributed.state import full_model_state
+    from worker.trainer.policy import load_policy
+    from worker.trainer.update import Updater
+
+    torch.manual_seed(0)
+    policy = load_policy(spec, resume_from=None, warm_start=None)
+    grads: dict[str, torch.Tensor] = {}
+    names = {id(p): n for n, p in policy.model.named_parameters()}
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    grads["grad." + names[id(p)]] = g.detach().clone()
+            return super().step(closure)
+
+    optimizer = Recording(policy.trainable_parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    rollout, advantages = share(*fixed_batch(), rank, world)
+    # The last rank drops one of its sequences: fewer micro-batches there (2 a rank, 1 on the last).
+    indices = list(range(len(rollout)))[: len(rollout) - (rank == world - 1 and world > 1)]
+    if world == 1:
+        indices = [i for i in indices if i != SEQUENCES - 1]
+    stats = Updater(policy, optimizer, spec).run(rollout, advantages, indices)
+    trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    state = full_model_state(policy.model) if world > 1 else policy.model.state_dict()
+    weights = {"weight." + k: v for k, v in state.items() if k in trainable}
+    return {**grads, **weights, "loss": torch.tensor(stats.step_losses), "grad_norm": torch.tensor(stats.grad_norms),
+            "tokens": torch.tensor([stats.sums["tokens"]])}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, task: str, args: dict) -> None:
+    """One spawned rank: join a gloo group through the environment, as torchrun would set it up."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    from worker.distributed import group
+
+    group.init_from_env()
+    try:
+        TASKS[task](rank, world, **args)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def spawn(task: str, world: int = 2, **args) -> None:
+    mp.start_processes(_rank_main, args=(world, _free_port(), task, args), nprocs=world, join=True,
+                       start_method="spawn")
+
+
+def _update_task(rank: int, world: int, toy_dir: str, out: str) -> None:
+    for kind in KINDS:
+        result = one_update(job_spec(Path(toy_dir), kind), rank, world)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in result.items()}, Path(out) / f"{kind}.safetensors")
+
+
+def _resume_and_save_task(rank: int, world: int, runs: dict[str, str]) -> None:
+    """Resume each run's newest checkpoint at this world size and save it again under saved-again/."""
+    from worker.trainer.loop import Trainer
+
+    for kind, run_dir in runs.items():
+        trainer = Trainer(JobSpec.model_validate_json((Path(run_dir) / "spec.json").read_text()), Path(run_dir))
+        trainer.checkpoint_root = Path(run_dir) / "saved-again"
+        trainer.save()
+
+
+TASKS = {"update": _update_task, "resume_and_save": _resume_and_save_task}
+
+
+@pytest.fixture(scope="module")
+def two_process_updates(toy_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp2")
+    spawn("update", toy_dir=str(toy_dir), out=str(out))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_processes_match_one(kind, toy_dir, two_process_updates):
+    """Same loss, gradients and updated weights at 2 processes as at 1, on the same batch."""
+    sharded = load_file(str(two_process_updates / f"{kind}.safetensors"))
+    single = one_update(job_spec(toy_dir, kind), rank=0, world=1)
+    assert sharded.keys() == single.keys()
+    assert float(single["tokens"]) > 0 and single["loss"].abs().item() > 0
+    assert any(k.startswith("grad.") for k in single)
+    for name, expected in single.items():
+        if name == "tokens":  # rank 0's own share; the update's normaliser is the global count
+            continue
+        # AdamW's first step is about lr * sign(grad), so a weight whose gradient is ~0 may move by a
+        # rounding-sized amount differently: weights get an absolute tolerance of 0.1% of lr.
+        atol = 1e-5 if name.startswith("weight.") else 1e-6
+        torch.testing.assert_close(sharded[name], expected, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
+    # The step moved the weights, so equal weights mean equal updates, not two untouched models.
+    from worker.trainer.policy import load_policy
+
+    torch.manual_seed(0)
+    initial = load_policy(job_spec(toy_dir, kind), resume_from=None, warm_start=None).model.state_dict()
+    assert max((single["weight." + k] - v).abs().max().item() for k, v in initial.items()
+               if "weight." + k in single) > 1e-3
+
+
+# -- checkpoints across world sizes ------------------------------------------------
+
+
+def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint holds: weights (adapter or whole model) and optimizer state."""
+    out = {}
+    for f in sorted(ckpt.rglob("*.safetensors")):
+        out.update({f"{f.relative_to(ckpt)}:{k}": v for k, v in load_file(str(f)).items()})
+    return out
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
+    assert ta.keys() == tb.keys()
+    assert any(k.startswith("trainer_state.safetensors:optimizer.state.") for k in ta)
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+    sa, sb = (json.loads((p / "trainer_state.json").read_text()) for p in (a, b))
+    assert sa["optimizer"] == sb["optimizer"] and sa["state"]["step"] == sb["state"]["step"]
+
+
+class Recorder:
+    def __init__(self):
+        self.steps, self.evals, self.checkpoints, self.events = [], [], [], []
+
+    def on_step(self, step, metrics): self.steps.append((step, metrics))
+    def on_eval(self, step, metrics): self.evals.append((step, metrics))
+    def on_checkpoint(self, step, path): self.checkpoints.append((step, path))
+    def event(self, message): self.events.append(message)
+    def should_stop(self): return False
+
+
+@pytest.mark.slow
+def test_one_process_checkpoints_resume_at_two(toy_dir, tmp_path):
+    """Saved at 1 process, resumed at 2 and saved again: the same tensors (LoRA and full fine-tuning)."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.trainer.loop import train
+
+    runs = {}
+    for kind in KINDS:
+        spec = job_spec(toy_dir, kind, steps=1)
+        result = train(spec, tmp_path / kind)
+        (tmp_path / kind / "spec.json").write_text(job_spec(toy_dir, kind, steps=1, gpus=2).model_dump_json())
+        runs[kind] = str(tmp_path / kind)
+        if kind == "full":  # a whole model that from_pretrained loads, equal to the saved weights
+            saved = load_file(str(result.last_checkpoint / "model" / "model.safetensors"))
+            loaded = AutoModelForCausalLM.from_pretrained(result.last_checkpoint / "model").state_dict()
+            assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+    spawn("resume_and_save", runs=runs)
+    for kind, run_dir in runs.items():
+        assert_same_checkpoint(Path(run_dir) / "checkpoints" / "step-00000001",
+                               Path(run_dir) / "saved-again" / "step-00000001")
+
+
+@pytest.mark.slow
+def test_torchrun_job_reports_and_resumes_at_one(toy_dir, tmp_path):
+    """A 2-process job under torchrun relays steps, evaluations and checkpoints; its checkpoint resumes at 1."""
+    from worker.distributed.launch import run_distributed
+    from worker.trainer.loop import Trainer
+
+    spec = job_spec(toy_dir, "lora", steps=2, gpus=2, checkpoint_interval=1)
+    calls = Recorder()
+    result = run_distributed(spec, tmp_path, calls)
+    assert result.steps_done == 2 and not result.stopped
+    assert [s for s, _ in calls.steps] == [1, 2] and [s for s, _ in calls.checkpoints] == [1, 2]
+    assert [s for s, _ in calls.evals] == [0, 2]
+    metrics = calls.steps[0][1]
+    # The whole batch's figures, not rank 0's half: 2 prompts x 4 completions.
+    assert metrics["optimizer_steps"] == 1 and 0 <= metrics["reward_mean"] <= 1
+    assert metrics["trained_tokens"] == pytest.approx(8 * metrics["completion_length_mean"])
+    assert result.last_checkpoint == calls.checkpoints[-1][1]
+
+    trainer = Trainer(job_spec(toy_dir, "lora", steps=2), tmp_path)  # the same job at 1 process
+    assert trainer.step == 2
+    trainer.checkpoint_root = tmp_path / "saved-again"
+    assert_same_checkpoint(result.last_checkpoint, trainer.save())
+
+
+@pytest.mark.slow
+def test_a_rank_error_of_a_known_kind_fails_the_job_as_that_kind(toy_dir, tmp_path):
+    """A bad warm start fails in every rank; the launcher raises CheckpointError (the job fails as invalid_job)."""
+    from worker.checkpoint import CheckpointError
+    from worker.distributed.launch import run_distributed
+
+    spec = job_spec(toy_dir, "lora", gpus=2).model_copy(update={"init_from": str(tmp_path / "no-such-checkpoint")})
+    with pytest.raises(CheckpointError, match="no-such-checkpoint is not a directory"):
+        run_distributed(spec, tmp_path / "run", Recorder())

@@ -1,0 +1,206 @@
+"""The job-runner side of multi-process training: start torchrun for a job and relay rank 0's callbacks.
+
+The lease, heartbeat and every SQL or object-store write stay in the job
+runner's process (its callbacks). Rank 0 sends each callback over a Unix
+socket as one JSON line and waits for the answer, so the order of steps,
+evaluations and checkpoint uploads is the trainer's, and `should_stop` (cancel,
+pause, a lost lease) reaches every rank at the same step boundary. The job's
+secrets travel to rank 0 over the same socket, never in argv or the environment.
+
+A rank that fails sends its error first when it can; an error of a known kind
+is raised here as that kind (so the job fails with the same code as in one
+process). Ranks that stop answering a stop request for `stop_grace_s`, or die,
+are killed as a process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from service.schemas.job_spec import JobSpec
+from worker.checkpoint import CheckpointError
+from worker.rewards.engine import ScoringContext
+from worker.rewards.errors import RewardErrorRateExceeded
+from worker.trainer.data import DataError
+
+CHANNEL_ENV = "CISPO_RANK0_SOCKET"
+RANKS_LOG = "ranks.log"
+# Errors that mean the same in every process; anything else arrives as RankFailed.
+KNOWN_ERRORS = {cls.__name__: cls for cls in (RewardErrorRateExceeded, CheckpointError, DataError, ValueError)}
+
+
+class RankFailed(RuntimeError):
+    """The training processes failed or died; the message says how."""
+
+
+def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringContext | None = None):
+    """Train the job in this process, or across spec.resources.gpus processes; returns its TrainResult."""
+    if spec.resources.gpus > 1:
+        return run_distributed(spec, run_dir, callbacks, scoring=scoring)
+    from worker.trainer.loop import Trainer  # torch loads here, not at worker import
+
+    trainer = Trainer(spec, run_dir, scoring=scoring)
+    if trainer.step:
+        _event(callbacks, f"Resumed from the checkpoint at step {trainer.step}")
+    return trainer.run(callbacks)
+
+
+def run_distributed(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringContext | None = None,
+                    processes: int | None = None, startup_timeout_s: float = 600.0, stop_grace_s: float = 60.0):
+    """torchrun with one process per GPU (gloo processes on CPU) for the job; blocks until they finish."""
+    from worker.trainer.loop import TrainResult
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = run_dir / "job_spec.json"
+    spec_path.write_text(spec.model_dump_json())
+    sock_dir = tempfile.mkdtemp(prefix="cispo-ranks-")  # short: Unix socket paths are limited to ~100 bytes
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(os.path.join(sock_dir, "rank0.sock"))
+    server.listen(1)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={processes or spec.resources.gpus}",
+               "-m", "worker.distributed.rank", str(spec_path), str(run_dir)]
+    log_path = run_dir / RANKS_LOG
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(command, env={**os.environ, CHANNEL_ENV: os.path.join(sock_dir, "rank0.sock")},
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group, killed as one
+    try:
+        conn = _accept(server, proc, startup_timeout_s, log_path)
+        with conn:
+            _send(conn, _context(scoring))
+            result = _serve(conn, proc, callbacks, stop_grace_s, log_path)
+        try:
+            proc.wait(timeout=60)  # the ranks leave the process group and exit
+        except subprocess.TimeoutExpired:
+            pass
+        return TrainResult(result["steps_done"], result["stopped"],
+                           Path(result["last_checkpoint"]) if result["last_checkpoint"] else None,
+                           result["first_eval"], result["last_eval"])
+    finally:
+        server.close()
+        _stop(proc)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def _context(scoring: ScoringContext | None) -> dict:
+    scoring = scoring or ScoringContext()
+    return {"secrets": dict(scoring.secrets), "egress": dataclasses.asdict(scoring.egress),
+            "judge": dataclasses.asdict(scoring.judge) if scoring.judge is not None else None}
+
+
+def _accept(server: socket.socket, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> socket.socket:
+    server.settimeout(1.0)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            conn, _ = server.accept()
+            return conn
+        except TimeoutError:
+            if proc.poll() is not None:
+                raise RankFailed(f"the training processes exited ({proc.returncode}) before rank 0 connected; "
+                                 f"{_tail(log_path)}") from None
+    raise RankFailed(f"rank 0 did not connect within {timeout_s:.0f} s")
+
+
+def _serve(conn: socket.socket, proc: subprocess.Popen, callbacks, stop_grace_s: float, log_path: Path) -> dict:
+    """Answer rank 0's requests until it reports the result; raise what it reports as its error."""
+    conn.settimeout(1.0)
+    buffer, stop_since = b"", None
+    while True:
+        try:
+            chunk = conn.recv(1 << 16)
+        except TimeoutError:
+            if proc.poll() is not None:
+                raise RankFailed(f"the training processes exited ({proc.returncode}); {_tail(log_path)}") from None
+            if callbacks.should_stop():  # cancel or lost lease while a step runs: a grace period, then a kill
+                stop_since = stop_since or time.monotonic()
+                if time.monotonic() - stop_since > stop_grace_s:
+                    raise RankFailed(f"the training processes did not stop within {stop_grace_s:.0f} s of a "
+                                     "stop request; killed") from None
+            continue
+        if not chunk:
+            proc.wait(timeout=30)
+            raise RankFailed(f"rank 0 hung up (exit {proc.returncode}); {_tail(log_path)}")
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            message = json.loads(line)
+            kind = message.pop("kind")
+            if kind == "done":
+                return message
+            if kind == "error":
+                cls = KNOWN_ERRORS.get(message["type"])
+                raise cls(message["message"]) if cls else RankFailed(f"{message['type']}: {message['message']}")
+            _send(conn, _dispatch(callbacks, kind, message))
+
+
+def _dispatch(callbacks, kind: str, m: dict) -> dict:
+    if kind == "should_stop":
+        return {"stop": bool(callbacks.should_stop())}
+    if kind == "step":
+        callbacks.on_step(m["step"], m["metrics"])
+    elif kind == "eval":
+        callbacks.on_eval(m["step"], m["metrics"])
+    elif kind == "checkpoint":
+        callbacks.on_checkpoint(m["step"], Path(m["path"]))
+    elif kind == "reward_errors":
+        report = getattr(callbacks, "on_reward_errors", None)
+        if report is not None:
+            report(m["step"], m["errors"])
+    elif kind == "samples":
+        record = getattr(callbacks, "on_samples", None)
+        if record is not None:
+            record(m["step"], m["samples"])
+    elif kind == "event":
+        _event(callbacks, m["message"])
+    else:
+        raise RankFailed(f"rank 0 sent an unknown request {kind!r}")
+    return {}
+
+
+def _event(callbacks, message: str) -> None:
+    event = getattr(callbacks, "event", None)  # the job runner's reporter has it; plain callbacks may not
+    if event is not None:
+        event(message)
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    conn.settimeout(None)
+    conn.sendall(json.dumps(message).encode() + b"\n")
+    conn.settimeout(1.0)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End the whole process group (torchrun and its ranks): SIGTERM, then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(log_path: Path, chars: int = 1500) -> str:
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return "no log"
+    return f"last output: {text[-chars:]}"
