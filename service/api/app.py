@@ -19,6 +19,7 @@ from service.api import envelope
 from service.api.access import Authenticate
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.ratelimit import TokenBuckets
+from service.api.scoring import scoring_slots
 from service.api.routes import environments, files, graders, health, job_outputs, jobs, reward_functions, secrets
 from service.db.session import read_session_factory, session_factory
 from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_job, make_celery
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.store = open_store(settings.resolved_storage_url())
     app.state.enqueue = enqueue or default_enqueue
     app.state.broker_ping = ping
+    app.state.scoring_slots = scoring_slots(settings)
 
     envelope.install(app)
     app.add_middleware(BodySizeLimit, max_json_bytes=settings.max_request_bytes,

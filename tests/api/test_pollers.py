@@ -14,12 +14,10 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
 from service.db.session import session_factory
 from service.repositories import jobs as jobs_repo
-from tests.api.conftest import created_job, running_api
-from tests.conftest import free_port
+from tests.api.conftest import LiveServer, created_job, running_api
 
 
 def test_a_get_answers_while_the_trainer_holds_the_sqlite_write_lock(tmp_path):
@@ -46,27 +44,6 @@ def test_a_get_answers_while_the_trainer_holds_the_sqlite_write_lock(tmp_path):
     finally:
         session_factory(url).kw["bind"].dispose()
         drop()
-
-
-class _Server:
-    """The app under uvicorn on a free port, in a thread: real HTTP and the real threadpool."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
 
 
 def test_pollers_get_no_errors_while_a_job_keeps_writing(database_url, tmp_path):
@@ -106,7 +83,7 @@ def test_pollers_get_no_errors_while_a_job_keeps_writing(database_url, tmp_path)
                         failures.append(repr(e))
                     i += 1
 
-        with _Server(api.app) as base:
+        with LiveServer(api.app) as base:
             threads = [threading.Thread(target=trainer)] + [threading.Thread(target=poller, args=(n,))
                                                             for n in range(pollers)]
             for t in threads:
