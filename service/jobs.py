@@ -18,6 +18,7 @@ from service.db.models import Checkpoint, File, Job
 from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, Unprocessable
 from service.environments import resolve_for_job
 from service.jobs_spec import build_spec, grader_reward
+from service.model_source import check_model
 from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
@@ -49,6 +50,8 @@ def _dataset(session: Session, project_id: str, file_id: str, param: str) -> Fil
 
 def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Settings | None = None) -> Prepared:
     """Check every reference in the request and resolve the JobSpec (creates nothing)."""
+    if settings is not None:
+        check_model(body.model, settings)
     training = _dataset(session, project_id, body.training_file, "training_file")
     if body.validation_file is not None:
         _dataset(session, project_id, body.validation_file, "validation_file")
