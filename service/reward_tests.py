@@ -32,6 +32,7 @@ from service.schemas.scoring_api import (
     RewardTestResult,
     RewardTestTiming,
 )
+from service.secret_box import secret_box
 from service.settings import Settings
 
 _SPEC = TypeAdapter(RewardSpec)
@@ -54,7 +55,7 @@ def _prepare(session: Session, project_id: str, spec_json: dict, completions: li
              param: str, settings: Settings) -> Scoring:
     spec = _SPEC.validate_python(spec_json)
     check_reward_references(session, project_id, spec, param=param, settings=settings)
-    secrets = secrets_repo.values(session, project_id, secret_names(spec))
+    secrets = secrets_repo.values(session, project_id, secret_names(spec), secret_box(settings))
     session.rollback()  # no transaction stays open while user code runs
     return Scoring(spec_json, completions, rows, secrets)
 

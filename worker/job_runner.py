@@ -24,6 +24,7 @@ from service.repositories import jobs
 from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
 from service.schemas.rewards import secret_names
+from service.secret_box import secret_box
 from service.settings import Settings
 from service.storage import ObjectStore, open_store
 from worker.artifacts import download_checkpoint, upload_checkpoint
@@ -195,7 +196,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         needed = secret_names(spec.reward) if spec.reward else set()
         if getattr(spec.environment, "auth_secret", None):  # an http environment's auth header
             needed.add(spec.environment.auth_secret)
-        secrets = secrets_repo.values(s, job.project_id, needed)
+        secrets = secrets_repo.values(s, job.project_id, needed, secret_box(settings))
         jobs.add_event(s, job_id, f"Job started (attempt {job.attempts}) on {owner}")
 
     reporter = JobReporter(sessions, store, job_id, epoch, settings, spec.training.steps)

@@ -23,6 +23,7 @@ from service.api.scoring import scoring_slots
 from service.api.routes import environments, files, graders, health, job_outputs, jobs, reward_functions, secrets
 from service.db.session import read_session_factory, session_factory
 from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_job, make_celery
+from service.secret_box import secret_box
 from service.settings import Settings, get_settings
 from service.storage import open_store
 
@@ -68,6 +69,7 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.enqueue = enqueue or default_enqueue
     app.state.broker_ping = ping
     app.state.scoring_slots = scoring_slots(settings)
+    secret_box(settings)  # fail at start, not at the first secret, when CISPO_SECRET_KEY is unusable
 
     envelope.install(app)
     app.add_middleware(BodySizeLimit, max_json_bytes=settings.max_request_bytes,
