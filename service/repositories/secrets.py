@@ -27,13 +27,6 @@ def get_by_name(session: Session, project_id: str, name: str) -> Secret | None:
     return session.scalar(select(Secret).where(Secret.project_id == project_id, Secret.name == name))
 
 
-def existing_names(session: Session, project_id: str, names: Iterable[str]) -> set[str]:
-    names = list(names)
-    if not names:
-        return set()
-    return set(session.scalars(select(Secret.name).where(Secret.project_id == project_id, Secret.name.in_(names))))
-
-
 def hosts(session: Session, project_id: str, names: Iterable[str]) -> dict[str, list[str]]:
     """name -> the hosts it is bound to, for the names the project has."""
     names = list(names)

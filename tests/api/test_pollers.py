@@ -13,7 +13,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from service.db.session import session_factory
 from service.repositories import jobs as jobs_repo

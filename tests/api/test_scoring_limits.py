@@ -70,7 +70,8 @@ def test_scoring_is_capped_per_project_and_in_all_and_holds_no_api_thread(databa
         def run(name: str, client: httpx.Client) -> None:
             answers[name] = client.post("/v1/reward_functions/test", json=_test_body(url)).status_code
 
-        threads = [threading.Thread(target=run, args=("alpha", alpha)), threading.Thread(target=run, args=("beta", beta))]
+        threads = [threading.Thread(target=run, args=(name, client)) for name, client in (("alpha", alpha),
+                                                                                           ("beta", beta))]
         for thread in threads:
             thread.start()
         for _ in threads:  # both scorings are in flight, waiting on the remote reward

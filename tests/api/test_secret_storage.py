@@ -42,7 +42,8 @@ def test_values_are_encrypted_at_rest_with_a_0600_key_file(database_url, tmp_pat
 def test_a_spec_that_would_send_a_secret_elsewhere_is_refused_by_field(database_url, tmp_path):
     with running_api(database_url, tmp_path, egress_allow="127.0.0.1") as api:
         c = api.client
-        assert c.post("/v1/secrets", json={"name": "k", "value": VALUE, "hosts": ["grader.example.com"]}).status_code == 200
+        secret = {"name": "k", "value": VALUE, "hosts": ["grader.example.com"]}
+        assert c.post("/v1/secrets", json=secret).status_code == 200
         elsewhere = {"type": "http", "url": "http://127.0.0.1:9/score", "auth_secret": "k"}
         for response, param in [
             (c.post("/v1/reward_functions", json={"name": "r", "spec": elsewhere}), "spec"),

@@ -55,7 +55,8 @@ def test_secrets_are_created_listed_and_deleted_without_their_value(api):
     assert set(created) == {"id", "object", "name", "hosts", "created_at"} and created["object"] == "secret"
     assert created["hosts"] == ["grader.example.com"]
     assert created["id"].startswith("secret-") and created["name"] == "grader-key"
-    assert_error(c.post("/v1/secrets", json={"name": "grader-key", "value": "other", "hosts": ["h"]}), 409, "already exists")
+    assert_error(c.post("/v1/secrets", json={"name": "grader-key", "value": "other", "hosts": ["h"]}), 409,
+                 "already exists")
     assert_error(c.post("/v1/secrets", json={"name": "bad name!", "value": "x", "hosts": ["h"]}), 422, "name")
     assert_error(c.post("/v1/secrets", json={"name": "empty", "value": "", "hosts": ["h"]}), 422, "value")
     assert_error(c.post("/v1/secrets", json={"name": "unbound", "value": "x"}), 422, "hosts")

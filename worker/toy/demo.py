@@ -83,7 +83,8 @@ def run_demo(root: Path, *, steps: int) -> None:
         spec = toy_spec(root, steps=steps)
         hyper = {k: spec[k] for k in ("lora", "sampling", "optimizer", "training")}
         job = check(client.post("/fine_tuning/jobs", json={
-            "model": str(Path(spec["model"]).resolve()), "training_file": files["train"], "validation_file": files["val"], "seed": 0,
+            "model": str(Path(spec["model"]).resolve()), "training_file": files["train"],
+            "validation_file": files["val"], "seed": 0,
             "suffix": "demo", "method": {"type": "cispo", "cispo": {"reward_function": reward["id"],
                                                                      "hyperparameters": hyper}}}))
         print(f"job {job['id']} submitted")
