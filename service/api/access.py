@@ -1,4 +1,4 @@
-"""Authentication and the per-key rate limit, as ASGI middleware in front of every /v1 route.
+"""Admission, authentication and the per-key rate limit, as ASGI middleware in front of every /v1 route.
 
 It runs before anything reads the request body: an unauthenticated or
 over-limit caller gets its 401 / 429 while its upload is still unread (a
@@ -13,7 +13,7 @@ from __future__ import annotations
 from anyio import to_thread
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.envelope import database_unavailable, service_error_response
 from service.api.ratelimit import TokenBuckets
@@ -21,6 +21,46 @@ from service.auth import authenticate
 from service.errors import ServiceError
 
 PROTECTED_PREFIX = "/v1/"
+
+
+class Admission:
+    """At most `api_threads` requests inside the app at once; the rest wait here, on the event loop.
+
+    A sync route holds a pooled connection from its first query until its session closes, which is after
+    FastAPI has serialized the response in the threadpool. With more requests in flight than threads, the
+    threads could all be taken by routes waiting for a connection, while every connection is held by a
+    route waiting for a thread to serialize its response: the pool then times out (seen at 200 pollers).
+    Admitting no more requests than threads (and the pool has threads + 4 connections) makes that cycle
+    impossible. A request leaves when its response starts, so a slow download holds no place, or earlier
+    through `request.state.leave_admission()` once it holds no connection (a reward test while it scores).
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+            return await self.app(scope, receive, send)
+        places = scope["app"].state.admission  # made in the serving loop (service/api/app.py lifespan)
+        await places.acquire()
+        admitted = True
+
+        def leave() -> None:
+            nonlocal admitted
+            if admitted:
+                admitted = False
+                places.release()
+
+        async def send_and_leave(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                leave()
+            await send(message)
+
+        scope.setdefault("state", {})["leave_admission"] = leave
+        try:
+            await self.app(scope, receive, send_and_leave)
+        finally:
+            leave()
 
 
 class Authenticate:

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from anyio import to_thread
+from anyio import Semaphore, to_thread
 
 from fastapi import FastAPI
 
 from service.api import envelope
-from service.api.access import Authenticate
+from service.api.access import Admission, Authenticate
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.ratelimit import TokenBuckets
 from service.api.scoring import scoring_slots
@@ -49,6 +49,7 @@ def _lifespan(threads: int):
     async def lifespan(app: FastAPI):
         # Sync routes and the auth lookup run in anyio's default threadpool; size it to match the pool.
         to_thread.current_default_thread_limiter().total_tokens = threads
+        app.state.admission = Semaphore(threads)  # service/api/access.py Admission; bound to this loop
         yield
 
     return lifespan
@@ -76,6 +77,7 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
                        max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(Authenticate, reads=app.state.read_sessions, writes=app.state.sessions,
                        limits=TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst))
+    app.add_middleware(Admission)
     app.add_middleware(RefuseNulInUrl)
     for module in (health, files, reward_functions, environments, jobs, job_outputs, secrets, graders):
         app.include_router(module.router)

@@ -27,5 +27,8 @@ def scoring_slots(settings: Settings) -> Slots:
 async def score(request: Request, project_id: str, prepare: Callable[[], Scoring]) -> dict:
     """The scoring subprocess's answer for what `prepare` (blocking, reads the database) returns."""
     with request.app.state.scoring_slots.hold(project_id):
-        scoring = await run_in_threadpool(prepare)
+        scoring = await run_in_threadpool(prepare)  # its transaction has ended: no connection is held now
+        leave = getattr(request.state, "leave_admission", None)
+        if leave is not None:
+            leave()  # scoring waits on a subprocess; other requests may take this place meanwhile
         return await scoring.run(request.app.state.settings)

@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 
+import anyio
 import pytest
 
 from service.api.app import create_app
@@ -35,7 +36,11 @@ def _send_upload(app, *, authorization: bytes | None, total: int, chunk: int = 6
         if message["type"] == "http.response.start":
             status.append(message["status"])
 
-    asyncio.run(app(scope, receive, send))
+    async def serve():
+        app.state.admission = anyio.Semaphore(4)  # what the lifespan makes; not run for one raw ASGI call
+        await app(scope, receive, send)
+
+    asyncio.run(serve())
     return status[0], sent
 
 

@@ -47,7 +47,9 @@ def test_a_get_answers_while_the_trainer_holds_the_sqlite_write_lock(tmp_path):
 
 def test_pollers_get_no_errors_while_a_job_keeps_writing(database_url, tmp_path):
     pollers, seconds = 16, 3.0
-    with running_api(database_url, tmp_path, rate_limit_per_s=1000, rate_limit_burst=1000) as api:
+    # Fewer API threads than pollers: every request queues for a thread, and connections must still come back
+    # (a session closed through the same threadpool once left the connection pool empty: QueuePool timeouts).
+    with running_api(database_url, tmp_path, rate_limit_per_s=1000, rate_limit_burst=1000, api_threads=2) as api:
         job = created_job(api)
         key = api.client.headers["authorization"]
         with api.session() as s:
