@@ -33,6 +33,30 @@ def cmd_keys_create(args) -> int:
     return 0
 
 
+def cmd_keys_list(args) -> int:
+    from service.db.session import session_factory
+    from service.repositories import projects
+
+    with session_factory(get_settings().resolved_database_url())() as s:
+        for key, project in projects.keys(s, args.project):
+            state = "active" if key.revoked_at is None else f"revoked@{key.revoked_at}"
+            print(f"{key.id}  {key.prefix}…  {project}  {state}  last_used={key.last_used_at or '-'}")
+    return 0
+
+
+def cmd_keys_revoke(args) -> int:
+    from service.db.session import session_factory
+    from service.repositories import projects
+
+    with session_factory(get_settings().resolved_database_url()).begin() as s:
+        key = projects.revoke(s, args.key_id)
+    if key is None:
+        print(f"cispo: no such key: {args.key_id} (see `cispo keys list`)", file=sys.stderr)
+        return 1
+    print(f"revoked {key.id}; requests with it now get 401")
+    return 0
+
+
 def cmd_api(args) -> int:
     import uvicorn
 
@@ -64,6 +88,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     create = keys.add_parser("create", help="create a key for a project and print it")
     create.add_argument("--project", required=True)
     create.set_defaults(func=cmd_keys_create)
+    listing = keys.add_parser("list", help="list keys (id, prefix, project, state; never the key itself)")
+    listing.add_argument("--project")
+    listing.set_defaults(func=cmd_keys_list)
+    revoke = keys.add_parser("revoke", help="revoke a key by id: it gets 401 from the next request on")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(func=cmd_keys_revoke)
 
     for name, func, help_ in (("api", cmd_api, "run the HTTP API"),
                               ("up", cmd_up, "run API and worker on the embedded default")):

@@ -24,6 +24,48 @@ class EgressRefused(ValueError):
     """The URL may not be fetched; the message says why."""
 
 
+def host_matches(host: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    """`host` is one of the patterns: an exact name or address, or '*.domain' for any subdomain."""
+    host = host.lower().rstrip(".")
+    for pattern in patterns:
+        pattern = pattern.lower().rstrip(".")
+        if host == pattern or (pattern.startswith("*.") and host.endswith(pattern[1:])):
+            return True
+    return False
+
+
+class BoundSecret(str):
+    """A secret's value that knows the only hosts it may be sent to.
+
+    A str, so reward and environment code pass it around (into headers) like
+    any value; post_json() refuses to send a header holding one to another
+    host. The API checks the binding when a spec is registered; this is the
+    check at call time, in the worker, after DNS and specs had time to change.
+    """
+
+    hosts: tuple[str, ...]
+
+    def __new__(cls, value: str, hosts) -> "BoundSecret":
+        bound = super().__new__(cls, value)
+        bound.hosts = tuple(hosts)
+        return bound
+
+    def prefixed(self, prefix: str) -> "BoundSecret":
+        """e.g. 'Bearer ' + the secret, still bound (an f-string would lose the binding)."""
+        return BoundSecret(prefix + self, self.hosts)
+
+
+def bearer(value: str) -> str:
+    return value.prefixed("Bearer ") if isinstance(value, BoundSecret) else f"Bearer {value}"
+
+
+def _check_secret_hosts(target: "Target", headers: dict[str, str]) -> None:
+    for name, value in headers.items():
+        if isinstance(value, BoundSecret) and not host_matches(target.host, value.hosts):
+            raise EgressRefused(f"{target.url}: the secret in header {name!r} may only be sent to "
+                                f"{', '.join(value.hosts)}, not to {target.host}")
+
+
 @dataclass(frozen=True)
 class EgressPolicy:
     allow: tuple[str, ...] = ()  # hostnames, IP addresses or CIDR networks exempt from the public-address rule
@@ -92,6 +134,7 @@ def check_url(url: str, policy: EgressPolicy) -> Target:
 def post_json(target: Target, payload: object, policy: EgressPolicy, *, headers: dict[str, str] | None = None,
               client: httpx.Client | None = None) -> object:
     """POST JSON to a checked target and parse the JSON answer, within the policy's time and size caps."""
+    _check_secret_hosts(target, headers or {})
     timeout = httpx.Timeout(policy.read_timeout_s, connect=policy.connect_timeout_s)
     all_headers = {"Host": target.host, "Content-Type": "application/json", **(headers or {})}
     own = client is None

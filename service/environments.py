@@ -18,9 +18,9 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Environment
 from service.egress import EgressPolicy, EgressRefused, check_url
+from service.secrets import check_bindings
 from service.errors import Conflict, InvalidRequest, NotFound
 from service.repositories import environments as env_repo
-from service.repositories import secrets as secrets_repo
 from service.schemas.environment_api import EnvironmentCreate
 from service.schemas.environments import EnvironmentSpec, HttpEnvironment
 from service.settings import Settings
@@ -33,10 +33,8 @@ def check_references(session: Session, project_id: str, spec: EnvironmentSpec, *
     """Raise InvalidRequest (naming ``param``) for a secret the project lacks or a URL egress refuses."""
     if not isinstance(spec, HttpEnvironment):
         return
-    if spec.auth_secret and not secrets_repo.existing_names(session, project_id, [spec.auth_secret]):
-        raise InvalidRequest(f"{param}.auth_secret: the environment needs the secret {spec.auth_secret!r}, which "
-                             "this project does not have (create it with POST /v1/secrets)",
-                             param=f"{param}.auth_secret", code="unknown_secret")
+    if spec.auth_secret:
+        check_bindings(session, project_id, [(spec.auth_secret, spec.url)], param=f"{param}.auth_secret")
     if settings is None:
         return
     try:

@@ -48,6 +48,17 @@ class Unprocessable(ServiceError):
     code = "invalid_value"
 
 
+class TooManyRequests(ServiceError):
+    """A limit that frees up with time: the client may retry after `retry_after_s` seconds."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float, param: str | None = None, code: str | None = None):
+        super().__init__(message, param=param, code=code)
+        self.retry_after_s = retry_after_s
+
+
 _MISSING = object()
 
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from service.db.models import Checkpoint, File, Job
-from service.errors import Conflict, InvalidRequest, NotFound, Unprocessable
+from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, Unprocessable
 from service.environments import resolve_for_job
 from service.jobs_spec import build_spec, grader_reward
+from service.model_source import check_model
 from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
@@ -49,6 +50,8 @@ def _dataset(session: Session, project_id: str, file_id: str, param: str) -> Fil
 
 def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Settings | None = None) -> Prepared:
     """Check every reference in the request and resolve the JobSpec (creates nothing)."""
+    if settings is not None:
+        check_model(body.model, settings)
     training = _dataset(session, project_id, body.training_file, "training_file")
     if body.validation_file is not None:
         _dataset(session, project_id, body.validation_file, "validation_file")
@@ -79,6 +82,16 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
     return Prepared(spec=spec, reward_function_id=reward_function_id, environment_id=environment_id)
 
 
+def check_quota(session: Session, project_id: str, settings: Settings | None) -> None:
+    """One more active job must fit in the project's quota (429: it frees up as jobs finish)."""
+    if settings is None:
+        return
+    active = jobs_repo.active_count(session, project_id)
+    if active >= settings.max_active_jobs:
+        raise TooManyRequests(f"quota: this project has {active} queued or running jobs, its limit; wait for one "
+                              "to finish or cancel one", retry_after_s=60, code="active_job_quota_exceeded")
+
+
 def request_digest(body: JobCreate) -> str:
     """What the client sent, canonically: same key + same digest is a replay."""
     canonical = json.dumps(body.model_dump(mode="json", exclude_unset=True), sort_keys=True, separators=(",", ":"))
@@ -101,6 +114,7 @@ def create(session: Session, project_id: str, body: JobCreate, *, idempotency_ke
     if idempotency_key and (earlier := replay(session, project_id, idempotency_key, digest)):
         return earlier, False
     prepared = prepare(session, project_id, body, settings=settings)
+    check_quota(session, project_id, settings)
     spec = prepared.spec
     job = jobs_repo.add(session, Job(
         project_id=project_id, status="queued", model=body.model, training_file=body.training_file,
@@ -146,9 +160,12 @@ def checkpoint(session: Session, project_id: str, job_id: str, checkpoint_id: st
 _TRANSITIONS = {"cancel": jobs_repo.request_cancel, "pause": jobs_repo.request_pause, "resume": jobs_repo.resume}
 
 
-def control(session: Session, project_id: str, job_id: str, action: str) -> Job:
+def control(session: Session, project_id: str, job_id: str, action: str, *,
+            settings: Settings | None = None) -> Job:
     """cancel / pause / resume; an illegal change is a Conflict the client should not retry."""
     job = get(session, project_id, job_id)
+    if action == "resume" and job.status == "paused":
+        check_quota(session, project_id, settings)
     try:
         return _TRANSITIONS[action](session, job)
     except jobs_repo.IllegalTransition as e:

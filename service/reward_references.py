@@ -1,6 +1,6 @@
 """What a reward spec refers to outside itself, checked when a job or reward function is created.
 
-Fail fast: a secret the project does not have, a URL the egress policy will
+Fail fast: a secret the project does not have (or not for that URL's host), a URL the egress policy will
 refuse, or a judge model with no endpoint would otherwise fail the job at its
 first step, after it waited in the queue. The worker checks again at job
 start (a secret may have been deleted, DNS may have changed).
@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session
 
 from service.egress import EgressPolicy, EgressRefused, check_url
 from service.errors import InvalidRequest
-from service.repositories import secrets as secrets_repo
-from service.schemas.rewards import HttpReward, MultiReward, ScoreModelReward, secret_names
+from service.schemas.rewards import HttpReward, MultiReward, ScoreModelReward
+from service.secrets import check_bindings
 from service.settings import Settings
 
 
@@ -27,12 +27,10 @@ def check_reward_references(session: Session, project_id: str, spec, *, param: s
                             settings: Settings | None) -> None:
     """Raise InvalidRequest (naming ``param``) for a missing secret, a refused URL or a missing judge endpoint.
 
-    Without settings (callers that have none) only the secrets are checked.
+    Without settings (callers that have none) only the secrets and their hosts are checked.
     """
-    missing = sorted(secret_names(spec) - secrets_repo.existing_names(session, project_id, secret_names(spec)))
-    if missing:
-        raise InvalidRequest(f"{param}: the reward needs the secret {missing[0]!r}, which this project does not "
-                             "have (create it with POST /v1/secrets)", param=param, code="unknown_secret")
+    check_bindings(session, project_id, [(r.auth_secret, str(r.url if isinstance(r, HttpReward) else r.base_url))
+                                         for r in _remote(spec) if r.auth_secret], param=param)
     if settings is None:
         return
     policy = EgressPolicy.from_setting(settings.egress_allow)

@@ -6,14 +6,16 @@ on into the sandbox from there), hands it the spec, samples, secret values
 and egress settings on stdin, and reads the scores back. The subprocess gets
 a clean environment (no database or cloud credentials), a private temporary
 directory, and a wall-clock limit after which its process group is killed.
+It is awaited on the event loop (asyncio subprocess), so a slow reward holds
+neither a thread of the pool other routes need nor the loop itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +24,6 @@ from service.errors import ServiceError
 from service.settings import Settings
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-RUNNER_TIMEOUT_S = 150.0
 MAX_ANSWER_BYTES = 8 << 20
 
 
@@ -47,23 +48,29 @@ def _env(home: str, settings: Settings) -> dict[str, str]:
     return env
 
 
-def run_reward(spec: dict, completions: list[str], rows: list[dict], *, secrets: dict[str, str],
-               settings: Settings, timeout_s: float = RUNNER_TIMEOUT_S) -> dict:
+async def run_reward(spec: dict, completions: list[str], rows: list[dict], *, secrets: dict[str, str],
+                     settings: Settings) -> dict:
     """The runner's answer (see worker/rewards/runner.py); RewardLoadFailed / RunnerFailed otherwise."""
     judge = {"base_url": settings.judge_base_url, "api_key": settings.judge_api_key or None} \
         if settings.judge_base_url else None
     request = json.dumps({"spec": spec, "completions": completions, "rows": rows, "secrets": secrets,
                           "egress_allow": settings.egress_allow, "judge": judge})
+    timeout_s = settings.scoring_timeout_s
     with tempfile.TemporaryDirectory(prefix="cispo-reward-test-") as home:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.rewards.runner"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=home, env=_env(home, settings),
-                                start_new_session=True, close_fds=True)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "worker.rewards.runner", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=home, env=_env(home, settings),
+            start_new_session=True, close_fds=True)
         try:
-            out, err = proc.communicate(request.encode(), timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+            out, err = await asyncio.wait_for(proc.communicate(request.encode()), timeout=timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            # Also when the client went away (cancelled): the scoring must not outlive the request.
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise RunnerFailed(f"scoring took more than {timeout_s:g} s; try fewer samples") from None
+            await proc.wait()
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise RunnerFailed(f"scoring took more than {timeout_s:g} s (the limit); try fewer samples",
+                               code="reward_test_timeout") from None
     if proc.returncode != 0 or len(out) > MAX_ANSWER_BYTES:
         tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
         raise RunnerFailed(_scrub(f"the scoring process failed (exit code {proc.returncode}): {tail[0][:300]}",

@@ -3,11 +3,16 @@
 The scoring itself runs in a subprocess (service/reward_runner.py); this
 module checks the request, reads the secret values the spec names, and turns
 the runner's answer into our reward-test shape or OpenAI's graders/run shape.
-The database transaction is ended before the (possibly slow) scoring starts.
+Each request is split in three: a short blocking part that reads the
+database (run in the threadpool, transaction ended before scoring starts),
+the scoring, awaited on the event loop under a wall-time limit, and the
+shaping of the answer. The route holds a per-project and a global
+concurrency slot throughout, so one tenant cannot occupy every scorer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -27,29 +32,47 @@ from service.schemas.scoring_api import (
     RewardTestResult,
     RewardTestTiming,
 )
+from service.secret_box import secret_box
 from service.settings import Settings
 
 _SPEC = TypeAdapter(RewardSpec)
 
 
-def _score(session: Session, project_id: str, spec_json: dict, completions: list[str], rows: list[dict], *,
-           param: str, settings: Settings) -> dict:
+@dataclass(frozen=True)
+class Scoring:
+    """Everything the scoring subprocess needs, read from the database beforehand."""
+
+    spec: dict
+    completions: list[str]
+    rows: list[dict]
+    secrets: dict[str, str]
+
+    async def run(self, settings: Settings) -> dict:
+        return await run_reward(self.spec, self.completions, self.rows, secrets=self.secrets, settings=settings)
+
+
+def _prepare(session: Session, project_id: str, spec_json: dict, completions: list[str], rows: list[dict], *,
+             param: str, settings: Settings) -> Scoring:
     spec = _SPEC.validate_python(spec_json)
     check_reward_references(session, project_id, spec, param=param, settings=settings)
-    secrets = secrets_repo.values(session, project_id, secret_names(spec))
+    secrets = secrets_repo.values(session, project_id, secret_names(spec), secret_box(settings))
     session.rollback()  # no transaction stays open while user code runs
-    return run_reward(spec_json, completions, rows, secrets=secrets, settings=settings)
+    return Scoring(spec_json, completions, rows, secrets)
 
 
-def dry_run_reward(session: Session, project_id: str, spec_json: dict, body: RewardTestRequest, *,
-                settings: Settings) -> RewardTestObject:
+def prepare_reward_test(session: Session, project_id: str, spec_json: dict, body: RewardTestRequest, *,
+                        settings: Settings) -> Scoring:
     completions, rows = body.pairs()
-    answer = _score(session, project_id, spec_json, completions, rows, param="spec", settings=settings)
+    return _prepare(session, project_id, spec_json, completions, rows, param="spec", settings=settings)
+
+
+def reward_test_result(answer: dict) -> RewardTestObject:
+    count = len(answer["scores"])
     components = answer.get("components", {})
     results = [
         RewardTestResult(score=answer["scores"][i], error=answer["errors"][i], error_kind=answer["kinds"][i],
                          sub_scores={n: c["scores"][i] for n, c in components.items()})
-        for i in range(len(completions))
+        for i in range(count)
     ]
     by_kind: dict[str, int] = {}
     for kind in answer["kinds"]:
@@ -59,7 +82,7 @@ def dry_run_reward(session: Session, project_id: str, spec_json: dict, body: Rew
     return RewardTestObject(
         results=results, scores=answer["scores"], sub_scores={n: c["scores"] for n, c in components.items()},
         errors=RewardTestErrors(count=sum(by_kind.values()), by_kind=by_kind),
-        timing=RewardTestTiming(total_seconds=seconds, per_sample_seconds=seconds / len(completions)),
+        timing=RewardTestTiming(total_seconds=seconds, per_sample_seconds=seconds / count),
     )
 
 
@@ -93,14 +116,20 @@ def _error_flags(failures: list[tuple[str, str, str]]) -> dict[str, Any]:
     return errors
 
 
-def run_grader(session: Session, project_id: str, body: GraderRunRequest, *, settings: Settings) -> dict:
-    """POST /v1/fine_tuning/alpha/graders/run: OpenAI's GraderRunResponse for one sample."""
-    grader = parse_grader(body.grader, param="grader")
+def prepare_grader_run(session: Session, project_id: str, body: GraderRunRequest, *,
+                       settings: Settings) -> Scoring:
+    """POST /v1/fine_tuning/alpha/graders/run, first part: check the grader and the item."""
+    parse_grader(body.grader, param="grader")
     item = {} if body.item is None else body.item
     if not isinstance(item, dict):
         raise InvalidRequest("item: must be an object (a dataset row)", param="item")
     reward = grader_reward(body.grader, param="grader")
-    answer = _score(session, project_id, reward, [body.model_sample], [item], param="grader", settings=settings)
+    return _prepare(session, project_id, reward, [body.model_sample], [item], param="grader", settings=settings)
+
+
+def grader_run_result(body: GraderRunRequest, answer: dict) -> dict:
+    """OpenAI's GraderRunResponse for one scored sample."""
+    grader = parse_grader(body.grader, param="grader")
     score, error, kind = answer["scores"][0], answer["errors"][0], answer["kinds"][0]
     components = answer.get("components", {})
     failures = []

@@ -55,6 +55,24 @@ class Settings(BaseSettings):
     model_hub_url: str = Field("https://huggingface.co", description="Where a dry run fetches a hub model's "
                                "config.json (an unreachable hub skips that check); empty: never fetch.")
 
+    # Capacity: every API worker thread can hold a database connection, so a burst of pollers waits in
+    # the threadpool (fair, bounded) instead of timing out on the connection pool.
+    api_threads: int = Field(40, ge=1, le=1000, description="Threads that run the API's blocking routes.")
+    db_pool_size: int = Field(10, ge=1, description="Connections the API keeps open (more open on demand, "
+                              "up to api_threads + 4).")
+    # Tenancy limits (per API process; a deployment with N API replicas allows N times the rate).
+    rate_limit_per_s: float = Field(20.0, gt=0, description="Sustained requests per second per API key.")
+    rate_limit_burst: int = Field(100, ge=1, description="Requests an API key may send at once.")
+    max_active_jobs: int = Field(10, ge=1, description="Queued plus running jobs per project.")
+    scoring_timeout_s: float = Field(60.0, gt=0, le=3600, description="Wall time of one reward test or "
+                                     "grader run.")
+    scoring_per_project: int = Field(2, ge=1, description="Concurrent reward tests / grader runs per project.")
+    scoring_total: int = Field(8, ge=1, description="Concurrent reward tests / grader runs in one API process.")
+    model_dirs: str = Field("", description="Comma-separated directories under which jobs may name a local "
+                            "model; empty: only hub ids are accepted.")
+    secret_key: str = Field("", description="Fernet key that encrypts project secrets at rest; empty: a key "
+                            "file HOME/secret.key (mode 0600) is created and used.")
+
     @field_validator("database_url")
     @classmethod
     def _psycopg3(cls, v: str) -> str:
@@ -72,6 +90,9 @@ class Settings(BaseSettings):
 
     def resolved_storage_url(self) -> str:
         return self.storage_url or str((self.home / "objects").resolve())
+
+    def resolved_model_dirs(self) -> tuple[Path, ...]:
+        return tuple(Path(d.strip()).resolve() for d in self.model_dirs.split(",") if d.strip())
 
     def resolved_work_dir(self) -> Path:
         return (self.work_dir or self.home / "work").resolve()

@@ -33,6 +33,7 @@ from service.repositories import job_outputs, jobs
 from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
 from service.schemas.rewards import secret_names
+from service.secret_box import secret_box
 from service.settings import Settings
 from service.queue import enqueue_job
 from service.storage import ObjectStore, StorageError, open_store
@@ -236,7 +237,7 @@ def _claim(sessions: sessionmaker[Session], job_id: str, owner: str, settings: S
         needed = secret_names(spec.reward) if spec.reward else set()
         if getattr(spec.environment, "auth_secret", None):  # an http environment's auth header
             needed.add(spec.environment.auth_secret)
-        secrets = secrets_repo.values(s, job.project_id, needed)
+        secrets = secrets_repo.values(s, job.project_id, needed, secret_box(settings))
         jobs.add_event(s, job_id, f"Job started (attempt {job.attempts} of {settings.max_attempts}) on {owner}")
     return Claimed(epoch, job.attempts, job.project_id, spec, latest, secrets)
 

@@ -1,7 +1,7 @@
 """job outputs: sample completions, estimated finish, result file, webhooks
 
 Revision ID: 0005
-Revises: 0003
+Revises: 0004
 Create Date: 2026-12-01
 """
 from typing import Sequence, Union
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 
 revision: str = '0005'
-down_revision: Union[str, None] = '0003'
+down_revision: Union[str, None] = '0004'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 

@@ -9,17 +9,24 @@ broker) and `broker_ping`. Tests pass their own settings and a recording
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from anyio import Semaphore, to_thread
 
 from fastapi import FastAPI
 
 from service.api import envelope
+from service.api.access import Admission, Authenticate
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
+from service.api.ratelimit import TokenBuckets
 from service.api.request_metrics import RecordRequests, RequestMetrics
 from service.api.routes import (environments, files, graders, health, job_outputs, jobs, models, prometheus,
                                 reward_functions, secrets, webhooks)
+from service.api.scoring import scoring_slots
 from service.dashboard import routes as dashboard
-from service.db.session import session_factory
+from service.db.session import read_session_factory, session_factory
 from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_job, make_celery
+from service.secret_box import secret_box
 from service.settings import Settings, get_settings
 from service.storage import open_store
 
@@ -40,20 +47,40 @@ def _broker(settings: Settings) -> tuple[Callable[[str], None], Callable[[], Non
     return enqueue, ping
 
 
+def _lifespan(threads: int):
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # Sync routes and the auth lookup run in anyio's default threadpool; size it to match the pool.
+        to_thread.current_default_thread_limiter().total_tokens = threads
+        app.state.admission = Semaphore(threads)  # service/api/access.py Admission; bound to this loop
+        yield
+
+    return lifespan
+
+
 def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], None] | None = None) -> FastAPI:
     settings = settings or get_settings()
     app = FastAPI(title="CISPO fine-tuning service", version="1", summary="OpenAI-compatible reinforcement "
-                  "fine-tuning with CISPO")
+                  "fine-tuning with CISPO", lifespan=_lifespan(settings.api_threads))
     default_enqueue, ping = _broker(settings)
     app.state.settings = settings
-    app.state.sessions = session_factory(settings.resolved_database_url())
+    # Every API thread may hold a connection (+4 for /readyz and the auth middleware's touch).
+    pool = {"pool_size": min(settings.db_pool_size, settings.api_threads),
+            "max_connections": settings.api_threads + 4}
+    app.state.sessions = session_factory(settings.resolved_database_url(), **pool)
+    app.state.read_sessions = read_session_factory(settings.resolved_database_url(), **pool)
     app.state.store = open_store(settings.resolved_storage_url())
     app.state.enqueue = enqueue or default_enqueue
     app.state.broker_ping = ping
+    app.state.scoring_slots = scoring_slots(settings)
+    secret_box(settings)  # fail at start, not at the first secret, when CISPO_SECRET_KEY is unusable
 
     envelope.install(app)
     app.add_middleware(BodySizeLimit, max_json_bytes=settings.max_request_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
+    app.add_middleware(Authenticate, reads=app.state.read_sessions, writes=app.state.sessions,
+                       limits=TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst))
+    app.add_middleware(Admission)
     app.add_middleware(RefuseNulInUrl)
     app.state.request_metrics = RequestMetrics()
     app.add_middleware(RecordRequests, metrics=app.state.request_metrics)  # outermost: times everything

@@ -5,16 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from service.auth import Principal, authenticate
+from service.auth import Principal, Unauthenticated
 from service.settings import Settings
 from service.storage import ObjectStore
 
 
 def _session(request: Request) -> Iterator[Session]:
-    session = request.app.state.sessions()
+    # GET routes only read: on SQLite their sessions never take the write lock (service/db/session.py).
+    reads = request.method in ("GET", "HEAD")
+    session = (request.app.state.read_sessions if reads else request.app.state.sessions)()
     try:
         yield session
     finally:
@@ -26,9 +28,11 @@ def _session(request: Request) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(_session, scope="function")]
 
 
-def _principal(session: SessionDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
-    principal = authenticate(session, authorization)
-    session.commit()  # keeps the key's last_used_at and ends the auth transaction
+def _principal(request: Request) -> Principal:
+    # Set by service/api/access.py before the body was read; absent only outside /v1.
+    principal = getattr(request.state, "principal", None)
+    if principal is None:
+        raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
     return principal
 
 

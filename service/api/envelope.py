@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -63,8 +64,14 @@ async def _validation(request: Request, exc: RequestValidationError) -> JSONResp
     return error_response(422, message, param=param, code="invalid_value")
 
 
+def service_error_response(exc: ServiceError) -> JSONResponse:
+    retry_after = getattr(exc, "retry_after_s", None)
+    headers = {"retry-after": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
+    return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=headers)
+
+
 async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-    return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+    return service_error_response(exc)
 
 
 async def _unknown_cursor(request: Request, exc: UnknownCursor) -> JSONResponse:
@@ -91,7 +98,11 @@ async def _storage(request: Request, exc: StorageError) -> JSONResponse:
 
 
 async def _database(request: Request, exc: OperationalError) -> JSONResponse:
-    log.exception("database failure on %s %s", request.method, request.url.path, exc_info=exc)
+    return database_unavailable(request.method, request.url.path, exc)
+
+
+def database_unavailable(method: str, path: str, exc: OperationalError) -> JSONResponse:
+    log.exception("database failure on %s %s", method, path, exc_info=exc)
     return error_response(503, "the database is unavailable or busy; try again later", code="database_unavailable",
                           headers={"retry-after": "5"})
 

@@ -18,6 +18,7 @@ from sqlalchemy import (
     Boolean,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
@@ -107,7 +108,10 @@ class Environment(Base):
 
 
 class Secret(Base):
-    """A value (e.g. a remote grader's auth header) that jobs may use and the API never returns."""
+    """A value (e.g. a remote grader's auth header) that jobs may use and the API never returns.
+
+    Stored encrypted (service/secret_box.py) and bound to the hosts it may be sent to.
+    """
 
     __tablename__ = "secret"
     __table_args__ = (UniqueConstraint("project_id", "name"),)
@@ -115,7 +119,8 @@ class Secret(Base):
     id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("secret-"))
     project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(200))
-    value: Mapped[str] = mapped_column(Text)
+    ciphertext: Mapped[str] = mapped_column(Text)
+    hosts: Mapped[list] = mapped_column(JSON)  # host patterns (service.egress.host_matches)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
 
@@ -170,6 +175,8 @@ class Job(Base):
 
 class JobEvent(Base):
     __tablename__ = "job_event"
+    # Pollers page a job's events newest first: (job_id, seq) answers that from the index alone.
+    __table_args__ = (Index("ix_job_event_job_id_seq", "job_id", "seq"),)
     seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("ftevent-"))
     job_id: Mapped[str] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), index=True)

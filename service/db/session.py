@@ -1,4 +1,12 @@
-"""Engine and session factory for PostgreSQL (psycopg 3) or the embedded SQLite file."""
+"""Engine and session factories for PostgreSQL (psycopg 3) or the embedded SQLite file.
+
+Two kinds of session share one engine: the default (reads and writes) and a
+read-only one for GET routes. On SQLite the difference matters: a writing
+transaction takes the write lock at BEGIN (BEGIN IMMEDIATE, so read-then-write
+cannot deadlock), while a read-only one uses a plain deferred BEGIN and, in WAL
+mode, never waits for the writer nor makes the writer (the trainer) wait. So
+hundreds of pollers do not stall training.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +17,14 @@ from functools import lru_cache
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
+READ_ONLY = "cispo_read_only"  # an execution option: this connection never writes
 
-def make_engine(url: str) -> Engine:
+
+def make_engine(url: str, *, pool_size: int = 5, max_connections: int = 15) -> Engine:
+    # A connection waits for a free pool slot at most this long: a bounded wait, never a hang.
+    pool = {"pool_size": pool_size, "max_overflow": max(0, max_connections - pool_size), "pool_timeout": 30}
     if url.startswith("sqlite"):
-        # One writer at a time: wait for the lock instead of failing at once, and
-        # take it at BEGIN so a read-then-write transaction cannot deadlock.
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **pool)
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn, _record):
@@ -27,20 +37,32 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _begin(conn):
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
         return engine
     # A bounded connect, so /readyz and workers fail fast instead of hanging on an unreachable server.
-    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5})
+    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5}, **pool)
 
 
 _engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 @lru_cache
-def session_factory(url: str) -> sessionmaker[Session]:
-    engine = make_engine(url)
+def _engine(url: str, pool_size: int, max_connections: int) -> Engine:
+    engine = make_engine(url, pool_size=pool_size, max_connections=max_connections)
     _engines.add(engine)
+    return engine
+
+
+@lru_cache
+def session_factory(url: str, *, pool_size: int = 5, max_connections: int = 15) -> sessionmaker[Session]:
+    return sessionmaker(_engine(url, pool_size, max_connections), expire_on_commit=False)
+
+
+@lru_cache
+def read_session_factory(url: str, *, pool_size: int = 5, max_connections: int = 15) -> sessionmaker[Session]:
+    """Sessions that only read (same pool): on SQLite they never take the write lock."""
+    engine = _engine(url, pool_size, max_connections).execution_options(**{READ_ONLY: True})
     return sessionmaker(engine, expire_on_commit=False)
 
 

@@ -23,10 +23,11 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from service.db.models import Checkpoint, Job, JobEvent, JobMetric, now
+from service.db.models import Checkpoint, Job, JobEvent, JobMetric, Project, now
 from service.repositories.pagination import Page, paginate
 
 LIVE = ("validating_files", "queued", "running", "paused")
+ACTIVE = ("validating_files", "queued", "running")  # what counts against a project's quota (paused does not)
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
@@ -77,6 +78,14 @@ def page(session: Session, project_id: str, *, after: str | None, limit: int,
 
 def find_by_idempotency_key(session: Session, project_id: str, key: str) -> Job | None:
     return session.scalar(select(Job).where(Job.project_id == project_id, Job.idempotency_key == key))
+
+
+def active_count(session: Session, project_id: str) -> int:
+    """Queued and running jobs of the project. Locks the project row on PostgreSQL, so two concurrent
+    creates cannot both see room for one more (SQLite's BEGIN IMMEDIATE already serializes writers)."""
+    session.execute(select(Project.id).where(Project.id == project_id).with_for_update())
+    return session.scalar(select(func.count()).select_from(Job).where(Job.project_id == project_id,
+                                                                      Job.status.in_(ACTIVE)))
 
 
 def live_job_uses(session: Session, project_id: str, *, file_id: str | None = None,

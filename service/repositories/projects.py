@@ -6,7 +6,7 @@ import hashlib
 import hmac
 import secrets
 
-from sqlalchemy import select
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from service.db.models import ApiKey, Project, now
@@ -35,11 +35,36 @@ def create_key(session: Session, project: Project) -> str:
     return key
 
 
-def project_for_key(session: Session, key: str) -> Project | None:
+def active_key(session: Session, key: str) -> tuple[ApiKey, Project] | None:
+    """The unrevoked key row and its project, in one query (read-only)."""
     digest = hash_key(key)
-    row = session.scalar(select(ApiKey).where(ApiKey.sha256 == digest, ApiKey.revoked_at.is_(None)))
+    row = session.execute(select(ApiKey, Project).join(Project, Project.id == ApiKey.project_id)
+                          .where(ApiKey.sha256 == digest, ApiKey.revoked_at.is_(None))).first()
     # The lookup is by hash, so timing reveals nothing about the key; compare anyway as defence in depth.
-    if row is None or not hmac.compare_digest(row.sha256, digest):
+    if row is None or not hmac.compare_digest(row[0].sha256, digest):
         return None
-    row.last_used_at = now()
-    return session.scalar(select(Project).where(Project.id == row.project_id))
+    return row[0], row[1]
+
+
+def touch_key(session: Session, key_id: str, t: int, *, older_than: int) -> None:
+    """Record use, unless a concurrent request already did within the resolution."""
+    session.execute(update(ApiKey).where(ApiKey.id == key_id, or_(ApiKey.last_used_at.is_(None),
+                                                                  ApiKey.last_used_at <= older_than))
+                    .values(last_used_at=t))
+
+
+def keys(session: Session, project_name: str | None = None) -> list[tuple[ApiKey, str]]:
+    """(key row, project name), oldest first; optionally of one project."""
+    stmt = select(ApiKey, Project.name).join(Project, Project.id == ApiKey.project_id)
+    if project_name is not None:
+        stmt = stmt.where(Project.name == project_name)
+    return [(k, name) for k, name in session.execute(stmt.order_by(ApiKey.seq))]
+
+
+def revoke(session: Session, key_id: str) -> ApiKey | None:
+    """Revoke a key by id (as `cispo keys list` shows it); None if there is no such key."""
+    row = session.scalar(select(ApiKey).where(ApiKey.id == key_id))
+    if row is not None and row.revoked_at is None:
+        row.revoked_at = now()
+        session.flush()
+    return row

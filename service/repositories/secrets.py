@@ -8,6 +8,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db.models import Secret
+from service.egress import BoundSecret
+from service.secret_box import SecretBox
 from service.repositories.pagination import Page, paginate
 
 
@@ -25,21 +27,25 @@ def get_by_name(session: Session, project_id: str, name: str) -> Secret | None:
     return session.scalar(select(Secret).where(Secret.project_id == project_id, Secret.name == name))
 
 
-def existing_names(session: Session, project_id: str, names: Iterable[str]) -> set[str]:
-    names = list(names)
-    if not names:
-        return set()
-    return set(session.scalars(select(Secret.name).where(Secret.project_id == project_id, Secret.name.in_(names))))
-
-
-def values(session: Session, project_id: str, names: Iterable[str]) -> dict[str, str]:
-    """name -> value for the names the project has (the worker's read, at job start)."""
+def hosts(session: Session, project_id: str, names: Iterable[str]) -> dict[str, list[str]]:
+    """name -> the hosts it is bound to, for the names the project has."""
     names = list(names)
     if not names:
         return {}
-    rows = session.execute(select(Secret.name, Secret.value).where(Secret.project_id == project_id,
+    rows = session.execute(select(Secret.name, Secret.hosts).where(Secret.project_id == project_id,
                                                                    Secret.name.in_(names)))
-    return {name: value for name, value in rows}
+    return {name: list(bound) for name, bound in rows}
+
+
+def values(session: Session, project_id: str, names: Iterable[str], box: SecretBox) -> dict[str, BoundSecret]:
+    """name -> decrypted value, bound to its hosts, for the names the project has (the worker's read, at
+    job start, and the reward tests')."""
+    names = list(names)
+    if not names:
+        return {}
+    rows = session.execute(select(Secret.name, Secret.ciphertext, Secret.hosts)
+                           .where(Secret.project_id == project_id, Secret.name.in_(names)))
+    return {name: BoundSecret(box.open(ciphertext), bound) for name, ciphertext, bound in rows}
 
 
 def page(session: Session, project_id: str, *, after: str | None, limit: int) -> Page[Secret]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -16,9 +16,16 @@ MAX_SECRET_CHARS = 8192
 # -- secrets -------------------------------------------------------------------
 
 
+# A hostname or IP address, optionally "*." + a domain (any subdomain of it); no scheme, port or path.
+HostPattern = Annotated[str, Field(pattern=r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?$|^[0-9a-fA-F:]{2,39}$",
+                                   description="e.g. 'grader.example.com', '*.example.com' or '10.0.0.7'")]
+
+
 class SecretCreate(Request):
     name: SecretName
-    value: Text = Field(min_length=1, max_length=MAX_SECRET_CHARS, description="Stored; never returned.")
+    value: Text = Field(min_length=1, max_length=MAX_SECRET_CHARS, description="Stored encrypted; never returned.")
+    hosts: list[HostPattern] = Field(min_length=1, max_length=20, description="The only hosts this secret may be "
+                                     "sent to (a remote reward's, environment's or judge's URL host).")
 
 
 class SecretObject(BaseModel):
@@ -27,6 +34,7 @@ class SecretObject(BaseModel):
     id: str
     object: Literal["secret"] = "secret"
     name: str
+    hosts: list[str]
     created_at: int
 
 

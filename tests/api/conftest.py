@@ -4,11 +4,14 @@ object store in tmp_path, and an `enqueue` that records what it was sent instead
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
@@ -16,6 +19,7 @@ from service.db.session import session_factory
 from service.repositories import jobs as jobs_repo
 from service.repositories import projects
 from service.settings import Settings
+from tests.conftest import free_port
 
 TRAIN_ROWS = [{"prompt": f"Say {w}", "answer": w} for w in ("alpha", "beta", "gamma", "delta", "epsilon")]
 
@@ -127,3 +131,24 @@ def assert_error(response, status: int, *needles: str) -> dict:
         assert needle in error["message"], (needle, error["message"])
     assert "Traceback" not in response.text
     return error
+
+
+class LiveServer:
+    """The app under uvicorn on a free port, in a thread: real HTTP and the real threadpool."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)

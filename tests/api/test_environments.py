@@ -85,7 +85,8 @@ def test_http_environment_on_an_allow_listed_host_with_a_secret(database_url, tm
     with TestClient(app, headers={"Authorization": f"Bearer {_key(database_url, 'gamma')}"}) as client:
         spec = {"type": "http", "url": "http://127.0.0.1:9/env/", "auth_secret": "env-key"}
         assert_error(client.post(ENVS, json={"name": "remote", "spec": spec}), 400, "env-key")
-        assert client.post("/v1/secrets", json={"name": "env-key", "value": "Bearer x"}).status_code == 200
+        assert client.post("/v1/secrets", json={"name": "env-key", "value": "Bearer x",
+                                                      "hosts": ["127.0.0.1"]}).status_code == 200
         env = _register(client, spec, name="remote")
         assert env["spec"]["url"] == "http://127.0.0.1:9/env" and "Bearer x" not in str(env)
 

@@ -11,7 +11,7 @@ import hashlib
 import pytest
 
 from service.repositories import jobs as jobs_repo
-from tests.api.conftest import assert_error, created_job
+from tests.api.conftest import assert_error, cispo_body, created_job, running_api, uploaded
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -186,3 +186,20 @@ def test_non_finite_checkpoint_metrics_are_reported_as_null(api):
     _checkpoint(api, job["id"], epoch, 1, {"adapter.tar": b"x"}, metrics={"loss": float("nan"), "r": 1.0})
     r = api.client.get(f"{JOBS}/{job['id']}/checkpoints")
     assert r.status_code == 200 and r.json()["data"][0]["metrics"] == {"loss": None, "r": 1.0}
+
+
+def test_a_project_over_its_active_job_quota_gets_429_and_others_do_not(database_url, tmp_path):
+    with running_api(database_url, tmp_path, max_active_jobs=2) as api:
+        file_id = uploaded(api.client)
+        first, second = (api.client.post(JOBS, json=cispo_body(file_id)).json() for _ in range(2))
+        r = api.client.post(JOBS, json=cispo_body(file_id))
+        error = assert_error(r, 429, "2 queued or running jobs")
+        assert error["code"] == "active_job_quota_exceeded" and int(r.headers["retry-after"]) >= 1
+        assert len(api.enqueued.ids) == 2  # nothing was created or enqueued for the refused one
+        assert api.other.post(JOBS, json=cispo_body(uploaded(api.other))).status_code == 200  # per project
+
+        assert api.client.post(f"{JOBS}/{first['id']}/pause").status_code == 200  # paused: not active
+        assert api.client.post(JOBS, json=cispo_body(file_id)).status_code == 200
+        assert_error(api.client.post(f"{JOBS}/{first['id']}/resume"), 429, "queued or running")
+        assert api.client.post(f"{JOBS}/{second['id']}/cancel").status_code == 200
+        assert api.client.post(f"{JOBS}/{first['id']}/resume").status_code == 200

@@ -49,14 +49,18 @@ def loopback_api(database_url, tmp_path):
 
 def test_secrets_are_created_listed_and_deleted_without_their_value(api):
     c = Responses(api.client)
-    r = c.post("/v1/secrets", json={"name": "grader-key", "value": SECRET})
+    r = c.post("/v1/secrets", json={"name": "grader-key", "value": SECRET, "hosts": ["grader.example.com"]})
     assert r.status_code == 200, r.text
     created = r.json()
-    assert set(created) == {"id", "object", "name", "created_at"} and created["object"] == "secret"
+    assert set(created) == {"id", "object", "name", "hosts", "created_at"} and created["object"] == "secret"
+    assert created["hosts"] == ["grader.example.com"]
     assert created["id"].startswith("secret-") and created["name"] == "grader-key"
-    assert_error(c.post("/v1/secrets", json={"name": "grader-key", "value": "other"}), 409, "already exists")
-    assert_error(c.post("/v1/secrets", json={"name": "bad name!", "value": "x"}), 422, "name")
-    assert_error(c.post("/v1/secrets", json={"name": "empty", "value": ""}), 422, "value")
+    assert_error(c.post("/v1/secrets", json={"name": "grader-key", "value": "other", "hosts": ["h"]}), 409,
+                 "already exists")
+    assert_error(c.post("/v1/secrets", json={"name": "bad name!", "value": "x", "hosts": ["h"]}), 422, "name")
+    assert_error(c.post("/v1/secrets", json={"name": "empty", "value": "", "hosts": ["h"]}), 422, "value")
+    assert_error(c.post("/v1/secrets", json={"name": "unbound", "value": "x"}), 422, "hosts")
+    assert_error(c.post("/v1/secrets", json={"name": "url", "value": "x", "hosts": ["https://h/x"]}), 422, "hosts")
     listed = c.get("/v1/secrets").json()
     assert [s["name"] for s in listed["data"]] == ["grader-key"] and "value" not in listed["data"][0]
 
@@ -64,7 +68,8 @@ def test_secrets_are_created_listed_and_deleted_without_their_value(api):
     other = Responses(api.other)
     assert other.get("/v1/secrets").json()["data"] == []
     assert_error(other.delete(f"/v1/secrets/{created['id']}"), 404, created["id"])
-    assert other.post("/v1/secrets", json={"name": "grader-key", "value": "theirs"}).status_code == 200  # own namespace
+    assert other.post("/v1/secrets", json={"name": "grader-key", "value": "theirs",
+                                                 "hosts": ["h"]}).status_code == 200  # own namespace
 
     assert c.delete(f"/v1/secrets/{created['id']}").json() == {"id": created["id"], "object": "secret", "deleted": True}
     assert c.get("/v1/secrets").json()["data"] == []
@@ -115,7 +120,7 @@ def test_http_reward_gets_the_secret_and_no_response_shows_it(loopback_api):
         spec = {"type": "http", "url": f"{base}/good", "auth_secret": "grader-key", "retries": 0}
         assert_error(c.post("/v1/reward_functions", json={"name": "remote", "spec": spec}), 400, "grader-key",
                      "POST /v1/secrets")
-        c.post("/v1/secrets", json={"name": "grader-key", "value": SECRET})
+        c.post("/v1/secrets", json={"name": "grader-key", "value": SECRET, "hosts": ["127.0.0.1"]})
         fn = c.post("/v1/reward_functions", json={"name": "remote", "spec": spec}).json()
         out = c.post(f"/v1/reward_functions/{fn['id']}/test", json={"completions": ["abc", "a"]}).json()
         assert out["scores"] == [0.3, 0.1]

@@ -70,6 +70,7 @@ def stack(tmp_path_factory, moto_endpoint):
         "STORAGE_URL": s3_url,
         "CISPO_HOME": str(root / "home"),
         "CISPO_HEARTBEAT_S": "1",
+        "CISPO_MODEL_DIRS": str(tmp_path_factory.getbasetemp()),  # where toy_dir builds the tiny model
         "PYTHONUNBUFFERED": "1",
     }
     port = free_port()

@@ -97,3 +97,18 @@ def test_timeouts_garbage_size_and_redirects(server):
         _call(server, "huge", max_response_bytes=1000)
     with pytest.raises(httpx.HTTPStatusError, match="302"):
         _call(server, "redirect")
+
+
+def test_a_bound_secret_goes_only_to_its_hosts_at_call_time(server):
+    from service.egress import BoundSecret, bearer, host_matches
+
+    server.mode = "echo"
+    pol = EgressPolicy.from_setting("127.0.0.1")
+    target = check_url(f"http://127.0.0.1:{server.server_port}/score", pol)
+    sent = post_json(target, {"a": 1}, pol, headers={"Authorization": bearer(BoundSecret("s3cret", ["127.0.0.1"]))})
+    assert sent["auth"] == "Bearer s3cret"
+    for bound in (BoundSecret("s3cret", ["grader.example.com"]), BoundSecret("s3cret", [])):
+        with pytest.raises(EgressRefused, match="may only be sent to"):
+            post_json(target, {"a": 1}, pol, headers={"Authorization": bearer(bound)})
+    assert host_matches("a.b.example.com", ["*.example.com"]) and not host_matches("example.com", ["*.example.com"])
+    assert host_matches("Grader.Example.com.", ["grader.example.com"]) and not host_matches("evil.com", ["evil.co"])

@@ -9,6 +9,7 @@ from service.db.session import session_factory
 from service.repositories import jobs, projects
 from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
+from service.secret_box import secret_box
 from service.storage import open_store
 from tests.worker.test_http_env import env_server
 from tests.worker.test_job_runner import job_row, make_settings
@@ -31,7 +32,9 @@ def test_http_environment_job_reads_its_secret_and_succeeds(database_url, toy_di
         spec = JobSpec.model_validate(raw)
         with session_factory(settings.resolved_database_url()).begin() as s:
             project = projects.get_or_create_project(s, "p")
-            secrets_repo.add(s, Secret(project_id=project.id, name="env-key", value="Bearer from-the-db"))
+            secrets_repo.add(s, Secret(project_id=project.id, name="env-key",
+                                              ciphertext=secret_box(settings).seal("Bearer from-the-db"),
+                                              hosts=["127.0.0.1"]))
             job_id = jobs.add(s, Job(project_id=project.id, status="queued", model=spec.model,
                                      training_file="file-train", spec=spec.model_dump(mode="json"),
                                      method={"type": "cispo"}, seed=spec.seed, total_steps=2)).id

@@ -235,6 +235,7 @@ def test_a_broken_reward_fails_the_job_with_reward_error_rate(database_url, toy_
 
 def test_the_worker_resolves_the_secret_and_never_records_it(database_url, toy_dir, tmp_path):
     from service.db.models import Secret
+    from service.secret_box import secret_box
     from tests.worker.reward_servers import reward_server
 
     settings = make_settings(tmp_path, database_url).model_copy(update={"egress_allow": "127.0.0.1"})
@@ -243,7 +244,8 @@ def test_the_worker_resolves_the_secret_and_never_records_it(database_url, toy_d
                         reward={"type": "http", "url": f"{base}/good", "auth_secret": "grader", "batch_size": 64})
         with session_factory(database_url).begin() as s:
             project_id = jobs.get_for_worker(s, job_id).project_id
-            s.add(Secret(project_id=project_id, name="grader", value="Bearer sk-very-secret"))
+            s.add(Secret(project_id=project_id, name="grader", ciphertext=secret_box(settings).seal(
+                "Bearer sk-very-secret"), hosts=["127.0.0.1"]))
         assert run_job(job_id, settings) == "succeeded"
     assert rec.requests and {r["headers"]["Authorization"] for r in rec.requests} == {"Bearer sk-very-secret"}
     job = job_row(settings, job_id)

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from service.egress import EgressPolicy
+from service.egress import EgressPolicy, bearer
 from service.schemas.reward_remote import ScoreModelReward
 from service.schemas.templates import SampleParseError, TemplateError, render
 from worker.rewards.builtins import last_number
@@ -67,7 +67,7 @@ class JudgeBatchScorer:
         self.spec, self.endpoint = spec, endpoint
         self.policy = dataclasses.replace(policy, read_timeout_s=spec.timeout_s)
         self.url = endpoint.base_url.rstrip("/") + "/chat/completions"
-        self.headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+        self.headers = {"Authorization": bearer(endpoint.api_key)} if endpoint.api_key else {}  # keeps a binding
         low, high = spec.range
         self.instruction = {"role": "system", "content": INSTRUCTION.format(low=low, high=high)}
 

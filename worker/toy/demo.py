@@ -57,7 +57,8 @@ def run_demo(root: Path, *, steps: int) -> None:
     prepare(root, steps=steps)
     home = root / "home"
     shutil.rmtree(home, ignore_errors=True)
-    env = {**os.environ, "CISPO_HOME": str(home)}
+    # The toy model is a local directory: the API accepts local models only under CISPO_MODEL_DIRS.
+    env = {**os.environ, "CISPO_HOME": str(home), "CISPO_MODEL_DIRS": str(root.resolve())}
     for var in ("DATABASE_URL", "BROKER_URL", "STORAGE_URL", "CISPO_DATABASE_URL", "CISPO_BROKER_URL", "CISPO_STORAGE_URL"):
         env.pop(var, None)  # the embedded default, whatever this shell has set
     cli = [sys.executable, "-m", "worker.cli"]
@@ -82,7 +83,8 @@ def run_demo(root: Path, *, steps: int) -> None:
         spec = toy_spec(root, steps=steps)
         hyper = {k: spec[k] for k in ("lora", "sampling", "optimizer", "training")}
         job = check(client.post("/fine_tuning/jobs", json={
-            "model": spec["model"], "training_file": files["train"], "validation_file": files["val"], "seed": 0,
+            "model": str(Path(spec["model"]).resolve()), "training_file": files["train"],
+            "validation_file": files["val"], "seed": 0,
             "suffix": "demo", "method": {"type": "cispo", "cispo": {"reward_function": reward["id"],
                                                                      "hyperparameters": hyper}}}))
         print(f"job {job['id']} submitted")

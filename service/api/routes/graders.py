@@ -6,19 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from service import reward_tests
 from service.api.deps import PrincipalDep, SessionDep, SettingsDep
+from service.api.scoring import score
 from service.schemas.scoring_api import GraderRunRequest, GraderValidateRequest
 
 router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", tags=["graders"])
 
 
 @router.post("/run")
-def run_grader(body: GraderRunRequest, session: SessionDep, who: PrincipalDep,
-               settings: SettingsDep) -> dict[str, Any]:
-    return reward_tests.run_grader(session, who.project_id, body, settings=settings)
+async def run_grader(request: Request, body: GraderRunRequest, session: SessionDep, who: PrincipalDep,
+                     settings: SettingsDep) -> dict[str, Any]:
+    answer = await score(request, who.project_id, lambda: reward_tests.prepare_grader_run(
+        session, who.project_id, body, settings=settings))
+    return reward_tests.grader_run_result(body, answer)
 
 
 @router.post("/validate")

@@ -82,8 +82,8 @@ def get_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep) -> 
     return _present(session, who, jobs_service.get(session, who.project_id, fine_tuning_job_id))
 
 
-def _control(action: str, job_id: str, session, who: Principal) -> JobObject:
-    job = jobs_service.control(session, who.project_id, job_id, action)
+def _control(action: str, job_id: str, session, who: Principal, settings=None) -> JobObject:
+    job = jobs_service.control(session, who.project_id, job_id, action, settings=settings)
     public = _present(session, who, job)
     session.commit()
     return public
@@ -100,7 +100,8 @@ def pause_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep) -
 
 
 @router.post("/{fine_tuning_job_id}/resume", response_model=JobObject)
-def resume_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, enqueue: EnqueueDep) -> JobObject:
-    public = _control("resume", fine_tuning_job_id, session, who)
+def resume_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, enqueue: EnqueueDep,
+               settings: SettingsDep) -> JobObject:
+    public = _control("resume", fine_tuning_job_id, session, who, settings)
     _send(enqueue, fine_tuning_job_id)
     return public

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
 from service import reward_functions as rf_service
 from service.api import presenters
 from service import reward_tests
 from service.api.deps import PrincipalDep, SessionDep, SettingsDep
+from service.api.scoring import score
 from service.repositories import reward_functions as rf_repo
 from service.schemas.api import Deleted, ListObject, RewardFunctionCreate, RewardFunctionObject
 from service.schemas.scoring_api import InlineRewardTestRequest, RewardTestObject, RewardTestRequest
@@ -45,16 +46,21 @@ def delete_reward_function(reward_function_id: str, session: SessionDep, who: Pr
 
 
 @router.post("/test", response_model=RewardTestObject)
-def test_inline_reward(body: InlineRewardTestRequest, session: SessionDep, who: PrincipalDep,
-                       settings: SettingsDep) -> RewardTestObject:
+async def test_inline_reward(request: Request, body: InlineRewardTestRequest, session: SessionDep,
+                             who: PrincipalDep, settings: SettingsDep) -> RewardTestObject:
     """Score samples with a reward spec that is not registered yet (same scoring as a job's)."""
-    return reward_tests.dry_run_reward(session, who.project_id, body.spec.model_dump(mode="json"), body,
-                                    settings=settings)
+    spec = body.spec.model_dump(mode="json")
+    answer = await score(request, who.project_id, lambda: reward_tests.prepare_reward_test(
+        session, who.project_id, spec, body, settings=settings))
+    return reward_tests.reward_test_result(answer)
 
 
 @router.post("/{reward_function_id}/test", response_model=RewardTestObject)
-def test_reward_function(reward_function_id: str, body: RewardTestRequest, session: SessionDep,
-                         who: PrincipalDep, settings: SettingsDep) -> RewardTestObject:
+async def test_reward_function(request: Request, reward_function_id: str, body: RewardTestRequest,
+                               session: SessionDep, who: PrincipalDep, settings: SettingsDep) -> RewardTestObject:
     """Score samples with a registered reward: scores, sub-scores, errors by kind, timing."""
-    fn = rf_service.get(session, who.project_id, reward_function_id)
-    return reward_tests.dry_run_reward(session, who.project_id, fn.spec, body, settings=settings)
+    def prepare():
+        fn = rf_service.get(session, who.project_id, reward_function_id)
+        return reward_tests.prepare_reward_test(session, who.project_id, fn.spec, body, settings=settings)
+
+    return reward_tests.reward_test_result(await score(request, who.project_id, prepare))

@@ -8,17 +8,18 @@ from fastapi import APIRouter, Query
 
 from service import secrets as secrets_service
 from service.api import presenters
-from service.api.deps import PrincipalDep, SessionDep
+from service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from service.repositories import secrets as secrets_repo
 from service.schemas.api import Deleted, ListObject
 from service.schemas.scoring_api import SecretCreate, SecretObject
+from service.secret_box import secret_box
 
 router = APIRouter(prefix="/v1/secrets", tags=["secrets"])
 
 
 @router.post("", response_model=SecretObject)
-def create_secret(body: SecretCreate, session: SessionDep, who: PrincipalDep) -> SecretObject:
-    row = secrets_service.create(session, who.project_id, body)
+def create_secret(body: SecretCreate, session: SessionDep, who: PrincipalDep, settings: SettingsDep) -> SecretObject:
+    row = secrets_service.create(session, who.project_id, body, secret_box(settings))
     session.commit()
     return secrets_service.present(row)
 

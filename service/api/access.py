@@ -1,0 +1,88 @@
+"""Admission, authentication and the per-key rate limit, as ASGI middleware in front of every /v1 route.
+
+It runs before anything reads the request body: an unauthenticated or
+over-limit caller gets its 401 / 429 while its upload is still unread (a
+FastAPI dependency would be too late, since FastAPI parses form bodies
+before it resolves dependencies). The principal is left in the request
+state, where PrincipalDep picks it up. The key lookup is blocking SQL, so it
+runs in the threadpool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+from anyio import to_thread
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api.envelope import database_unavailable, service_error_response
+from service.api.ratelimit import TokenBuckets
+from service.auth import authenticate
+from service.errors import ServiceError
+
+PROTECTED_PREFIX = "/v1/"
+
+
+class Admission:
+    """At most `api_threads` requests inside the app at once; the rest wait here, on the event loop.
+
+    A sync route holds a pooled connection from its first query until its session closes, which is after
+    FastAPI has serialized the response in the threadpool. With more requests in flight than threads, the
+    threads could all be taken by routes waiting for a connection, while every connection is held by a
+    route waiting for a thread to serialize its response: the pool then times out (seen at 200 pollers).
+    Admitting no more requests than threads (and the pool has threads + 4 connections) makes that cycle
+    impossible. A request leaves when its response starts, so a slow download holds no place, or earlier
+    through `request.state.leave_admission()` once it holds no connection (a reward test while it scores).
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+            return await self.app(scope, receive, send)
+        # Made in the serving loop by the lifespan (service/api/app.py); an app driven without its lifespan
+        # (a bare TestClient) has none and admits everyone.
+        places = getattr(scope["app"].state, "admission", None)
+        if places is None:
+            return await self.app(scope, receive, send)
+        await places.acquire()
+        admitted = True
+
+        def leave() -> None:
+            nonlocal admitted
+            if admitted:
+                admitted = False
+                places.release()
+
+        async def send_and_leave(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                leave()
+            await send(message)
+
+        scope.setdefault("state", {})["leave_admission"] = leave
+        try:
+            await self.app(scope, receive, send_and_leave)
+        finally:
+            leave()
+
+
+class Authenticate:
+    def __init__(self, app: ASGIApp, *, reads: sessionmaker[Session], writes: sessionmaker[Session],
+                 limits: TokenBuckets):
+        self.app, self.reads, self.writes, self.limits = app, reads, writes, limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+            return await self.app(scope, receive, send)
+        authorization = dict(scope["headers"]).get(b"authorization")
+        try:
+            principal = await to_thread.run_sync(authenticate, self.reads, self.writes,
+                                                 authorization.decode("latin-1") if authorization else None)
+            self.limits.take(principal.key_id)
+        except ServiceError as exc:
+            return await service_error_response(exc)(scope, receive, send)
+        except OperationalError as exc:
+            return await database_unavailable(scope["method"], scope["path"], exc)(scope, receive, send)
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)

@@ -1,0 +1,34 @@
+"""Running a reward test or grader run for a route: a concurrency slot, a short DB part, the scoring.
+
+The routes that use this are `async`: the database part (checks, secret
+reads) runs in the threadpool and returns at once; the scoring subprocess is
+awaited on the event loop, so a reward that takes its full wall time holds
+no thread that polling routes need. Slots are taken before anything else:
+over the per-project or global cap the caller gets 429 + Retry-After.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from service.api.ratelimit import Slots
+from service.reward_tests import Scoring
+from service.settings import Settings
+
+
+def scoring_slots(settings: Settings) -> Slots:
+    return Slots(per_owner=settings.scoring_per_project, total=settings.scoring_total,
+                 what="reward tests and grader runs", retry_after_s=min(settings.scoring_timeout_s, 30.0))
+
+
+async def score(request: Request, project_id: str, prepare: Callable[[], Scoring]) -> dict:
+    """The scoring subprocess's answer for what `prepare` (blocking, reads the database) returns."""
+    with request.app.state.scoring_slots.hold(project_id):
+        scoring = await run_in_threadpool(prepare)  # its transaction has ended: no connection is held now
+        leave = getattr(request.state, "leave_admission", None)
+        if leave is not None:
+            leave()  # scoring waits on a subprocess; other requests may take this place meanwhile
+        return await scoring.run(request.app.state.settings)

@@ -1,0 +1,40 @@
+"""Which base models a job may name: hub ids, and local directories the operator allowed.
+
+`model` reaches the worker's from_pretrained(), which reads any path it is
+given. So a path is accepted only under a directory of the `model_dirs`
+setting (after resolving symlinks and `..`), and every refusal says the same
+thing whether or not the path exists: the API is no oracle for the
+filesystem. Existence is the worker's to find out, where a missing model
+fails the job like any other load error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from service.errors import InvalidRequest
+from service.settings import Settings
+
+# A hub repo id: "name" or "owner/name", letters, digits, '-', '_', '.', no '..' (huggingface_hub's rule).
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+def _refused(settings: Settings) -> InvalidRequest:
+    rule = "or an absolute path under one of the operator's model directories" if settings.resolved_model_dirs() \
+        else "(this service accepts no local paths)"
+    return InvalidRequest(f"model: must be a hub id such as 'org/name' {rule}", param="model", code="invalid_model")
+
+
+def check_model(model: str, settings: Settings) -> None:
+    """Raise InvalidRequest (param 'model') unless the model is a hub id or an allowed local directory."""
+    if not model.startswith("/"):
+        if _HUB_ID.match(model) and ".." not in model:
+            return
+        raise _refused(settings)
+    resolved = Path(os.path.realpath(model))
+    for allowed in settings.resolved_model_dirs():
+        if resolved != allowed and resolved.is_relative_to(allowed):
+            return
+    raise _refused(settings)
