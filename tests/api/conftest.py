@@ -54,6 +54,7 @@ class Api:
 
 def make_settings(database_url: str, tmp_path, **extra) -> Settings:
     extra.setdefault("model_hub_url", "")  # tests never reach a model hub
+    extra.setdefault("model_dirs", str(tmp_path.parent))  # the pytest root, where toy_dir builds the tiny model
     return Settings(DATABASE_URL=database_url, STORAGE_URL=str(tmp_path / "objects"), home=tmp_path / "home",
                     **extra)
 

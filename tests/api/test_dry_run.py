@@ -51,10 +51,11 @@ def test_a_good_local_job_passes_every_check_with_counted_tokens(api, toy_dir):
 
 def test_models_that_cannot_load_are_refused_by_name(api, toy_dir, tmp_path):
     body = local_body(api, toy_dir)
-    for model, needle in [(str(tmp_path / "nowhere"), "not a directory"), ("has space/x", "neither a local directory"),
-                          ("a/b/c", "neither a local directory")]:
-        error = assert_error(dry(api, {**body, "model": model}), 400, "model: ", needle)
-        assert error["param"] == "model" and error["code"] == "dry_run_failed"
+    error = assert_error(dry(api, {**body, "model": str(tmp_path / "nowhere")}), 400, "model: ", "not a directory")
+    assert error["param"] == "model" and error["code"] == "dry_run_failed"
+    for model in ("has space/x", "a/b/c"):  # neither a hub id nor a path: refused before any check runs
+        error = assert_error(dry(api, {**body, "model": model}), 400, "model: must be a hub id")
+        assert error["param"] == "model" and error["code"] == "invalid_model"
 
     broken = tmp_path / "broken"
     shutil.copytree(toy_dir / "model", broken)

@@ -110,7 +110,8 @@ def end_three_jobs(api) -> dict[str, str]:
     ended[cancelled] = "fine_tuning.job.cancelled"
     failed, succeeded = created_job(api)["id"], created_job(api)["id"]
     with api.session() as s:
-        assert jobs_repo.fail_unclaimed(s, failed, "too_many_attempts", "gave up")
+        failing = jobs_repo.claim(s, failed, "worker-1", 30)
+        assert jobs_repo.finish(s, failed, failing, "failed", error_code="training_error", error_message="gave up")
         epoch = jobs_repo.claim(s, succeeded, "worker-1", 30)
         assert jobs_repo.finish(s, succeeded, epoch, "succeeded")
         s.commit()
