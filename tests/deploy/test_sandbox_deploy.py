@@ -48,6 +48,18 @@ DEFAULTS_SUFFICE = {
     "max_request_bytes": "4 MiB JSON bodies",
     "max_attempts": "3 attempts per job",
     "work_dir": "HOME/work, on the worker's CISPO_HOME volume",
+    "retry_backoff_s": "10 s before a job's 2nd run, doubling",
+    "broker_timeout_s": "5 s socket timeout on Redis",
+    "api_threads": "40 threads, with the pool and admission sized to match",
+    "db_pool_size": "10 connections per API process",
+    "rate_limit_per_s": "20 requests/s per key",
+    "rate_limit_burst": "bursts of 100",
+    "max_active_jobs": "10 queued or running jobs per project",
+    "scoring_timeout_s": "60 s per reward test",
+    "scoring_per_project": "2 reward tests at once per project",
+    "scoring_total": "8 reward tests at once per API process",
+    "model_hub_url": "the Hugging Face hub, for dry runs' config checks",
+    "model_dirs": "hub ids only: a hosted service takes no paths on its hosts",
 }
 
 

@@ -85,6 +85,7 @@ CISPO_METRICS_TOKEN: {{ . | b64enc | quote }}
 {{- with .Values.secrets.judgeApiKey }}
 CISPO_JUDGE_API_KEY: {{ . | b64enc | quote }}
 {{- end }}
+CISPO_SECRET_KEY: {{ required "set secrets.secretKey (a Fernet key; or secrets.existingSecret)" .Values.secrets.secretKey | b64enc | quote }}
 {{- end }}
 
 {{/* Non-secret settings (service/settings.py), shared by the ConfigMap and the migration hook. */}}
