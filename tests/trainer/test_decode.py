@@ -71,8 +71,10 @@ def test_greedy_tokens_equal_transformers_generate(lora_model):
         eager = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(), greedy=True, eos_id=EOS,
                                      pad_id=PAD, device=CPU)
         static = static_greedy(merged, rows, 6)
+        static_again = static_greedy(merged, rows, 6)  # the static cache is reused, emptied first
     assert eager == expected
     assert static == expected
+    assert static_again == expected
     with lora_model.disable_adapter():
         assert hf_greedy(lora_model, rows, 6) != expected  # the adapter matters, so the merge was really tested
 

@@ -48,8 +48,10 @@ __all__ = ["merged_lora", "sample_tokens", "logits_processors"]
 log = logging.getLogger(__name__)
 
 CACHE_BUCKET = 128  # static cache lengths are rounded up to this, so a new prompt length rarely recompiles
-_merged_buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base layer -> its merged weight
+# Kept between rollouts so that tensor addresses stay put and CUDA graphs replay instead of re-recording.
+_merged_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base layer -> Parameter holding W + delta
 _compiled_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> compiled decode step
+_static_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (shape key, StaticCache)
 _compile_failed = False
 
 
@@ -57,7 +59,7 @@ _compile_failed = False
 def merged_lora(model):
     """Run `model` with its active LoRA adapters folded into its weights, without writing the base weights.
 
-    Each adapted layer gets a buffer of its own (kept for the next rollout,
+    Each adapted layer gets a weight of its own (kept for the next rollout,
     so addresses stay stable for CUDA graphs) holding W + delta; the layer's
     weight attribute points at it inside the block, and the adapter path is
     switched off. Anything that is not a PeftModel runs as it is.
@@ -79,13 +81,14 @@ def merged_lora(model):
                     continue
                 base = module.get_base_layer()
                 original = base.weight
-                buffer = _merged_buffers.get(base)
-                if buffer is None or buffer.shape != original.shape or buffer.dtype != original.dtype:
-                    buffer = _merged_buffers[base] = torch.empty_like(original, requires_grad=False)
-                buffer.copy_(original)
+                merged = _merged_weights.get(base)
+                if merged is None or merged.shape != original.shape or merged.dtype != original.dtype:
+                    merged = _merged_weights[base] = torch.nn.Parameter(torch.empty_like(original),
+                                                                        requires_grad=False)
+                merged.copy_(original)
                 for adapter in adapters:
-                    buffer += module.get_delta_weight(adapter).to(buffer.dtype)
-                base.weight = torch.nn.Parameter(buffer, requires_grad=False)
+                    merged += module.get_delta_weight(adapter).to(merged.dtype)
+                base.weight = merged
                 swapped.append((base, original))
         with model.disable_adapter():
             yield model
@@ -210,7 +213,7 @@ def _static_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id,
     total = -(-(P + max_new) // CACHE_BUCKET) * CACHE_BUCKET
     full_mask = torch.zeros((B, total), dtype=mask.dtype, device=mask.device)
     full_mask[:, : mask.shape[1]] = mask
-    cache = StaticCache(config=model.config, max_cache_len=total)
+    cache = _static_cache(model, B, total)
     logits = model(input_ids=ids[:, :P], attention_mask=full_mask[:, :P], position_ids=positions[:, :P],
                    cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
@@ -225,6 +228,18 @@ def _static_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id,
             break
         logits = step(model, token[:, None], full_mask, positions[:, P + t : P + t + 1], cache).clone()
     return lengths
+
+
+def _static_cache(model, batch: int, length: int) -> StaticCache:
+    """The model's static cache for this shape, emptied; a new one when the shape changed."""
+    key = (batch, length)
+    known = _static_caches.get(model)
+    if known is not None and known[0] == key:
+        known[1].reset()
+        return known[1]
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    _static_caches[model] = (key, cache)
+    return cache
 
 
 def _give_up_compiling(error: Exception) -> None:

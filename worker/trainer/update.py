@@ -28,6 +28,16 @@ def _chunks(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i : i + size] for i in range(0, len(indices), size)]
 
 
+def micro_batches(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
+    """Chunks of `size` sequences, similar lengths together, so a micro-batch pads little.
+
+    Which sequences share an optimizer step is decided before (the shuffled
+    mini-batch); grouping them by length only changes how the step's
+    gradient is accumulated, not what it is.
+    """
+    return _chunks(sorted(indices, key=lambda i: lengths[i]), size)
+
+
 def _per_sequence(values_BT: Tensor, action_mask_BT: Tensor) -> list[Tensor]:
     """Split the action-token values of each row into one 1-D tensor per sequence."""
     lengths = action_mask_BT.sum(-1).long().tolist()
@@ -54,7 +64,8 @@ class Updater:
         was_training = model.training
         model.eval()  # the sampler ran without dropout
         result: dict[int, Tensor] = {}
-        for idx in _chunks(indices, self.training.micro_batch_size):
+        lengths = [len(ids) for ids in rollout.token_ids]
+        for idx in micro_batches(indices, lengths, self.training.micro_batch_size):
             batch = self._batch(rollout, idx)
             if reference:
                 with self.policy.reference():
@@ -74,6 +85,7 @@ class Updater:
         """
         stats = UpdateStats()
         counts = rollout.action_counts
+        lengths = [len(ids) for ids in rollout.token_ids]
         indices = [i for i in indices if counts[i] > 0]
         if not indices:
             return stats
@@ -95,7 +107,7 @@ class Updater:
                 normalizer = float(len(mini)) if per_sequence else float(sum(counts[i] for i in mini))
                 self.optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
-                for micro in _chunks(mini, self.training.micro_batch_size):
+                for micro in micro_batches(mini, lengths, self.training.micro_batch_size):
                     batch = self._batch(rollout, micro)
                     logp, entropy = sequence_logprobs(
                         model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size
