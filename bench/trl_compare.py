@@ -137,7 +137,7 @@ def our_trainer(model_dir: Path, data: Path, out: Path, w: Workload):
 
 
 def _train_all_weights(trainer) -> None:
-    """Full fine-tuning on a build whose spec is LoRA-only: the same trainer, policy and updater around the bare model."""
+    """Full fine-tuning where the spec is LoRA-only: the same trainer, policy and updater around the bare model."""
     from worker.trainer.policy import Policy
     from worker.trainer.update import Updater
 

@@ -189,7 +189,8 @@ def _eager_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id) 
         if t == max_new - 1:
             break
         end = P + t + 1
-        logits = model(input_ids=token[:, None], attention_mask=mask[live, :end], position_ids=positions[live, end - 1 : end],
+        logits = model(input_ids=token[:, None], attention_mask=mask[live, :end],
+                       position_ids=positions[live, end - 1 : end],
                        cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     return lengths
 

@@ -85,7 +85,8 @@ class _Episode:
         self.error, self.done = message, True
 
 
-def _sample(policy: Policy, seqs: list[list[int]], max_new: int, sampling: SamplingSpec, greedy: bool) -> list[list[int]]:
+def _sample(policy: Policy, seqs: list[list[int]], max_new: int, sampling: SamplingSpec,
+            greedy: bool) -> list[list[int]]:
     """New tokens per sequence, up to and including EOS (see worker/trainer/decode.py for how)."""
     tok = policy.tokenizer
     model = policy.model
