@@ -14,7 +14,7 @@ DEMO   := runs/demo
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[worker,test]"
+	$(PY) -m pip install -q -e ".[worker,test,bench]"
 	$(MAKE) --no-print-directory vllm
 	touch $@
 

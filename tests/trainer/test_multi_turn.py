@@ -17,6 +17,7 @@ from worker.toy.task import write_jsonl
 from worker.toy.two_turn import environment_spec, plain_chat_model
 from worker.trainer.loop import Trainer
 from worker.trainer.policy import load_policy
+from worker.trainer import rollout as rollout_module
 from worker.trainer.rollout import generate
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
 from worker.trainer.turns import chat_ids, environment_turn_ids
@@ -87,25 +88,22 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def test_generated_ids_are_trained_verbatim_and_environment_turns_are_masked(policy, toy_dir):
-    """Each turn's sampled ids appear unchanged under mask 1; the context fed to generate is the sequence so far."""
+def test_generated_ids_are_trained_verbatim_and_environment_turns_are_masked(policy, toy_dir, monkeypatch):
+    """Each turn's sampled ids appear unchanged under mask 1; the context fed to the sampler is the sequence so far."""
     spec = env_spec(toy_dir)
     tok = policy.tokenizer
     calls = []
-    real_generate = policy.model.generate
+    real_sample = rollout_module.sample_tokens
 
-    def spy(**kw):
-        out = real_generate(**kw)
-        calls.append((kw["input_ids"].tolist(), out[:, kw["input_ids"].shape[1]:].tolist()))
+    def spy(model, prompts, **kw):
+        out = real_sample(model, prompts, **kw)
+        calls.append(([list(p) for p in prompts], out))
         return out
 
     env = Scripted(word_then_done)
-    policy.model.generate = spy
-    try:
-        torch.manual_seed(1)
-        rollout = generate(policy, ROWS, spec.sampling, group_size=2, environment=env, max_turns=2, seeds=[1, 2, 3])
-    finally:
-        del policy.model.generate
+    monkeypatch.setattr(rollout_module, "sample_tokens", spy)
+    torch.manual_seed(1)
+    rollout = generate(policy, ROWS, spec.sampling, group_size=2, environment=env, max_turns=2, seeds=[1, 2, 3])
     assert len(calls) == 2 and len(rollout) == 6
     assert rollout.turns == [2] * 6 and rollout.turn_rewards == [[0.5, 1.0]] * 6
     assert sorted(env.released) == sorted(env.actions)

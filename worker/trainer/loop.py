@@ -220,8 +220,8 @@ class Trainer:
         spec, tc = self.spec, self.spec.training
         started = time.perf_counter()
         lr = spec.optimizer.lr * lr_multiplier(spec.schedule, self.step, tc.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
 
         rows = _share(self.sampler.next_batch(tc.batch_size), self.rank, self.world)
         # Episode seeds come from the job's RNG (saved in checkpoints), one per prompt, shared by its group.

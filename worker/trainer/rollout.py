@@ -1,4 +1,4 @@
-"""Rollouts with transformers generation: group_size episodes per prompt, one or more turns each.
+"""Rollouts: group_size episodes per prompt, one or more turns each, sampled by worker/trainer/decode.py.
 
 One path for both kinds of job. Without an environment an episode is one
 assistant turn after the row's prompt (the reward function then scores the
@@ -34,11 +34,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 from service.schemas.dataset import row_prompt
 from service.schemas.job_spec import SamplingSpec
 from worker.envs.protocol import Environment
+from worker.trainer.decode import merged_lora, sample_tokens
 from worker.trainer.policy import Policy
 from worker.trainer.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
 
@@ -101,17 +100,20 @@ class _Episode:
         self.error, self.done = message, True
 
 
-def _sample(policy: Policy, seqs: list[list[int]], max_new: int, knobs: dict, sampling: SamplingSpec) -> list[list[int]]:
+def _sample(policy: Policy, seqs: list[list[int]], max_new: int, sampling: SamplingSpec,
+            greedy: bool) -> list[list[int]]:
+    """New tokens per sequence, up to and including EOS (see worker/trainer/decode.py for how)."""
     tok = policy.tokenizer
-    batch = tok.pad({"input_ids": seqs}, padding=True, return_tensors="pt").to(policy.device)
     model = policy.model
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        out = model.generate(**batch, **knobs, repetition_penalty=sampling.repetition_penalty,
-                             max_new_tokens=max_new, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    model.train(was_training)
-    return out[:, batch["input_ids"].shape[1]:].tolist()
+    try:
+        with merged_lora(model) as generator:
+            return sample_tokens(generator, seqs, max_new=max_new, sampling=sampling, greedy=greedy,
+                                 eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, device=policy.device,
+                                 compiled=policy.device.type == "cuda")
+    finally:
+        model.train(was_training)
 
 
 def generate(
@@ -155,10 +157,6 @@ def generate(
             f"a prompt of {longest} tokens leaves no room for output within max_model_len={sampling.max_model_len}"
         )
 
-    knobs = dict(do_sample=False) if greedy else dict(
-        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-        top_k=sampling.top_k or None, min_p=sampling.min_p or None,
-    )
     turns = max_turns if environment is not None else 1
     for turn in range(turns):
         active = [ep for ep in episodes if not ep.done]
@@ -166,7 +164,7 @@ def generate(
             break
         budgets = [min(sampling.max_output_tokens, sampling.max_model_len - len(ep.ids)) for ep in active]
         if sampler is None:
-            generated, logprobs = _sample(policy, [ep.ids for ep in active], max(budgets), knobs, sampling), None
+            generated, logprobs = _sample(policy, [ep.ids for ep in active], max(budgets), sampling, greedy), None
         else:
             generated, logprobs = sampler([ep.ids for ep in active], budgets, greedy=greedy)
         for j, (ep, new, budget) in enumerate(zip(active, generated, budgets)):

@@ -59,7 +59,12 @@ def collate(prompt_ids: list[list[int]], completion_ids: list[list[int]], *, pad
 
 
 def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """(logp_BT, entropy_BT) of each target token; logits never exist for the whole batch at once."""
+    """(logp_BT, entropy_BT) of each action target, 0 elsewhere; logits never exist for the whole batch at once.
+
+    Only action positions go through the LM head: prompt and environment
+    targets carry no loss, and skipping them saves their share of the head's
+    cost (often most of it: long prompts, short answers).
+    """
     out = model(
         input_ids=batch.input_ids_BT,
         attention_mask=batch.attention_mask_BT,
@@ -68,10 +73,13 @@ def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_siz
         use_cache=False,
     )
     hidden_BTH = out.hidden_states[-1]
-    return token_logprobs(
+    action_BT = batch.action_mask_BT.bool()
+    logp_1N, entropy_1N = token_logprobs(
         model.get_output_embeddings(),
-        hidden_BTH,
-        batch.targets_BT,
+        hidden_BTH[action_BT][None],
+        batch.targets_BT[action_BT][None],
         temperature=temperature,
         chunk_size=chunk_size,
     )
+    zeros_BT = logp_1N.new_zeros(action_BT.shape)
+    return zeros_BT.index_put((action_BT,), logp_1N[0]), zeros_BT.index_put((action_BT,), entropy_1N[0])

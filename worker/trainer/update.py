@@ -40,6 +40,16 @@ def _chunks(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i : i + size] for i in range(0, len(indices), size)]
 
 
+def micro_batches(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
+    """Chunks of `size` sequences, similar lengths together, so a micro-batch pads little.
+
+    Which sequences share an optimizer step is decided before (the shuffled
+    mini-batch); grouping them by length only changes how the step's
+    gradient is accumulated, not what it is.
+    """
+    return _chunks(sorted(indices, key=lambda i: lengths[i]), size)
+
+
 def _per_sequence(values_BT: Tensor, action_mask_BT: Tensor) -> list[Tensor]:
     """Split the action-token values of each row into one 1-D tensor per sequence."""
     lengths = action_mask_BT.sum(-1).long().tolist()
@@ -77,7 +87,8 @@ class Updater:
         model.eval()  # the sampler ran without dropout
         result: dict[int, Tensor] = {}
         with unsharded(model, self.policy.reference_model if reference else None):
-            for idx in _chunks(indices, self.training.micro_batch_size):
+            lengths = [len(ids) for ids in rollout.token_ids]
+            for idx in micro_batches(indices, lengths, self.training.micro_batch_size):
                 batch = self._batch(rollout, idx)
                 with self._frozen(reference) as scorer:
                     logp, _ = sequence_logprobs(scorer, batch, temperature=self.temperature,
@@ -94,6 +105,7 @@ class Updater:
         """
         stats = UpdateStats()
         counts = rollout.action_counts
+        lengths = [len(ids) for ids in rollout.token_ids]
         indices = [i for i in indices if counts[i] > 0]
         if group.max_all(len(indices)) == 0:
             return stats
@@ -121,7 +133,7 @@ class Updater:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
-                micros = _chunks(mini, self.training.micro_batch_size)
+                micros = micro_batches(mini, lengths, self.training.micro_batch_size)
                 for _ in range(group.max_all(len(micros)) - len(micros)):
                     self._zero_weight_pass(rollout)
                 for micro in micros:

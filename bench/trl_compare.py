@@ -1,0 +1,261 @@
+"""Our CISPO step against TRL's GRPOTrainer(loss_type="cispo"), side by side in one process.
+
+    .venv/bin/python bench/trl_compare.py --threads 1             # ~3 min on 2 busy CPU cores
+    .venv/bin/python bench/trl_compare.py --steps 3 --warmup 1    # quicker, noisier
+
+Needs the bench extra (`pip install -e .[worker,bench]`, which brings `trl`).
+
+Both sides get the same workload: one random-init Llama built here and loaded
+with from_pretrained from a local directory (a random model almost never
+samples EOS, so nearly every completion runs the full max_tokens: the worst
+case), the same prompts, batch x group, max new tokens, LoRA config, sampling
+settings (temperature 1, no top-k/top-p), AdamW settings, mean-only group
+advantages, and one optimizer step per rollout batch over all sequences in
+one micro-batch (TRL's default shape; CISPO's ratio is then exactly 1 on both
+sides). TRL runs without gradient checkpointing and in the same dtype as ours.
+
+Steps are interleaved: a TRL callback times each TRL step (on_step_begin to
+on_step_end) and then runs and times one step of ours, so both see the same
+machine load. Warm-up steps are dropped; the medians of the rest are printed,
+with the generation share of each side and the ratio TRL / ours (> 1: we are faster).
+bench/gpu_step.py reuses these pieces on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch: int = 4  # prompts per step
+    group: int = 4  # completions per prompt
+    prompt_tokens: int = 32
+    max_tokens: int = 64  # new tokens per completion
+    vocab: int = 8192
+    hidden: int = 384
+    intermediate: int = 1024
+    layers: int = 4
+    heads: int = 6
+    kv_heads: int = 2
+    tie_embeddings: bool = False
+    lora_r: int = 16  # None: full fine-tuning
+    dtype: str = "float32"
+
+    def describe(self, params: int) -> str:
+        tuning = f"LoRA r={self.lora_r} all-linear" if self.lora_r else "full fine-tuning"
+        return (f"random Llama {params / 1e6:.2f}M params (hidden {self.hidden}, {self.layers} layers, vocab "
+                f"{self.vocab}, {self.dtype}); {self.batch} prompts x {self.group} completions, "
+                f"{self.prompt_tokens}-token prompts, {self.max_tokens} new tokens; {tuning}")
+
+
+def build_model(out: Path, w: Workload) -> Path:
+    """A random Llama and a word-level tokenizer of w.vocab words, saved for from_pretrained."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = SPECIALS + [f"w{i}" for i in range(w.vocab - len(SPECIALS))]
+    core = Tokenizer(models.WordLevel(vocab={word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.intermediate, num_hidden_layers=w.layers,
+        num_attention_heads=w.heads, num_key_value_heads=w.kv_heads, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=w.tie_embeddings,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def write_prompts(path: Path, w: Workload) -> list[str]:
+    gen = torch.Generator().manual_seed(1)
+    prompts = [" ".join(f"w{int(i)}" for i in torch.randint(0, w.vocab - len(SPECIALS), (w.prompt_tokens,),
+                                                             generator=gen))
+               for _ in range(w.batch * 8)]
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return prompts
+
+
+def reward(completion: str, **_row) -> float:
+    """Share of even-numbered words: cheap, and varied enough that no group has equal rewards."""
+    words = completion.split()
+    return sum(w[1:].isdigit() and int(w[1:]) % 2 == 0 for w in words) / max(1, len(words))
+
+
+def trl_reward(completions, **_kwargs) -> list[float]:
+    return [reward(c) for c in completions]
+
+
+def our_trainer(model_dir: Path, data: Path, out: Path, w: Workload):
+    """Our Trainer on the workload; full fine-tuning swaps in the bare model where the spec cannot say `lora: null`."""
+    from pydantic import ValidationError
+
+    from service.schemas.job_spec import JobSpec
+    from worker.trainer.loop import Trainer
+
+    raw = {
+        "model": str(model_dir), "dtype": w.dtype, "seed": 0,
+        "data": {"train_file": str(data)},
+        "reward": {"type": "import", "path": "bench.trl_compare:reward"},  # the same function, passed as reward_fn
+        "lora": {"r": w.lora_r or 8, "alpha": 2 * (w.lora_r or 8), "target_modules": "all-linear"},
+        "sampling": {"temperature": 1.0, "max_output_tokens": w.max_tokens,
+                     "max_model_len": w.prompt_tokens + w.max_tokens + 8},
+        "optimizer": {"lr": 1e-5, "max_grad_norm": 1.0},
+        "loss": {"ratio_max": 5.0},
+        "training": {"steps": 10**6, "batch_size": w.batch, "group_size": w.group, "mini_batches": 1,
+                     "micro_batch_size": w.batch * w.group},
+    }
+    if not w.lora_r:
+        try:
+            return Trainer(JobSpec.model_validate({**raw, "lora": None}), out, reward_fn=reward, resume=False)
+        except ValidationError:
+            pass
+    trainer = Trainer(JobSpec.model_validate(raw), out, reward_fn=reward, resume=False)
+    if not w.lora_r:
+        _train_all_weights(trainer)
+    return trainer
+
+
+def _train_all_weights(trainer) -> None:
+    """Full fine-tuning where the spec is LoRA-only: the same trainer, policy and updater around the bare model."""
+    from worker.trainer.policy import Policy
+    from worker.trainer.update import Updater
+
+    model = trainer.policy.model.unload()  # the base model without the (untrained) adapter layers
+    model.requires_grad_(True)
+    opt = trainer.spec.optimizer
+    trainer.policy = Policy(model=model, tokenizer=trainer.policy.tokenizer, device=trainer.policy.device)
+    trainer.optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                          weight_decay=opt.weight_decay)
+    trainer.updater = Updater(trainer.policy, trainer.optimizer, trainer.spec)
+
+
+def trl_trainer(model_dir: Path, prompts: list[str], out: Path, w: Workload, *, steps: int, callbacks):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    dtype = getattr(torch, w.dtype)
+    config = GRPOConfig(
+        output_dir=str(out), use_cpu=not torch.cuda.is_available(), bf16=dtype == torch.bfloat16, seed=0,
+        report_to="none", save_strategy="no", logging_steps=10**6, max_steps=steps, gradient_checkpointing=False,
+        per_device_train_batch_size=w.batch * w.group, gradient_accumulation_steps=1,
+        num_generations=w.group, max_completion_length=w.max_tokens,
+        temperature=1.0, top_p=1.0, top_k=0, loss_type="cispo", epsilon_high=5.0, beta=0.0, scale_rewards="none",
+        learning_rate=1e-5, lr_scheduler_type="constant", optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95,
+        adam_epsilon=1e-15, weight_decay=0.0, max_grad_norm=1.0, dataloader_num_workers=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    lora = LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM") if w.lora_r else None
+    return GRPOTrainer(model=model, reward_funcs=trl_reward, args=config, processing_class=tokenizer,
+                       train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), peft_config=lora,
+                       callbacks=callbacks)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def side_by_side(w: Workload, *, steps: int, warmup: int, workdir: Path) -> dict:
+    """Interleaved steps of TRL and ours on one workload; per side the kept step and generation times."""
+    from transformers import TrainerCallback
+
+    model_dir = build_model(workdir / "model", w)
+    prompts = write_prompts(workdir / "train.jsonl", w)
+    ours = our_trainer(model_dir, workdir / "train.jsonl", workdir / "ours", w)
+    times: dict[str, list[float]] = {"trl": [], "trl_generate": [], "ours": [], "ours_rollout": []}
+
+    class Interleave(TrainerCallback):
+        def on_step_begin(self, *_a, **_k):
+            _sync()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *_a, **_k):
+            _sync()
+            times["trl"].append(time.perf_counter() - self.started)
+            started = time.perf_counter()
+            metrics = ours.train_step()
+            _sync()
+            times["ours"].append(time.perf_counter() - started)
+            times["ours_rollout"].append(metrics["rollout_seconds"])
+
+    peer = trl_trainer(model_dir, prompts, workdir / "trl", w, steps=warmup + steps, callbacks=[Interleave()])
+    generate = peer.model.generate
+
+    def timed_generate(*a, **k):
+        started = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            _sync()
+            times["trl_generate"].append(time.perf_counter() - started)
+
+    peer.model.generate = timed_generate
+    peer.train()
+    params = sum(p.numel() for p in ours.policy.model.parameters())
+    result = {k: v[warmup:] for k, v in times.items()}
+    result["workload"] = w.describe(params)
+    del peer, ours
+    return result
+
+
+def print_side_by_side(result: dict) -> float:
+    """Print the medians; return the speed-up (median TRL step / median our step)."""
+    med = {k: statistics.median(v) for k, v in result.items() if isinstance(v, list)}
+    print(f"workload: {result['workload']}; {len(result['ours'])} measured steps each")
+    print(f"{'side':<6} {'median s/step':>14} {'min':>7} {'max':>7} {'generation':>11}")
+    for side, gen in (("trl", "trl_generate"), ("ours", "ours_rollout")):
+        print(f"{side:<6} {med[side]:14.3f} {min(result[side]):7.3f} {max(result[side]):7.3f} "
+              f"{med[gen] / med[side]:10.0%}")
+    speedup = med["trl"] / med["ours"]
+    print(f"speed-up vs TRL (median TRL step / median our step): {speedup:.2f}x")
+    return speedup
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per side")
+    parser.add_argument("--warmup", type=int, default=2, help="steps per side left out of the figures")
+    parser.add_argument("--batch", type=int, default=Workload.batch, help="prompts per step")
+    parser.add_argument("--group", type=int, default=Workload.group, help="completions per prompt")
+    parser.add_argument("--max-tokens", type=int, default=Workload.max_tokens, help="new tokens per completion")
+    parser.add_argument("--lora-r", type=int, default=Workload.lora_r, help="0: full fine-tuning")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: torch's default); 1 gives steadier figures on a busy shared machine")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    w = Workload(batch=args.batch, group=args.group, max_tokens=args.max_tokens, lora_r=args.lora_r)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = side_by_side(w, steps=args.steps, warmup=args.warmup, workdir=Path(tmp))
+    print(f"torch threads {torch.get_num_threads()}")
+    print_side_by_side(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The rollout decode loop: same tokens as transformers' generate, LoRA folded in without touching the base,
+the sampling law, finished rows leaving the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from service.schemas.job_spec import SamplingSpec
+from worker.trainer import decode
+
+EOS, PAD = 2, 0
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def lora_model(toy_dir):
+    """The toy model with a LoRA whose B matrices are far from zero, so the adapter changes what it generates."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model.eval()
+
+
+def prompts(n: int = 6) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(3, 10, (n,), generator=g).tolist()
+    return [[1] + torch.randint(4, 40, (k,), generator=g).tolist() for k in lengths]
+
+
+def hf_greedy(model, rows: list[list[int]], max_new: int) -> list[list[int]]:
+    P = max(map(len, rows))
+    ids = torch.tensor([[PAD] * (P - len(r)) + r for r in rows])
+    mask = (ids != PAD).long()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                             pad_token_id=PAD, eos_token_id=EOS)[:, P:].tolist()
+    return [r[: r.index(EOS) + 1] if EOS in r else r for r in out]
+
+
+def spec(**knobs) -> SamplingSpec:
+    return SamplingSpec(max_output_tokens=12, max_model_len=64, **knobs)
+
+
+def static_greedy(model, rows: list[list[int]], max_new: int) -> list[list[int]]:
+    """The static-cache loop (the one compiled on CUDA) run eagerly."""
+    B, P = len(rows), max(map(len, rows))
+    ids = torch.full((B, P + max_new), PAD)
+    mask = torch.zeros((B, P + max_new), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, P - len(r) : P] = torch.tensor(r)
+        mask[i, P - len(r) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    lengths = decode._static_loop(model, ids, mask, positions, P, max_new,
+                                  decode.logits_processors(spec(), greedy=True), True, EOS)
+    return [r[:n] for r, n in zip(ids[:, P:].tolist(), lengths.tolist())]
+
+
+def test_greedy_tokens_equal_transformers_generate(lora_model):
+    """Left padding, rows that stop at EOS at different steps, the adapter applied: token for token."""
+    rows = prompts()
+    expected = hf_greedy(lora_model, rows, 6)
+    assert any(r[-1] == EOS for r in expected) and any(r[-1] != EOS for r in expected)  # both kinds of row
+    with decode.merged_lora(lora_model) as merged:
+        eager = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(), greedy=True, eos_id=EOS,
+                                     pad_id=PAD, device=CPU)
+        static = static_greedy(merged, rows, 6)
+        static_again = static_greedy(merged, rows, 6)  # the static cache is reused, emptied first
+    assert eager == expected
+    assert static == expected
+    assert static_again == expected
+    with lora_model.disable_adapter():
+        assert hf_greedy(lora_model, rows, 6) != expected  # the adapter matters, so the merge was really tested
+
+
+def test_merging_never_writes_the_base_weights(lora_model):
+    before = {n: p.detach().clone() for n, p in lora_model.named_parameters()}
+    params_before = {n: p for n, p in lora_model.named_parameters()}
+    for _ in range(3):
+        with decode.merged_lora(lora_model):
+            pass
+    after = dict(lora_model.named_parameters())
+    assert after.keys() == before.keys()
+    for name, p in after.items():
+        assert p is params_before[name], name  # the very same Parameter objects (the optimizer holds them)
+        assert torch.equal(p, before[name]), name  # bit for bit: no merge/unmerge drift
+    q_proj = lora_model.base_model.model.model.layers[0].self_attn.q_proj
+    assert not q_proj.disable_adapters  # the adapter is back on after the block
+
+
+def test_a_plain_model_decodes_as_it_is(toy_dir):
+    model = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32).eval()
+    rows = prompts(3)
+    with decode.merged_lora(model) as same:
+        assert same is model
+        assert decode.sample_tokens(same, rows, max_new=8, sampling=spec(), greedy=True, eos_id=EOS, pad_id=PAD,
+                                    device=CPU) == hf_greedy(model, rows, 8)
+
+
+def test_finished_rows_leave_the_batch(lora_model):
+    """Each forward after a row's EOS runs on fewer rows; the loop ends when every row is done."""
+    rows = prompts()
+    batch_sizes = []
+    hook = lora_model.get_base_model().model.embed_tokens.register_forward_hook(
+        lambda _m, args, _out: batch_sizes.append(args[0].shape[0]))
+    try:
+        with decode.merged_lora(lora_model) as merged:
+            out = decode.sample_tokens(merged, rows, max_new=40, sampling=spec(), greedy=True, eos_id=EOS,
+                                       pad_id=PAD, device=CPU)
+    finally:
+        hook.remove()
+    assert batch_sizes[0] == len(rows)
+    assert batch_sizes == sorted(batch_sizes, reverse=True)
+    still_running = [sum(len(o) > t for o in out) for t in range(1, len(batch_sizes))]
+    assert batch_sizes[1:] == still_running  # step t decodes exactly the rows without EOS yet
+    assert len(batch_sizes) == max(map(len, out))  # no step after the last row is done
+
+
+def test_sampling_follows_the_softmax_and_honours_top_k():
+    """Draw frequencies match softmax(logits / T); with top_k, tokens outside the top k are never drawn."""
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 0.0, 1.0, -1.0, 0.5])
+    rows = 40_000
+    history = torch.zeros((rows, 1), dtype=torch.long)
+    picks = decode._pick(logits.repeat(rows, 1), history, decode.logits_processors(spec(temperature=2.0), greedy=False),
+                         greedy=False)
+    freq = torch.bincount(picks, minlength=5).float() / rows
+    assert torch.allclose(freq, torch.softmax(logits / 2.0, -1), atol=0.01)
+    picks = decode._pick(logits.repeat(rows, 1), history, decode.logits_processors(spec(top_k=2), greedy=False),
+                         greedy=False)
+    freq = torch.bincount(picks, minlength=5).float() / rows
+    assert set(picks.unique().tolist()) == {0, 2}
+    assert abs(freq[0] - torch.softmax(torch.tensor([2.0, 1.0]), -1)[0]) < 0.01
+
+
+def test_processors_come_from_the_spec_only():
+    """The spec's identity knobs add nothing (top_k=0 means no top-k); greedy keeps only the repetition penalty."""
+    assert len(decode.logits_processors(spec(), greedy=False)) == 0
+    names = [type(p).__name__ for p in decode.logits_processors(
+        spec(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.1), greedy=False)]
+    assert names == ["RepetitionPenaltyLogitsProcessor", "TemperatureLogitsWarper", "TopKLogitsWarper",
+                     "TopPLogitsWarper", "MinPLogitsWarper"]
+    greedy = decode.logits_processors(spec(temperature=0.7, top_k=5, repetition_penalty=1.1), greedy=True)
+    assert [type(p).__name__ for p in greedy] == ["RepetitionPenaltyLogitsProcessor"]
