@@ -12,8 +12,13 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT = timedelta(hours=1)
 
 
+# Set when this process joins a training group (init_from_env). A group some library made for itself (vLLM's
+# in-process engine initialises a one-process one) is not the trainer's and must not shard the policy.
+_joined = False
+
+
 def active() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return _joined and dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
@@ -26,6 +31,8 @@ def world_size() -> int:
 
 def init_from_env() -> torch.device:
     """Join the group torchrun describes in the environment; returns this rank's device."""
+    global _joined
+    _joined = True
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
