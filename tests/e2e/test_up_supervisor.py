@@ -35,7 +35,8 @@ def _alive(pid: int) -> bool:
 def _worker_of(up: subprocess.Popen, timeout: float = 60) -> int:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        workers = [pid for pid, cmd in _children(up.pid).items() if " worker " in f"{cmd} "]
+        # "worker --pool" is in the argv, and in the title Celery gives itself where setproctitle is installed.
+        workers = [pid for pid, cmd in _children(up.pid).items() if "worker --pool" in cmd]
         if workers:
             return workers[0]
         time.sleep(0.2)
