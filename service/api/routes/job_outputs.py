@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from service import jobs as jobs_service
@@ -23,11 +23,17 @@ MANIFEST = "manifest.json"
 
 
 @router.get("/events", response_model=ListObject[EventObject])
-def list_events(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, after: str | None = None,
-                limit: Annotated[int, Query(ge=1, le=100)] = 20) -> ListObject:
-    job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
-    rows = jobs_repo.events(session, job.id, after=after, limit=limit)
-    return presenters.page([presenters.event(r) for r in rows.items], rows.has_more)
+async def list_events(fine_tuning_job_id: str, request: Request, who: PrincipalDep, after: str | None = None,
+                      limit: Annotated[int, Query(ge=1, le=100)] = 20) -> Response:
+    # Polled like the job itself: served from the per-project poll cache (service/api/poll_cache.py).
+    def load() -> bytes:
+        with request.app.state.read_sessions() as session:
+            job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
+            rows = jobs_repo.events(session, job.id, after=after, limit=limit)
+            return presenters.page([presenters.event(r) for r in rows.items], rows.has_more).model_dump_json().encode()
+
+    body = await request.app.state.poll_cache.get(who.project_id, fine_tuning_job_id, ("events", after, limit), load)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/checkpoints", response_model=ListObject[CheckpointObject])
