@@ -5,7 +5,7 @@ server-less broker), this starts the real processes (`cispo api` under
 uvicorn, `cispo worker` training the tiny model), submits a long job, and
 once it trains measures the trainer's step rate alone, then again while N
 pollers GET the job and its events (each every --interval seconds, as a
-client loop would). It prints p50/p95/p99/max latency, request count and
+client loop would, over its own keep-alive connection). It prints p50/p95/p99/max latency, request count and
 errors, and the step rate with pollers as a ratio of the rate without.
 
     .venv/bin/python bench/pollers.py                        # 200 pollers, 60 s, both databases
@@ -167,34 +167,76 @@ def step_rate(client: httpx.Client, job_id: str, seconds: float) -> float:
     return (steps_done(client, job_id) - before) / (time.monotonic() - t)
 
 
+class Connection:
+    """One poller's keep-alive HTTP/1.1 connection, as an independent client would hold.
+
+    A bare asyncio client rather than httpx: the pollers share the API's cores here, and 200 of them
+    through httpx's pool cost more CPU than the API itself (so the figures measured the client).
+    """
+
+    def __init__(self, host: str, port: int, key: str):
+        self.host, self.port, self.key = host, port, key
+        self.reader = self.writer = None
+
+    async def get(self, path: str) -> int:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.writer.write(f"GET {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.key}\r\n\r\n"
+                          .encode())
+        try:
+            head = await self.reader.readuntil(b"\r\n\r\n")
+            status = int(head.split(b" ", 2)[1])
+            length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            await self.reader.readexactly(length)
+        except Exception:
+            self.close()  # a broken or half-read connection is not reused
+            raise
+        return status
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
 async def poll(base: str, key: str, job_id: str, *, pollers: int, seconds: float, interval: float
                ) -> tuple[list[float], int, dict[str, int]]:
     """(latencies in s, requests, errors by kind) of `pollers` loops each polling every `interval` s."""
     paths = [f"/v1/fine_tuning/jobs/{job_id}", f"/v1/fine_tuning/jobs/{job_id}/events"]
+    host, port = base.removeprefix("http://").rsplit(":", 1)
     latencies: list[float] = []
     errors: dict[str, int] = {}
-    limits = httpx.Limits(max_connections=pollers, max_keepalive_connections=pollers)
-    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {key}"}, limits=limits,
-                                 timeout=30) as client:
-        end = time.monotonic() + seconds
+    end = time.monotonic() + seconds
 
-        async def one(n: int) -> None:
-            await asyncio.sleep(random.random() * interval)  # spread the pollers over the interval
-            i = n
-            while time.monotonic() < end:
-                started = time.monotonic()
-                try:
-                    r = await client.get(paths[i % 2])
-                    if r.status_code != 200:
-                        errors[f"HTTP {r.status_code}"] = errors.get(f"HTTP {r.status_code}", 0) + 1
-                except httpx.HTTPError as e:
-                    errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
-                latencies.append(time.monotonic() - started)
-                i += 1
-                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+    async def one(n: int) -> None:
+        conn = Connection(host, int(port), key)
+        await asyncio.sleep(random.random() * interval)  # spread the pollers over the interval
+        i = n
+        while time.monotonic() < end:
+            started = time.monotonic()
+            try:
+                status = await asyncio.wait_for(conn.get(paths[i % 2]), timeout=30)
+                if status != 200:
+                    errors[f"HTTP {status}"] = errors.get(f"HTTP {status}", 0) + 1
+            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError, StopIteration) as e:
+                conn.close()
+                errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
+            latencies.append(time.monotonic() - started)
+            i += 1
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+        conn.close()
 
-        await asyncio.gather(*(one(n) for n in range(pollers)))
+    await asyncio.gather(*(one(n) for n in range(pollers)))
     return latencies, len(latencies), errors
+
+
+def run_loop(coroutine):
+    try:
+        import uvloop  # the API's loop too (pyproject.toml); the client should not be the slower side
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
 
 
 def run(kind: str, toy: Path, args) -> dict:
@@ -208,7 +250,7 @@ def run(kind: str, toy: Path, args) -> dict:
         wait_training(client, job_id)
         alone = step_rate(client, job_id, args.baseline_seconds)
         before, t = steps_done(client, job_id), time.monotonic()
-        latencies, count, errors = asyncio.run(poll(base, stack.key, job_id, pollers=args.pollers,
+        latencies, count, errors = run_loop(poll(base, stack.key, job_id, pollers=args.pollers,
                                                     seconds=args.seconds, interval=args.interval))
         polled = (steps_done(client, job_id) - before) / (time.monotonic() - t)
         client.post(f"/fine_tuning/jobs/{job_id}/cancel")

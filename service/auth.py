@@ -3,13 +3,16 @@
 It runs before the request body is read (service/api/access.py), so an
 unauthenticated caller cannot make the API read, parse or store anything.
 The lookup is a read; the key's last_used_at is written at most once a
-minute, so pollers do not turn every GET into a write. Revocation needs no
-cache invalidation: every request looks the key up.
+minute, so pollers do not turn every GET into a write. A found key is
+reused for `auth_cache_s` (at most a second, PrincipalCache), so a revoked
+key is refused within that bound, not at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -57,3 +60,31 @@ def authenticate(reads: sessionmaker[Session], writes: sessionmaker[Session], au
         with writes.begin() as session:
             projects.touch_key(session, api_key.id, t, older_than=t - LAST_USED_RESOLUTION_S)
     return Principal(project_id=project.id, project_name=project.name, key_id=api_key.id)
+
+
+MAX_CACHED_KEYS = 10_000
+
+
+@dataclass
+class PrincipalCache:
+    """sha256 of the Authorization header -> Principal for ttl_s, so each poll need not look its key up. Only found keys are kept:
+    an unknown key always reaches the database. Used from the event loop only, so no lock."""
+
+    ttl_s: float
+    clock: Callable[[], float] = time.monotonic
+    _found: dict[str, tuple[float, Principal]] = field(default_factory=dict)  # digest -> (expires, principal)
+
+    def get(self, authorization: str | None) -> Principal | None:
+        if self.ttl_s <= 0 or not authorization:
+            return None
+        hit = self._found.get(projects.hash_key(authorization))
+        return hit[1] if hit is not None and hit[0] > self.clock() else None
+
+    def put(self, authorization: str, principal: Principal, looked_up_at: float) -> None:
+        """Keep `principal` until ttl_s after `looked_up_at` (a clock() taken before the lookup began)."""
+        if self.ttl_s <= 0:
+            return
+        if len(self._found) >= MAX_CACHED_KEYS:
+            t = self.clock()
+            self._found = {k: v for k, v in self._found.items() if v[0] > t}
+        self._found[projects.hash_key(authorization)] = (looked_up_at + self.ttl_s, principal)

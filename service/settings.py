@@ -60,6 +60,11 @@ class Settings(BaseSettings):
     api_threads: int = Field(40, ge=1, le=1000, description="Threads that run the API's blocking routes.")
     db_pool_size: int = Field(10, ge=1, description="Connections the API keeps open (more open on demand, "
                               "up to api_threads + 4).")
+    # Polling: many clients asking after one job each second. Both caches are per API process.
+    auth_cache_s: float = Field(1.0, ge=0, le=1, description="Seconds an API key's lookup is reused; a revoked "
+                                "key is refused within this bound. 0: every request looks the key up.")
+    poll_cache_s: float = Field(1.0, ge=0, le=1, description="Seconds a job's GET and events pages are reused "
+                                "(per project and job); 0: every poll queries the database.")
     # Tenancy limits (per API process; a deployment with N API replicas allows N times the rate).
     rate_limit_per_s: float = Field(20.0, gt=0, description="Sustained requests per second per API key.")
     rate_limit_burst: int = Field(100, ge=1, description="Requests an API key may send at once.")

@@ -5,7 +5,8 @@ over-limit caller gets its 401 / 429 while its upload is still unread (a
 FastAPI dependency would be too late, since FastAPI parses form bodies
 before it resolves dependencies). The principal is left in the request
 state, where PrincipalDep picks it up. The key lookup is blocking SQL, so it
-runs in the threadpool, never on the event loop.
+runs in the threadpool, never on the event loop; a key found within the last
+`auth_cache_s` is taken from PrincipalCache without leaving the loop.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.envelope import database_unavailable, service_error_response
 from service.api.ratelimit import TokenBuckets
-from service.auth import authenticate
+from service.auth import PrincipalCache, authenticate
 from service.errors import ServiceError
 
 PROTECTED_PREFIX = "/v1/"
@@ -69,16 +70,20 @@ class Admission:
 
 class Authenticate:
     def __init__(self, app: ASGIApp, *, reads: sessionmaker[Session], writes: sessionmaker[Session],
-                 limits: TokenBuckets):
-        self.app, self.reads, self.writes, self.limits = app, reads, writes, limits
+                 limits: TokenBuckets, principals: PrincipalCache):
+        self.app, self.reads, self.writes, self.limits, self.principals = app, reads, writes, limits, principals
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
             return await self.app(scope, receive, send)
-        authorization = dict(scope["headers"]).get(b"authorization")
+        raw = dict(scope["headers"]).get(b"authorization")
+        authorization = raw.decode("latin-1") if raw else None
         try:
-            principal = await to_thread.run_sync(authenticate, self.reads, self.writes,
-                                                 authorization.decode("latin-1") if authorization else None)
+            principal = self.principals.get(authorization)
+            if principal is None:
+                started = self.principals.clock()
+                principal = await to_thread.run_sync(authenticate, self.reads, self.writes, authorization)
+                self.principals.put(authorization, principal, started)
             self.limits.take(principal.key_id)
         except ServiceError as exc:
             return await service_error_response(exc)(scope, receive, send)

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from service.api import envelope
 from service.api.access import Admission, Authenticate
+from service.api.poll_cache import PollCache
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.ratelimit import TokenBuckets
 from service.api.request_metrics import RecordRequests, RequestMetrics
@@ -24,6 +25,7 @@ from service.api.routes import (environments, files, graders, health, job_output
                                 reward_functions, secrets, webhooks)
 from service.api.scoring import scoring_slots
 from service.dashboard import routes as dashboard
+from service.auth import PrincipalCache
 from service.db.session import read_session_factory, session_factory
 from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_job, make_celery
 from service.secret_box import secret_box
@@ -73,13 +75,16 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.enqueue = enqueue or default_enqueue
     app.state.broker_ping = ping
     app.state.scoring_slots = scoring_slots(settings)
+    app.state.poll_cache = PollCache(settings.poll_cache_s)
+    app.state.principals = PrincipalCache(settings.auth_cache_s)
     secret_box(settings)  # fail at start, not at the first secret, when CISPO_SECRET_KEY is unusable
 
     envelope.install(app)
     app.add_middleware(BodySizeLimit, max_json_bytes=settings.max_request_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(Authenticate, reads=app.state.read_sessions, writes=app.state.sessions,
-                       limits=TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst))
+                       limits=TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst),
+                       principals=app.state.principals)
     app.add_middleware(Admission)
     app.add_middleware(RefuseNulInUrl)
     app.state.request_metrics = RequestMetrics()

@@ -1,4 +1,8 @@
-"""Dependencies, as Annotated aliases so a route's signature reads like a declaration of what it needs."""
+"""Dependencies, as Annotated aliases so a route's signature reads like a declaration of what it needs.
+
+The ones that only read app or request state are `async def`: FastAPI runs a plain `def` dependency in
+the threadpool, a thread hop per request that costs more than the lookup itself.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
+from service.api.poll_cache import PollCache
 from service.auth import Principal, Unauthenticated
 from service.settings import Settings
 from service.storage import ObjectStore
@@ -28,7 +33,7 @@ def _session(request: Request) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(_session, scope="function")]
 
 
-def _principal(request: Request) -> Principal:
+async def _principal(request: Request) -> Principal:
     # Set by service/api/access.py before the body was read; absent only outside /v1.
     principal = getattr(request.state, "principal", None)
     if principal is None:
@@ -39,7 +44,7 @@ def _principal(request: Request) -> Principal:
 PrincipalDep = Annotated[Principal, Depends(_principal)]
 
 
-def _store(request: Request) -> ObjectStore:
+async def _store(request: Request) -> ObjectStore:
     return request.app.state.store
 
 
@@ -48,15 +53,22 @@ StoreDep = Annotated[ObjectStore, Depends(_store)]
 Enqueue = Callable[[str], None]
 
 
-def _enqueue(request: Request) -> Enqueue:
+async def _enqueue(request: Request) -> Enqueue:
     return request.app.state.enqueue
 
 
 EnqueueDep = Annotated[Enqueue, Depends(_enqueue)]
 
 
-def _settings(request: Request) -> Settings:
+async def _settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
 SettingsDep = Annotated[Settings, Depends(_settings)]
+
+
+async def _poll_cache(request: Request) -> PollCache:
+    return request.app.state.poll_cache
+
+
+PollCacheDep = Annotated[PollCache, Depends(_poll_cache)]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Header, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from service import jobs as jobs_service
@@ -26,27 +27,39 @@ MANIFEST = "manifest.json"
 @router.get("/events", response_model=ListObject[EventObject],
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "A page of events, newest first; with stream=true, server-sent events."}})
-def list_events(request: Request, fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep,
-                after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                stream: Annotated[bool, Query(description="Stream events, oldest first, until the job ends "
-                                                          "(text/event-stream; resume with Last-Event-ID).")] = False,
-                include_metrics: Annotated[bool, Query(description="Streams: also the per-step metrics "
-                                                                   "events.")] = False,
-                last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None):
-    job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
+async def list_events(fine_tuning_job_id: str, request: Request, who: PrincipalDep, after: str | None = None,
+                      limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                      stream: Annotated[bool, Query(description="Stream events, oldest first, until the job ends "
+                                                                "(text/event-stream; resume with Last-Event-ID).")] = False,
+                      include_metrics: Annotated[bool, Query(description="Streams: also the per-step metrics "
+                                                                         "events.")] = False,
+                      last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None
+                      ) -> Response:
     if stream:
-        after_seq = 0
-        if last_event_id:
-            after_seq = outputs_repo.event_seq(session, job.id, last_event_id)
-            if after_seq is None:
-                raise InvalidRequest(f"Last-Event-ID: {last_event_id!r} is not an event of this job",
-                                     param="Last-Event-ID")
-        body = event_stream.stream(request, request.app.state.sessions, job.id, after_seq=after_seq,
+        def start() -> tuple[str, int]:
+            with request.app.state.read_sessions() as session:
+                job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
+                after_seq = outputs_repo.event_seq(session, job.id, last_event_id) if last_event_id else 0
+                if after_seq is None:
+                    raise InvalidRequest(f"Last-Event-ID: {last_event_id!r} is not an event of this job",
+                                         param="Last-Event-ID")
+                return job.id, after_seq
+
+        job_id, after_seq = await run_in_threadpool(start)
+        body = event_stream.stream(request, request.app.state.sessions, job_id, after_seq=after_seq,
                                    include_metrics=include_metrics)
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-    rows = jobs_repo.events(session, job.id, after=after, limit=limit)
-    return presenters.page([presenters.event(r) for r in rows.items], rows.has_more)
+
+    # Polled like the job itself: served from the per-project poll cache (service/api/poll_cache.py).
+    def load() -> bytes:
+        with request.app.state.read_sessions() as session:
+            job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
+            rows = jobs_repo.events(session, job.id, after=after, limit=limit)
+            return presenters.page([presenters.event(r) for r in rows.items], rows.has_more).model_dump_json().encode()
+
+    body = await request.app.state.poll_cache.get(who.project_id, fine_tuning_job_id, ("events", after, limit), load)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/checkpoints", response_model=ListObject[CheckpointObject])

@@ -6,13 +6,15 @@ import logging
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
+from anyio import from_thread
+from fastapi import APIRouter, Header, Query, Request, Response
 from sqlalchemy.exc import IntegrityError
 
 from service import jobs as jobs_service
 from service.dry_run import dry_run as run_dry_run
 from service.api import presenters
-from service.api.deps import Enqueue, EnqueueDep, PrincipalDep, SessionDep, SettingsDep, StoreDep
+from service.api.deps import Enqueue, EnqueueDep, PollCacheDep, PrincipalDep, SessionDep, SettingsDep, StoreDep
+from service.api.poll_cache import PollCache
 from service.auth import Principal
 from service.db.models import Job
 from service.schemas.api import DryRunCheck, DryRunObject, JobObject, ListObject
@@ -78,30 +80,40 @@ def list_jobs(request: Request, session: SessionDep, who: PrincipalDep, after: s
 
 
 @router.get("/{fine_tuning_job_id}", response_model=JobObject)
-def get_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep) -> JobObject:
-    return _present(session, who, jobs_service.get(session, who.project_id, fine_tuning_job_id))
+async def get_job(fine_tuning_job_id: str, request: Request, who: PrincipalDep) -> Response:
+    # What pollers ask for: served from the per-project poll cache (service/api/poll_cache.py), on the
+    # event loop when it hits; a miss reads in the threadpool.
+    def load() -> bytes:
+        with request.app.state.read_sessions() as session:
+            job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
+            return _present(session, who, job).model_dump_json().encode()
+
+    body = await request.app.state.poll_cache.get(who.project_id, fine_tuning_job_id, "job", load)
+    return Response(body, media_type="application/json")
 
 
-def _control(action: str, job_id: str, session, who: Principal, settings=None) -> JobObject:
+def _control(action: str, job_id: str, session, who: Principal, cache: PollCache, settings=None) -> JobObject:
     job = jobs_service.control(session, who.project_id, job_id, action, settings=settings)
     public = _present(session, who, job)
     session.commit()
+    # The caller's next GET must see its own change, not a cached answer (the cache lives on the event loop).
+    from_thread.run_sync(cache.forget, who.project_id, job_id)
     return public
 
 
 @router.post("/{fine_tuning_job_id}/cancel", response_model=JobObject)
-def cancel_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep) -> JobObject:
-    return _control("cancel", fine_tuning_job_id, session, who)
+def cancel_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, cache: PollCacheDep) -> JobObject:
+    return _control("cancel", fine_tuning_job_id, session, who, cache)
 
 
 @router.post("/{fine_tuning_job_id}/pause", response_model=JobObject)
-def pause_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep) -> JobObject:
-    return _control("pause", fine_tuning_job_id, session, who)
+def pause_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, cache: PollCacheDep) -> JobObject:
+    return _control("pause", fine_tuning_job_id, session, who, cache)
 
 
 @router.post("/{fine_tuning_job_id}/resume", response_model=JobObject)
-def resume_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, enqueue: EnqueueDep,
-               settings: SettingsDep) -> JobObject:
-    public = _control("resume", fine_tuning_job_id, session, who, settings)
+def resume_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, cache: PollCacheDep,
+               enqueue: EnqueueDep, settings: SettingsDep) -> JobObject:
+    public = _control("resume", fine_tuning_job_id, session, who, cache, settings)
     _send(enqueue, fine_tuning_job_id)
     return public
