@@ -6,6 +6,8 @@ serves its sample completions, its result file (the metrics CSV) and, while it r
 
 from __future__ import annotations
 
+import time
+
 import csv
 import io
 import json
@@ -155,5 +157,6 @@ def test_estimated_finish_is_shown_only_while_the_job_runs(api):
     with api.session() as s:
         s.execute(update(Job).where(Job.id == job_id).values(status="cancelled"))
         s.commit()
+    time.sleep(api.app.state.settings.poll_cache_s + 0.1)  # a worker's write shows once the poll cache expires
     job = api.client.get(f"/v1/fine_tuning/jobs/{job_id}").json()
     assert job["estimated_finish"] is None and job["result_files"] == []

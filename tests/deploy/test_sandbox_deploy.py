@@ -60,6 +60,8 @@ DEFAULTS_SUFFICE = {
     "scoring_total": "8 reward tests at once per API process",
     "model_hub_url": "the Hugging Face hub, for dry runs' config checks",
     "model_dirs": "hub ids only: a hosted service takes no paths on its hosts",
+    "auth_cache_s": "a checked key is trusted for 1 s",
+    "poll_cache_s": "a job's GET and event pages are reused for 1 s",
 }
 
 

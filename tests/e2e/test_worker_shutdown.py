@@ -19,7 +19,7 @@ def test_sigterm_drains_the_job_to_another_worker(stack, toy_dir):
     r = client.post("/fine_tuning/jobs", json={
         "model": str(toy_dir / "model"), "training_file": train, "seed": 3,
         "method": {"type": "cispo", "cispo": {"reward_function": reward.json()["id"],
-                                             "hyperparameters": hyperparameters(toy_dir, steps=12,
+                                             "hyperparameters": hyperparameters(toy_dir, steps=60,
                                                                                 checkpoint_interval=100)}}})
     assert r.status_code == 200, r.text
     job_id = r.json()["id"]
@@ -30,6 +30,7 @@ def test_sigterm_drains_the_job_to_another_worker(stack, toy_dir):
         time.sleep(0.3)
 
     worker = stack.procs["worker"]
+    # Enough steps are left that the job cannot end on its own before the drain (a poll may be 1 s stale).
     worker.send_signal(signal.SIGTERM)  # warm shutdown: waits for the job, which drains
     assert worker.wait(timeout=120) == 0
     job = get()
