@@ -36,28 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from worker.toy.__main__ import prepare, toy_spec  # noqa: E402
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the API exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit("the API did not come up")
+from worker.toy.demo import free_port, wait_healthy  # noqa: E402
 
 
 class Stack:
@@ -106,7 +85,7 @@ class Stack:
             self.procs.append(subprocess.Popen([sys.executable, "-m", "worker.cli", *argv],
                                                env={**self.env, **extra}, stdout=log, stderr=subprocess.STDOUT,
                                                cwd=self.root))
-        _wait_healthy(base, self.procs[0], self.root / "api.log")
+        wait_healthy(base, self.procs[0], self.root / "api.log", timeout=90)
         return base
 
     def stop(self) -> None:
@@ -254,7 +233,7 @@ def run(kind: str, toy: Path, args) -> dict:
                                                     seconds=args.seconds, interval=args.interval))
         polled = (steps_done(client, job_id) - before) / (time.monotonic() - t)
         client.post(f"/fine_tuning/jobs/{job_id}/cancel")
-        q = statistics.quantiles(latencies, n=100)
+        q = statistics.quantiles(latencies, n=100, method="inclusive")  # never beyond the max
         return {"db": kind, "requests": count, "errors": sum(errors.values()), "error_kinds": errors,
                 "p50": q[49], "p95": q[94], "p99": q[98], "max": max(latencies),
                 "steps_alone": alone, "steps_polled": polled}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import httpx
 from service.db.session import session_factory
 from service.repositories import projects
 from service.storage import open_store
+from worker.toy.demo import wait_healthy
 from tests.conftest import REDIS_TEST_URL, free_port, make_database
 
 
@@ -48,18 +48,7 @@ def live_api(root: Path, app: str = "service.api.app:create_app", **env):
                                  "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the API exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the API did not answer:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
+        wait_healthy(base, proc, log)
         yield LiveApi(base, key, database_url, open_store(str(storage)), env, log)
     finally:
         proc.terminate()

@@ -6,29 +6,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import free_port
+from worker.toy.demo import wait_healthy
 
 from tests.conftest import REDIS_TEST_URL as REDIS_E2E
-
-
-def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} did not answer:\n{log.read_text()[-3000:]}")
 
 
 class Stack:
@@ -78,7 +64,7 @@ def stack(tmp_path_factory, moto_endpoint):
     try:
         api = stack.start("api", "api", "--port", str(port))
         stack.start("worker", "worker", "--pool", "prefork")
-        _wait(f"{stack.base}/healthz", api, root / "api.log")
+        wait_healthy(stack.base, api, root / "api.log")
         yield stack
     finally:
         procs = list(stack.procs.values())

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import free_port
-from tests.e2e.conftest import _wait
+from worker.toy.demo import wait_healthy
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -52,7 +52,7 @@ def test_up_restarts_a_dead_worker_and_stops_everything_on_sigterm(tmp_path):
         up = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--port", str(port)], env=env,
                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait(f"http://127.0.0.1:{port}/healthz", up, log)
+        wait_healthy(f"http://127.0.0.1:{port}", up, log)
         first = _worker_of(up)
         os.kill(first, signal.SIGKILL)
         deadline = time.time() + 60

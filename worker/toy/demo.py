@@ -33,18 +33,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+def wait_healthy(base: str, proc: subprocess.Popen, log: Path | None = None, timeout: float = 60) -> None:
+    """Until GET {base}/healthz answers 200; fails (with the log's tail) if `proc` exits or time runs out."""
+    tail = lambda: log.read_text()[-3000:] if log is not None and log.exists() else ""  # noqa: E731
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"cispo up exited with {proc.returncode}")
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{tail()}")
         try:
             if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    raise SystemExit("the API did not come up")
+    raise RuntimeError(f"{base} did not answer:\n{tail()}")
 
 
 def check(response: httpx.Response) -> dict:
