@@ -57,8 +57,8 @@ def static_greedy(model, rows: list[list[int]], max_new: int) -> list[list[int]]
         ids[i, P - len(r) : P] = torch.tensor(r)
         mask[i, P - len(r) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    lengths = decode._static_loop(model, ids, mask, positions, P, max_new,
-                                  decode.logits_processors(spec(), greedy=True), True, EOS)
+    pick = decode._Picker(spec(), True, (B, max_new), CPU, record=False)
+    lengths = decode._static_loop(model, ids, mask, positions, P, max_new, pick, EOS)
     return [r[:n] for r, n in zip(ids[:, P:].tolist(), lengths.tolist())]
 
 
@@ -67,12 +67,12 @@ def test_greedy_tokens_equal_transformers_generate(lora_model):
     rows = prompts()
     expected = hf_greedy(lora_model, rows, 6)
     assert any(r[-1] == EOS for r in expected) and any(r[-1] != EOS for r in expected)  # both kinds of row
-    with decode.merged_lora(lora_model) as merged:
-        eager = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(), greedy=True, eos_id=EOS,
-                                     pad_id=PAD, device=CPU)
+    with decode.rollout_weights(lora_model) as merged:
+        eager, no_logprobs = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(), greedy=True, eos_id=EOS,
+                                                  pad_id=PAD, device=CPU)
         static = static_greedy(merged, rows, 6)
         static_again = static_greedy(merged, rows, 6)  # the static cache is reused, emptied first
-    assert eager == expected
+    assert eager == expected and no_logprobs is None
     assert static == expected
     assert static_again == expected
     with lora_model.disable_adapter():
@@ -83,7 +83,7 @@ def test_merging_never_writes_the_base_weights(lora_model):
     before = {n: p.detach().clone() for n, p in lora_model.named_parameters()}
     params_before = {n: p for n, p in lora_model.named_parameters()}
     for _ in range(3):
-        with decode.merged_lora(lora_model):
+        with decode.rollout_weights(lora_model):
             pass
     after = dict(lora_model.named_parameters())
     assert after.keys() == before.keys()
@@ -97,10 +97,10 @@ def test_merging_never_writes_the_base_weights(lora_model):
 def test_a_plain_model_decodes_as_it_is(toy_dir):
     model = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32).eval()
     rows = prompts(3)
-    with decode.merged_lora(model) as same:
+    with decode.rollout_weights(model) as same:
         assert same is model
         assert decode.sample_tokens(same, rows, max_new=8, sampling=spec(), greedy=True, eos_id=EOS, pad_id=PAD,
-                                    device=CPU) == hf_greedy(model, rows, 8)
+                                    device=CPU)[0] == hf_greedy(model, rows, 8)
 
 
 def test_finished_rows_leave_the_batch(lora_model):
@@ -110,9 +110,9 @@ def test_finished_rows_leave_the_batch(lora_model):
     hook = lora_model.get_base_model().model.embed_tokens.register_forward_hook(
         lambda _m, args, _out: batch_sizes.append(args[0].shape[0]))
     try:
-        with decode.merged_lora(lora_model) as merged:
-            out = decode.sample_tokens(merged, rows, max_new=40, sampling=spec(), greedy=True, eos_id=EOS,
-                                       pad_id=PAD, device=CPU)
+        with decode.rollout_weights(lora_model) as merged:
+            out, _ = decode.sample_tokens(merged, rows, max_new=40, sampling=spec(), greedy=True, eos_id=EOS,
+                                          pad_id=PAD, device=CPU)
     finally:
         hook.remove()
     assert batch_sizes[0] == len(rows)
@@ -148,3 +148,83 @@ def test_processors_come_from_the_spec_only():
                      "TopPLogitsWarper", "MinPLogitsWarper"]
     greedy = decode.logits_processors(spec(temperature=0.7, top_k=5, repetition_penalty=1.1), greedy=True)
     assert [type(p).__name__ for p in greedy] == ["RepetitionPenaltyLogitsProcessor"]
+
+
+def test_each_distinct_prompt_is_prefilled_once(lora_model):
+    """Groups share a prompt: the first forward runs on the distinct prompts only, and every row still gets the
+    tokens generate() gives it."""
+    rows = [p for p in prompts(3) for _ in range(4)]  # three groups of four completions
+    batch_sizes = []
+    hook = lora_model.get_base_model().model.embed_tokens.register_forward_hook(
+        lambda _m, args, _out: batch_sizes.append(args[0].shape[0]))
+    try:
+        with decode.rollout_weights(lora_model) as merged:
+            out, _ = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(), greedy=True, eos_id=EOS,
+                                          pad_id=PAD, device=CPU)
+    finally:
+        hook.remove()
+    assert batch_sizes[0] == 3
+    assert batch_sizes[1] == sum(len(o) > 1 for o in out)  # then one row per completion
+    assert out == hf_greedy(lora_model, rows, 6)
+
+
+def _effective_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def test_a_lower_rollout_dtype_runs_every_weight_in_it_and_writes_none(lora_model):
+    """bfloat16 rollouts of a float32 model: every weight the forward uses is a bfloat16 copy of the effective
+    weight (adapter folded in); afterwards the model's own parameters are the same objects, bit for bit."""
+    before = {n: (p, p.detach().clone()) for n, p in lora_model.named_parameters()}
+    ids = torch.tensor(prompts(4)[0])[None]
+    full = _effective_logits(lora_model, ids)
+    with decode.rollout_weights(lora_model, torch.bfloat16) as low:
+        used = {n: p.dtype for n, p in low.named_parameters() if ".lora_" not in n}
+        low_logits = _effective_logits(low, ids)
+    assert set(used.values()) == {torch.bfloat16}
+    gap = (low_logits - full).abs().max()
+    assert 0 < gap < 0.05 * full.abs().max()  # rounded, yet the adapted model's logits, not the base's
+    with lora_model.disable_adapter():
+        base_gap = (_effective_logits(lora_model, ids) - full).abs().max()
+    assert gap < base_gap / 5
+    for name, p in lora_model.named_parameters():
+        assert p is before[name][0] and p.dtype == torch.float32 and torch.equal(p, before[name][1]), name
+
+
+def test_tied_weights_stay_tied_in_a_lower_dtype(toy_dir):
+    model = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32)
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight  # as a tied checkpoint loads
+    with decode.rollout_weights(model, torch.bfloat16) as low:
+        assert low.get_input_embeddings().weight is low.get_output_embeddings().weight
+        assert low.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+
+
+def _trainer_logprobs(model, rows, outs, temperature):
+    from worker.trainer.scoring import collate_sequences, sequence_logprobs
+
+    batch = collate_sequences([r + o for r, o in zip(rows, outs)], [[0] * len(r) + [1] * len(o)
+                                                                     for r, o in zip(rows, outs)],
+                              pad_id=PAD, device=CPU)
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(model, batch, temperature=temperature, chunk_size=64)
+    return [logp[i][batch.action_mask_BT[i].bool()] for i in range(len(rows))]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(None, 1e-4), (torch.bfloat16, 0.2)])
+def test_reported_logprobs_are_what_the_trainer_scores(lora_model, dtype, tolerance):
+    """Each sampled token's reported log-prob is log softmax(logits / T) at that token: equal to the trainer's score
+    in the same precision, off by the rounding (not more) in bfloat16."""
+    rows = prompts(6)
+    torch.manual_seed(3)
+    with decode.rollout_weights(lora_model, dtype) as sampler:
+        outs, reported = decode.sample_tokens(sampler, rows, max_new=8, sampling=spec(temperature=0.7),
+                                              greedy=False, eos_id=EOS, pad_id=PAD, device=CPU, logprobs=True)
+    assert [len(r) for r in reported] == [len(o) for o in outs]
+    trainer = _trainer_logprobs(lora_model, rows, outs, 0.7)
+    gaps = torch.cat([torch.tensor(r) - t for r, t in zip(reported, trainer)]).abs()
+    assert gaps.max() < tolerance
+    if dtype is not None:
+        assert gaps.mean() > 1e-4  # the bfloat16 sampler really is a different computation

@@ -97,7 +97,7 @@ def test_generated_ids_are_trained_verbatim_and_environment_turns_are_masked(pol
 
     def spy(model, prompts, **kw):
         out = real_sample(model, prompts, **kw)
-        calls.append(([list(p) for p in prompts], out))
+        calls.append(([list(p) for p in prompts], out[0]))
         return out
 
     env = Scripted(word_then_done)

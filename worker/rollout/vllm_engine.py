@@ -44,6 +44,14 @@ def _configure_vllm_process() -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default would take a share of all RAM
 
 
+def _engine_dtype(spec: JobSpec, cuda: bool) -> str:
+    """rollout.dtype, else the model's: the trainer's rule, where 'auto' is float32 on CPU (half precision is slow
+    and lossy there without AVX512-BF16)."""
+    if spec.rollout.dtype != "auto":
+        return spec.rollout.dtype
+    return "float32" if spec.dtype == "auto" and not cuda else spec.dtype
+
+
 def vllm_lora_rank(r: int) -> int:
     """vLLM accepts a few max_lora_rank values; the smallest one that holds rank r."""
     from vllm.config.lora import MaxLoRARanks
@@ -65,8 +73,7 @@ class VLLMEngine:
         self.sleep_enabled = cuda and spec.rollout.sleep_mode
         kwargs: dict = dict(
             model=spec.model,
-            # the trainer's rule: 'auto' is float32 on CPU, where half precision is slow and lossy
-            dtype="float32" if spec.dtype == "auto" and not cuda else spec.dtype,
+            dtype=_engine_dtype(spec, cuda),
             max_model_len=spec.sampling.max_model_len,
             seed=spec.seed,
             logprobs_mode="processed_logprobs",

@@ -6,16 +6,22 @@ processors, stopping criteria, cache re-allocation and torch.multinomial
 around each step. Here:
 
 - the active LoRA adapter is folded into a copy of each adapted weight for
-  the duration of the rollout (`merged_lora`); the base parameters are never
+  the duration of the rollout (`rollout_weights`); the base parameters are never
   written, so no merge/unmerge drift reaches training or checkpoints
   (the copy costs the memory of the adapted weights);
+- the rollout may run in a lower precision than training (rollout.dtype, e.g.
+  bfloat16 sampling for a float32 job: the weights are cast once per rollout,
+  not at every step as autocast would); the loop then reports each sampled
+  token's log-prob, and the update's truncated IS correction covers the
+  sampler/trainer mismatch as it does for vLLM;
 - only the last position goes through the LM head;
 - sampling is inverse-CDF (one uniform number per row), which draws token
   i with probability p_i like torch.multinomial at a fraction of its cost;
   the sampling knobs reuse transformers' own logits processors, built from the
   job's SamplingSpec alone (a model's generation_config never overrides the spec);
-- eager (CPU, default): a dynamic cache from which finished rows are dropped,
-  so a long-tailed batch stops paying for its short completions;
+- eager (CPU, default): each distinct prompt is prefilled once (a group's
+  completions share it) and a dynamic cache from which finished rows are
+  dropped, so a long-tailed batch stops paying for its short completions;
 - compiled (CUDA): a static cache and one torch.compile'd decode step
   (mode "reduce-overhead": CUDA graphs), shapes bucketed so few compiles happen;
   finished rows stay in the batch (static shapes) and the loop ends once all
@@ -44,7 +50,7 @@ from transformers.generation.logits_process import (
 
 from service.schemas.job_spec import SamplingSpec
 
-__all__ = ["merged_lora", "sample_tokens", "logits_processors"]
+__all__ = ["rollout_weights", "sample_tokens", "logits_processors"]
 
 log = logging.getLogger(__name__)
 
@@ -53,52 +59,77 @@ log = logging.getLogger(__name__)
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 CACHE_BUCKET = 128  # static cache lengths are rounded up to this, so a new prompt length rarely recompiles
 # Kept between rollouts so that tensor addresses stay put and CUDA graphs replay instead of re-recording.
-_merged_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base layer -> Parameter holding W + delta
+_rollout_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {name: kept weight copy}
 _compiled_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> compiled decode step
 _static_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (shape key, StaticCache)
 _compile_failed = False
 
 
 @contextmanager
-def merged_lora(model):
-    """Run `model` with its active LoRA adapters folded into its weights, without writing the base weights.
+def rollout_weights(model, dtype: torch.dtype | None = None):
+    """Run `model` as a plain causal LM on its effective weights: active LoRA adapters folded in, cast to `dtype`.
 
-    Each adapted layer gets a weight of its own (kept for the next rollout,
-    so addresses stay stable for CUDA graphs) holding W + delta; the layer's
-    weight attribute points at it inside the block, and the adapter path is
-    switched off. Anything that is not a PeftModel runs as it is.
+    Each adapted layer gets a weight of its own holding W + delta (kept for
+    the next rollout, so addresses stay stable for CUDA graphs) and the
+    adapter path is switched off. With a `dtype` other than the weights'
+    own, every other floating-point parameter (embeddings, norms, LM head)
+    is swapped for a kept copy in that dtype too (tied weights stay tied),
+    so the whole forward runs in it. The model's own parameters are never
+    written: the optimizer's tensors, and what checkpoints save, are
+    untouched. Buffers (rotary frequencies) stay as they are.
     """
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
-    if not isinstance(model, PeftModel):
-        yield model
-        return
-    swapped = []
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    copies: dict[int, torch.nn.Parameter] = {}  # id(original) -> its copy, so a tied weight is copied once
+
+    def swap(module: torch.nn.Module, name: str, value: Tensor) -> None:
+        original = module._parameters[name]
+        kept = _rollout_copies.setdefault(module, {})
+        copy = kept.get(name)
+        target = dtype or original.dtype
+        if copy is None or copy.shape != original.shape or copy.dtype != target:
+            copy = kept[name] = torch.nn.Parameter(torch.empty_like(original, dtype=target), requires_grad=False)
+        copy.copy_(value)
+        copies[id(original)] = copy
+        module._parameters[name] = copy
+        swapped.append((module, name, original))
+
+    peft = isinstance(model, PeftModel)
     try:
         with torch.no_grad():
-            for module in model.modules():
+            for module in model.modules() if peft else ():
                 if not isinstance(module, LoraLayer) or module.merged:
                     continue
                 adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
                 if not adapters:
                     continue
                 base = module.get_base_layer()
-                original = base.weight
-                merged = _merged_weights.get(base)
-                if merged is None or merged.shape != original.shape or merged.dtype != original.dtype:
-                    merged = _merged_weights[base] = torch.nn.Parameter(torch.empty_like(original),
-                                                                        requires_grad=False)
-                merged.copy_(original)
+                merged = base.weight.detach()
                 for adapter in adapters:
-                    merged += module.get_delta_weight(adapter).to(merged.dtype)
-                base.weight = merged
-                swapped.append((base, original))
-        with model.disable_adapter():
+                    merged = merged + module.get_delta_weight(adapter).to(merged.dtype)
+                swap(base, "weight", merged)
+            if dtype is not None:
+                for name, module in model.named_modules():
+                    if peft and ".lora_" in f".{name}":  # adapter weights: unused while the adapter is off
+                        continue
+                    for pname, p in list(module._parameters.items()):
+                        if p is None or not p.is_floating_point() or p.dtype == dtype:
+                            continue
+                        if id(p) in copies:  # a tied weight: share the copy made for its twin
+                            swapped.append((module, pname, p))
+                            module._parameters[pname] = copies[id(p)]
+                            continue
+                        swap(module, pname, p)
+        if peft:
+            with model.disable_adapter():
+                yield model
+        else:
             yield model
     finally:
-        for base, original in swapped:
-            base.weight = original
+        for module, name, original in reversed(swapped):
+            module._parameters[name] = original
 
 
 def logits_processors(sampling: SamplingSpec, *, greedy: bool) -> LogitsProcessorList:
@@ -131,6 +162,26 @@ def _pick(logits_BV: Tensor, history_BT: Tensor, procs: LogitsProcessorList, gre
     return torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1).clamp(max=cdf_BV.shape[1] - 1)
 
 
+class _Picker:
+    """Chooses each step's tokens; when asked, also keeps each token's log-prob under softmax(logits / temperature).
+
+    That log-prob is the quantity the trainer scores (temperature, no top-k/top-p), so its gap to the
+    trainer's own is the sampler's numerical mismatch, which the truncated IS correction weighs.
+    """
+
+    def __init__(self, sampling: SamplingSpec, greedy: bool, shape: tuple[int, int], device, record: bool):
+        self.procs, self.greedy = logits_processors(sampling, greedy=greedy), greedy
+        self.temperature = sampling.temperature
+        self.logprobs_BT = torch.zeros(shape, dtype=torch.float32, device=device) if record else None
+
+    def __call__(self, logits_BV: Tensor, history_BT: Tensor, rows: Tensor | slice, t: int) -> Tensor:
+        token_B = _pick(logits_BV, history_BT, self.procs, self.greedy)
+        if self.logprobs_BT is not None:
+            logp_BV = torch.log_softmax(logits_BV.float() / self.temperature, dim=-1)
+            self.logprobs_BT[rows, t] = logp_BV.gather(1, token_B[:, None]).squeeze(1)
+        return token_B
+
+
 @torch.no_grad()
 def sample_tokens(
     model,
@@ -143,10 +194,12 @@ def sample_tokens(
     pad_id: int,
     device: torch.device,
     compiled: bool = False,
-) -> list[list[int]]:
-    """New tokens for each prompt: up to and including the first EOS, at most max_new.
+    logprobs: bool = False,
+) -> tuple[list[list[int]], list[list[float]] | None]:
+    """New tokens for each prompt (up to and including the first EOS, at most max_new), and with `logprobs`
+    each new token's log-prob (see _Picker), else None.
 
-    `model` is a causal LM (merge LoRA first with `merged_lora`) in eval mode.
+    `model` is a causal LM (fold LoRA in first with `rollout_weights`) in eval mode.
     """
     B, P = len(prompts), max(map(len, prompts))
     total = P + max_new
@@ -157,30 +210,38 @@ def sample_tokens(
         mask[i, P - len(prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    procs = logits_processors(sampling, greedy=greedy)
+    pick = _Picker(sampling, greedy, (B, max_new), device, record=logprobs)
     if compiled and not _compile_failed:
         try:
-            lengths = _static_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id,
-                                   step=_compiled_step(model))
+            lengths = _static_loop(model, ids, mask, positions, P, max_new, pick, eos_id, step=_compiled_step(model))
         except Exception as e:  # an unsupported model or backend: this process decodes eagerly from now on
             _give_up_compiling(e)
-            lengths = _eager_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id)
+            lengths = _eager_loop(model, ids, mask, positions, P, max_new, pick, eos_id)
     else:
-        lengths = _eager_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id)
-    new = ids[:, P:].tolist()
-    return [row[:n] for row, n in zip(new, lengths.tolist())]
+        lengths = _eager_loop(model, ids, mask, positions, P, max_new, pick, eos_id)
+    lengths = lengths.tolist()
+    tokens = [row[:n] for row, n in zip(ids[:, P:].tolist(), lengths)]
+    if pick.logprobs_BT is None:
+        return tokens, None
+    return tokens, [row[:n] for row, n in zip(pick.logprobs_BT.tolist(), lengths)]
 
 
-def _eager_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id) -> Tensor:
+def _eager_loop(model, ids, mask, positions, P, max_new, pick: _Picker, eos_id) -> Tensor:
     """Decode with a dynamic cache; rows that reach EOS leave the batch (and the cache) at once."""
     B = ids.shape[0]
     lengths = torch.full((B,), max_new, dtype=torch.long, device=ids.device)
     cache = DynamicCache(config=model.config)
     live = torch.arange(B, device=ids.device)  # batch rows still decoding, in cache order
-    logits = model(input_ids=ids[:, :P], attention_mask=mask[:, :P], position_ids=positions[:, :P],
+    # A group's completions share one prompt: prefill each distinct prompt once, then give every row its copy.
+    unique, row_of = torch.unique(ids[:, :P], dim=0, return_inverse=True)
+    firsts = torch.full((unique.shape[0],), B, dtype=torch.long, device=ids.device).scatter_reduce(
+        0, row_of, live, reduce="amin")
+    logits = model(input_ids=ids[firsts, :P], attention_mask=mask[firsts, :P], position_ids=positions[firsts, :P],
                    **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
+    cache.batch_select_indices(row_of)  # (prefilled in torch.unique's order, not the rows')
+    logits = logits[row_of]
     for t in range(max_new):
-        token = _pick(logits, ids[live, : P + t], procs, greedy)
+        token = pick(logits, ids[live, : P + t], live, t)
         ids[live, P + t] = token
         done = token == eos_id
         if done.any():
@@ -211,7 +272,7 @@ def _compiled_step(model):
     return step
 
 
-def _static_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id, *, step=_decode_step,
+def _static_loop(model, ids, mask, positions, P, max_new, pick: _Picker, eos_id, *, step=_decode_step,
                  check_every: int = 16) -> Tensor:
     """Decode with a preallocated cache and one (compiled) step of fixed shapes; finished rows ride along."""
     B = ids.shape[0]
@@ -224,7 +285,7 @@ def _static_loop(model, ids, mask, positions, P, max_new, procs, greedy, eos_id,
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
     lengths = torch.full((B,), max_new, dtype=torch.long, device=ids.device)
     for t in range(max_new):
-        token = _pick(logits, ids[:, : P + t], procs, greedy)
+        token = pick(logits, ids[:, : P + t], slice(None), t)
         ids[:, P + t] = token
         newly = (token == eos_id) & ~finished
         lengths = torch.where(newly, t + 1, lengths)

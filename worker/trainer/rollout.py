@@ -13,7 +13,8 @@ policy generated (kept verbatim, never re-tokenized), 0 on the prompt and on
 environment turns, which therefore never get a gradient.
 
 The sampling itself is pluggable: ``sampler`` (a rollout engine's, see
-worker/rollout/) replaces transformers generation for every turn and may
+worker/rollout/; by default the policy's own model through
+worker/trainer/decode.py) samples every turn and may
 return the sampler's log-prob of each generated token, kept per sequence in
 ``sampler_logprobs`` (aligned with the action tokens).
 
@@ -34,14 +35,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from service.schemas.dataset import row_prompt
 from service.schemas.job_spec import SamplingSpec
 from worker.envs.protocol import Environment
-from worker.trainer.decode import merged_lora, sample_tokens
+from worker.trainer.decode import rollout_weights, sample_tokens
 from worker.trainer.policy import Policy
 from worker.trainer.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
 
-__all__ = ["Rollout", "TokenSampler", "generate", "encode_prompt"]
+__all__ = ["Rollout", "TokenSampler", "generate", "transformers_sampler", "encode_prompt"]
 
 
 class TokenSampler(Protocol):
@@ -100,20 +103,25 @@ class _Episode:
         self.error, self.done = message, True
 
 
-def _sample(policy: Policy, seqs: list[list[int]], max_new: int, sampling: SamplingSpec,
-            greedy: bool) -> list[list[int]]:
-    """New tokens per sequence, up to and including EOS (see worker/trainer/decode.py for how)."""
+def transformers_sampler(policy: Policy, sampling: SamplingSpec, *, dtype: torch.dtype | None = None,
+                         logprobs: bool = False) -> TokenSampler:
+    """Sampling in the policy's own model by worker/trainer/decode.py: its effective weights (LoRA folded in),
+    in `dtype` (None: the weights' own), with each token's log-prob when `logprobs`."""
     tok = policy.tokenizer
-    model = policy.model
-    was_training = model.training
-    model.eval()
-    try:
-        with merged_lora(model) as generator:
-            return sample_tokens(generator, seqs, max_new=max_new, sampling=sampling, greedy=greedy,
-                                 eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, device=policy.device,
-                                 compiled=policy.device.type == "cuda")
-    finally:
-        model.train(was_training)
+
+    def sample(seqs: list[list[int]], budgets: list[int], *, greedy: bool):
+        model = policy.model
+        was_training = model.training
+        model.eval()
+        try:
+            with rollout_weights(model, dtype) as generator:
+                return sample_tokens(generator, seqs, max_new=max(budgets), sampling=sampling, greedy=greedy,
+                                     eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, device=policy.device,
+                                     compiled=policy.device.type == "cuda", logprobs=logprobs)
+        finally:
+            model.train(was_training)
+
+    return sample
 
 
 def generate(
@@ -129,6 +137,7 @@ def generate(
     sampler: TokenSampler | None = None,
 ) -> Rollout:
     tok = policy.tokenizer
+    sampler = sampler or transformers_sampler(policy, sampling)
     copies = 1 if greedy else group_size
     tag = uuid.uuid4().hex[:12]
     episodes = [_Episode(row, f"{tag}-{i * copies + c}") for i, row in enumerate(rows) for c in range(copies)]
@@ -158,15 +167,14 @@ def generate(
         )
 
     turns = max_turns if environment is not None else 1
+    reported = False  # whether the sampler gave log-probs
     for turn in range(turns):
         active = [ep for ep in episodes if not ep.done]
         if not active:
             break
         budgets = [min(sampling.max_output_tokens, sampling.max_model_len - len(ep.ids)) for ep in active]
-        if sampler is None:
-            generated, logprobs = _sample(policy, [ep.ids for ep in active], max(budgets), sampling, greedy), None
-        else:
-            generated, logprobs = sampler([ep.ids for ep in active], budgets, greedy=greedy)
+        generated, logprobs = sampler([ep.ids for ep in active], budgets, greedy=greedy)
+        reported = logprobs is not None
         for j, (ep, new, budget) in enumerate(zip(active, generated, budgets)):
             ended = tok.eos_token_id in new[:budget]
             action = new[: new.index(tok.eos_token_id) + 1] if ended else new[:budget]
@@ -196,7 +204,7 @@ def generate(
         turns=[ep.turns for ep in episodes],
         turn_rewards=[ep.rewards for ep in episodes] if environment is not None else [],
         errors=[ep.error for ep in episodes] if environment is not None else [],
-        sampler_logprobs=[ep.sampler_logprobs for ep in episodes] if sampler is not None else None,
+        sampler_logprobs=[ep.sampler_logprobs for ep in episodes] if reported else None,
     )
 
 
