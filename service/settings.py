@@ -65,14 +65,18 @@ class Settings(BaseSettings):
                                 "key is refused within this bound. 0: every request looks the key up.")
     poll_cache_s: float = Field(1.0, ge=0, le=1, description="Seconds a job's GET and events pages are reused "
                                 "(per project and job); 0: every poll queries the database.")
-    # Tenancy limits (per API process; a deployment with N API replicas allows N times the rate).
+    # Tenancy limits: shared by all API replicas in Redis when the broker is Redis, else per API process
+    # (service/api/ratelimit.py).
     rate_limit_per_s: float = Field(20.0, gt=0, description="Sustained requests per second per API key.")
     rate_limit_burst: int = Field(100, ge=1, description="Requests an API key may send at once.")
     max_active_jobs: int = Field(10, ge=1, description="Queued plus running jobs per project.")
     scoring_timeout_s: float = Field(60.0, gt=0, le=3600, description="Wall time of one reward test or "
                                      "grader run.")
     scoring_per_project: int = Field(2, ge=1, description="Concurrent reward tests / grader runs per project.")
-    scoring_total: int = Field(8, ge=1, description="Concurrent reward tests / grader runs in one API process.")
+    scoring_total: int = Field(8, ge=1, description="Concurrent reward tests / grader runs in all (in one API "
+                               "process without Redis).")
+    limits_timeout_s: float = Field(0.25, gt=0, le=5, description="Socket timeout on the Redis that holds the "
+                                    "limits: past it a request is checked against this replica's own limits.")
     model_dirs: str = Field("", description="Comma-separated directories under which jobs may name a local "
                             "model; empty: only hub ids are accepted.")
     secret_key: str = Field("", description="Fernet key that encrypts project secrets at rest; empty: a key "

@@ -19,6 +19,9 @@ answer ends it; anything else (down, timeout, 5xx, 4xx) is retried with
 exponential backoff, up to MAX_ATTEMPTS, after which the delivery is marked
 failed. Nothing is lost while the receiver is down: the outbox is SQL, and
 the deliveries are derived from the job rows (repositories/webhooks.py).
+A pass reads only work still to do, through partial indexes: jobs not yet
+made into deliveries and deliveries neither delivered nor given up, never
+the history of finished jobs.
 No database connection is held while a request is in flight.
 """
 

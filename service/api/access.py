@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.envelope import database_unavailable, service_error_response
-from service.api.ratelimit import TokenBuckets
+from service.api.ratelimit import RateLimit
 from service.auth import PrincipalCache, authenticate
 from service.errors import ServiceError
 
@@ -70,7 +70,7 @@ class Admission:
 
 class Authenticate:
     def __init__(self, app: ASGIApp, *, reads: sessionmaker[Session], writes: sessionmaker[Session],
-                 limits: TokenBuckets, principals: PrincipalCache):
+                 limits: RateLimit, principals: PrincipalCache):
         self.app, self.reads, self.writes, self.limits, self.principals = app, reads, writes, limits, principals
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -84,7 +84,7 @@ class Authenticate:
                 started = self.principals.clock()
                 principal = await to_thread.run_sync(authenticate, self.reads, self.writes, authorization)
                 self.principals.put(authorization, principal, started)
-            self.limits.take(principal.key_id)
+            await self.limits.take(principal.key_id)
         except ServiceError as exc:
             return await service_error_response(exc)(scope, receive, send)
         except OperationalError as exc:

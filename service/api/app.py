@@ -19,11 +19,10 @@ from service.api import envelope
 from service.api.access import Admission, Authenticate
 from service.api.poll_cache import PollCache
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
-from service.api.ratelimit import TokenBuckets
+from service.api.ratelimit import rate_limit, scoring_slots
 from service.api.request_metrics import RecordRequests, RequestMetrics
 from service.api.routes import (environments, files, graders, health, job_outputs, jobs, models, prometheus,
                                 reward_functions, secrets, webhooks)
-from service.api.scoring import scoring_slots
 from service.dashboard import routes as dashboard
 from service.auth import PrincipalCache
 from service.db.session import read_session_factory, session_factory
@@ -83,7 +82,7 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.add_middleware(BodySizeLimit, max_json_bytes=settings.max_request_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(Authenticate, reads=app.state.read_sessions, writes=app.state.sessions,
-                       limits=TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst),
+                       limits=rate_limit(settings),
                        principals=app.state.principals)
     app.add_middleware(Admission)
     app.add_middleware(RefuseNulInUrl)

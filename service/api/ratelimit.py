@@ -1,22 +1,55 @@
-"""Limits that keep one tenant from starving the others, in this API process's memory.
+"""Limits that keep one tenant from starving the others: the per-key request rate and the scoring caps.
 
-TokenBuckets: a sustained rate with a burst allowance, one bucket per key
-(requests per API key). Slots: a cap on concurrent work per project and in
-all, taken without waiting (reward tests, grader runs). Both answer 429
-with Retry-After through TooManyRequests. They live in one event loop
-thread, so plain dicts need no lock. A deployment with N API replicas
-allows N times the rates; the per-project job quota, which must hold
-across replicas, is counted in SQL instead (service/jobs.py).
+RateLimit: a sustained rate with a burst allowance (a token bucket), one
+bucket per API key. ScoringSlots: a cap on concurrent reward tests and
+grader runs per project and in all, taken without waiting. Both answer 429
+with Retry-After through TooManyRequests.
+
+Two implementations of each, picked from the settings by `rate_limit` and
+`scoring_slots`: with a Redis broker the counters live in Redis
+(service/api/redis_limits.py), so N API replicas share one limit; the
+embedded default (no Redis) keeps them in this process's memory (below),
+where one event loop thread owns them and plain dicts need no lock. The
+per-project job quota is counted in SQL instead (service/jobs.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from service.errors import TooManyRequests
+from service.settings import Settings
+
+SCORING = "reward tests and grader runs"  # named in the scoring 429s
+
+
+class RateLimit(Protocol):
+    async def take(self, key: str) -> None:
+        """Spend one of `key`'s requests, or raise TooManyRequests saying when the next one is allowed."""
+
+
+class ScoringSlots(Protocol):
+    def hold(self, owner: str) -> AbstractAsyncContextManager[None]:
+        """Hold one of `owner`'s slots for the block, or raise TooManyRequests at once."""
+
+
+def rate_refused(rate_per_s: float, burst: int, retry_after_s: float) -> TooManyRequests:
+    return TooManyRequests(f"rate limit: this API key may send {rate_per_s:g} requests per second "
+                           f"(bursts of {burst}); retry later", retry_after_s=retry_after_s)
+
+
+def owner_full(what: str, held: int, retry_after_s: float) -> TooManyRequests:
+    return TooManyRequests(f"{what}: this project already runs {held} at once (the limit); retry when one has "
+                           "finished", retry_after_s=retry_after_s, code="concurrency_limit_exceeded")
+
+
+def total_full(what: str, total: int, retry_after_s: float) -> TooManyRequests:
+    return TooManyRequests(f"{what}: the service runs its limit of {total} at once; retry shortly",
+                           retry_after_s=retry_after_s, code="concurrency_limit_exceeded")
 
 
 @dataclass
@@ -26,16 +59,16 @@ class TokenBuckets:
     clock: Callable[[], float] = time.monotonic
     _buckets: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (tokens, at)
 
-    def take(self, key: str) -> None:
-        """Spend one token of `key`'s bucket, or raise TooManyRequests saying when one will be there."""
+    async def take(self, key: str) -> None:
+        self.take_now(key)
+
+    def take_now(self, key: str) -> None:
         t = self.clock()
         tokens, at = self._buckets.get(key, (float(self.burst), t))
         tokens = min(float(self.burst), tokens + (t - at) * self.rate_per_s)
         if tokens < 1.0:
             self._buckets[key] = (tokens, t)
-            raise TooManyRequests(f"rate limit: this API key may send {self.rate_per_s:g} requests per second "
-                                  f"(bursts of {self.burst}); retry later",
-                                  retry_after_s=(1.0 - tokens) / self.rate_per_s)
+            raise rate_refused(self.rate_per_s, self.burst, (1.0 - tokens) / self.rate_per_s)
         self._buckets[key] = (tokens - 1.0, t)
 
 
@@ -49,20 +82,46 @@ class Slots:
     retry_after_s: float
     _held: dict[str, int] = field(default_factory=dict)
 
-    @contextmanager
-    def hold(self, owner: str) -> Iterator[None]:
+    def acquire(self, owner: str) -> None:
         held = self._held.get(owner, 0)
         if held >= self.per_owner:
-            raise TooManyRequests(f"{self.what}: this project already runs {held} at once (the limit); retry "
-                                  "when one has finished", retry_after_s=self.retry_after_s,
-                                  code="concurrency_limit_exceeded")
+            raise owner_full(self.what, held, self.retry_after_s)
         if sum(self._held.values()) >= self.total:
-            raise TooManyRequests(f"{self.what}: the service runs its limit of {self.total} at once; retry "
-                                  "shortly", retry_after_s=self.retry_after_s, code="concurrency_limit_exceeded")
+            raise total_full(self.what, self.total, self.retry_after_s)
         self._held[owner] = held + 1
+
+    def release(self, owner: str) -> None:
+        self._held[owner] -= 1
+        if not self._held[owner]:
+            del self._held[owner]
+
+    @asynccontextmanager
+    async def hold(self, owner: str) -> AsyncIterator[None]:
+        self.acquire(owner)
         try:
             yield
         finally:
-            self._held[owner] -= 1
-            if not self._held[owner]:
-                del self._held[owner]
+            self.release(owner)
+
+
+def uses_redis(settings: Settings) -> bool:
+    return settings.resolved_broker_url().startswith(("redis://", "rediss://"))
+
+
+def rate_limit(settings: Settings) -> RateLimit:
+    local = TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst)
+    if not uses_redis(settings):
+        return local
+    from service.api.redis_limits import RedisTokenBuckets
+
+    return RedisTokenBuckets(settings, fallback=local)
+
+
+def scoring_slots(settings: Settings) -> ScoringSlots:
+    local = Slots(per_owner=settings.scoring_per_project, total=settings.scoring_total, what=SCORING,
+                  retry_after_s=min(settings.scoring_timeout_s, 30.0))
+    if not uses_redis(settings):
+        return local
+    from service.api.redis_limits import RedisSlots
+
+    return RedisSlots(settings, fallback=local)

@@ -14,19 +14,12 @@ from collections.abc import Callable
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from service.api.ratelimit import Slots
 from service.reward_tests import Scoring
-from service.settings import Settings
-
-
-def scoring_slots(settings: Settings) -> Slots:
-    return Slots(per_owner=settings.scoring_per_project, total=settings.scoring_total,
-                 what="reward tests and grader runs", retry_after_s=min(settings.scoring_timeout_s, 30.0))
 
 
 async def score(request: Request, project_id: str, prepare: Callable[[], Scoring]) -> dict:
     """The scoring subprocess's answer for what `prepare` (blocking, reads the database) returns."""
-    with request.app.state.scoring_slots.hold(project_id):
+    async with request.app.state.scoring_slots.hold(project_id):
         scoring = await run_in_threadpool(prepare)  # its transaction has ended: no connection is held now
         leave = getattr(request.state, "leave_admission", None)
         if leave is not None:

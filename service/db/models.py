@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -126,7 +127,13 @@ class Secret(Base):
 
 class Job(Base):
     __tablename__ = "job"
-    __table_args__ = (UniqueConstraint("project_id", "idempotency_key"),)
+    __table_args__ = (
+        UniqueConstraint("project_id", "idempotency_key"),
+        # The webhook outbox's work list (service/repositories/webhooks.py): only jobs it has not yet
+        # turned into deliveries, so a pass never reads the long tail of old finished jobs.
+        Index("ix_job_webhooks_pending", "finished_at", postgresql_where=text("webhooks_enqueued_at IS NULL"),
+              sqlite_where=text("webhooks_enqueued_at IS NULL")),
+    )
     seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("ftjob-"))
     project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
@@ -171,6 +178,8 @@ class Job(Base):
     result_file_id: Mapped[str | None] = mapped_column(String(40))  # the metrics CSV (purpose fine-tune-results)
     # A job queued again after a failed attempt is not claimed before this moment (retry backoff).
     not_before: Mapped[float | None] = mapped_column(Float)
+    # When the webhook outbox made this job's deliveries, for good (null: not yet, or not yet settled).
+    webhooks_enqueued_at: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class JobEvent(Base):
@@ -231,7 +240,13 @@ class WebhookDelivery(Base):
     """The outbox: one row per (endpoint, job outcome), sent until the receiver answers 2xx or we give up."""
 
     __tablename__ = "webhook_delivery"
-    __table_args__ = (UniqueConstraint("endpoint_id", "job_id"),)
+    __table_args__ = (
+        UniqueConstraint("endpoint_id", "job_id"),
+        # Delivered and given-up rows stay for the deliveries list, but a send pass never reads them.
+        Index("ix_webhook_delivery_pending", "next_attempt_at",
+              postgresql_where=text("delivered_at IS NULL AND failed_at IS NULL"),
+              sqlite_where=text("delivered_at IS NULL AND failed_at IS NULL")),
+    )
     seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("evt_"))  # the webhook-id
     endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoint.id", ondelete="CASCADE"), index=True)
@@ -239,7 +254,7 @@ class WebhookDelivery(Base):
     type: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)  # when the event happened
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    next_attempt_at: Mapped[float] = mapped_column(Float, index=True)
+    next_attempt_at: Mapped[float] = mapped_column(Float)
     delivered_at: Mapped[int | None] = mapped_column(BigInteger)
     failed_at: Mapped[int | None] = mapped_column(BigInteger)  # gave up after the last retry
     last_error: Mapped[str | None] = mapped_column(Text)

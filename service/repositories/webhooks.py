@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import and_, exists, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, WebhookDelivery, WebhookEndpoint, new_id, now
@@ -41,24 +41,43 @@ def deliveries(session: Session, endpoint_id: str, *, after: str | None, limit: 
 # -- the outbox ----------------------------------------------------------------
 
 
-def enqueue_outcomes(session: Session, event_type: dict[str, str]) -> int:
+# A job stays on the outbox's work list this long after it ended, re-read by each pass (harmlessly: the
+# unique (endpoint, job) pair ignores a repeat), so an endpoint whose registration commits a moment after
+# the job ended, or whose clock runs a little behind the worker's, still gets it.
+SETTLE_S = 60
+
+
+def enqueue_outcomes(session: Session, event_type: dict[str, str], *, limit: int = 500) -> int:
     """Add a delivery for every job that ended (after its endpoint was registered) and has none yet.
 
     The outcomes come from the job rows themselves, so every way a job can end (worker, API cancel,
-    attempts used up) is seen, and a crash between a job's end and this pass loses nothing. The
-    unique (endpoint, job) pair makes a racing second pass harmless.
+    attempts used up) is seen, and a crash between a job's end and this pass loses nothing. A job
+    leaves the work list (webhooks_enqueued_at) in the same transaction that adds its deliveries,
+    once settled, so each pass reads only recently ended jobs, through a partial index. Oldest first,
+    `limit` at a time: a backlog (the first pass after the upgrade) drains over a few passes.
     """
-    ended = select(WebhookEndpoint.id, WebhookEndpoint.events, Job.id, Job.status, Job.finished_at).join(
-        Job, and_(Job.project_id == WebhookEndpoint.project_id, Job.status.in_(TERMINAL),
-                  Job.finished_at >= WebhookEndpoint.created_at)
-    ).where(~exists().where(WebhookDelivery.endpoint_id == WebhookEndpoint.id, WebhookDelivery.job_id == Job.id))
-    rows = []
-    for endpoint_id, events, job_id, status, finished_at in session.execute(ended):
-        if event_type[status] in events:
-            rows.append({"id": new_id("evt_"), "endpoint_id": endpoint_id, "job_id": job_id,
-                         "type": event_type[status], "created_at": finished_at, "attempts": 0,
-                         "next_attempt_at": time.time()})
+    # finished_at is set exactly when a job ends; status is checked here, not in SQL, so that no planner
+    # (SQLite has no statistics) prefers the status index, which holds every job that ever ended.
+    ended = [job for job in session.execute(
+        select(Job.id, Job.project_id, Job.status, Job.finished_at)
+        .where(Job.webhooks_enqueued_at.is_(None), Job.finished_at.is_not(None))
+        .order_by(Job.finished_at).limit(limit)) if job.status in TERMINAL]
+    if not ended:
+        return 0
+    endpoints: dict[str, list] = {}
+    for endpoint in session.execute(select(WebhookEndpoint.id, WebhookEndpoint.project_id, WebhookEndpoint.events,
+                                           WebhookEndpoint.created_at)
+                                    .where(WebhookEndpoint.project_id.in_({job.project_id for job in ended}))):
+        endpoints.setdefault(endpoint.project_id, []).append(endpoint)
+    rows = [{"id": new_id("evt_"), "endpoint_id": endpoint.id, "job_id": job.id, "type": event_type[job.status],
+             "created_at": job.finished_at, "attempts": 0, "next_attempt_at": time.time()}
+            for job in ended for endpoint in endpoints.get(job.project_id, ())
+            if job.finished_at >= endpoint.created_at and event_type[job.status] in endpoint.events]
     _insert_ignoring_duplicates(session, WebhookDelivery, rows)
+    settled = [job.id for job in ended if job.finished_at <= now() - SETTLE_S]
+    if settled:
+        session.execute(update(Job).where(Job.id.in_(settled)).values(webhooks_enqueued_at=now())
+                        .execution_options(synchronize_session=False))
     return len(rows)
 
 

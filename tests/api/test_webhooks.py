@@ -16,10 +16,15 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from sqlalchemy import create_engine, event, func, insert, select, text, update
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
 
 from service import webhooks
+from service.db.models import Job, WebhookDelivery, WebhookEndpoint
 from service.egress import EgressPolicy
 from service.repositories import jobs as jobs_repo
+from service.repositories import webhooks as webhooks_repo
 from tests.api.conftest import assert_error, created_job, running_api
 from tests.conftest import free_port
 
@@ -210,3 +215,63 @@ def test_a_delivery_is_given_up_after_the_last_attempt(hooks, monkeypatch):
         assert len(rx.requests) == 3
     [failed] = hooks.client.get(f"/v1/webhook_endpoints/{endpoint['id']}/deliveries").json()["data"]
     assert (failed["status"], failed["attempts"], failed["last_error"]) == ("failed", 3, "HTTP 500")
+
+
+def test_a_pass_reads_only_pending_jobs_and_deliveries_not_the_old_finished_ones(hooks):
+    """2000 jobs that ended an hour ago, each delivered long since, then two new outcomes: a pass reads
+    the two (PostgreSQL: the rows this transaction fetched from each table; SQLite: every query on the
+    two tables searches a pending-only index instead of scanning)."""
+    endpoint = register(hooks, "http://127.0.0.1:9/hooks")
+    engine = hooks.app.state.sessions.kw["bind"]
+    with hooks.session() as s:
+        template = dict(s.execute(select(Job.__table__).where(Job.id == created_job(hooks)["id"])).mappings().one())
+        del template["seq"]  # numbered by the database
+        old = int(time.time()) - 3600
+        s.execute(update(WebhookEndpoint).where(WebhookEndpoint.id == endpoint["id"]).values(created_at=old - 60))
+        s.execute(insert(Job.__table__), [{**template, "id": f"ftjob-old{i:05d}", "status": "succeeded",
+                                           "finished_at": old, "idempotency_key": None} for i in range(2000)])
+        s.commit()
+    with hooks.app.state.sessions.begin() as s:  # earlier passes: the backlog made into deliveries ...
+        assert webhooks_repo.enqueue_outcomes(s, webhooks.EVENT_TYPES, limit=5000) == 2000
+        s.execute(update(WebhookDelivery).values(delivered_at=old))  # ... long delivered
+    with hooks.session() as s:
+        assert s.scalar(select(func.count()).where(Job.webhooks_enqueued_at.is_(None),
+                                                   Job.finished_at.is_not(None))) == 0
+    new = [created_job(hooks)["id"] for _ in range(2)]
+    for job_id in new:
+        hooks.client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+    postgres = engine.dialect.name == "postgresql"
+    if postgres:
+        with engine.connect() as conn:
+            conn.execute(text("ANALYZE job; ANALYZE webhook_delivery"))
+            conn.commit()
+
+    # A connection of its own: PostgreSQL counts a connection's reads until it reports them, which may be
+    # after several transactions, so a pooled one could show earlier work.
+    engine = create_engine(hooks.database_url, poolclass=NullPool)
+    statements = []
+    listen = lambda conn, cursor, statement, params, context, many: statements.append((statement, params))  # noqa
+    event.listen(engine, "before_cursor_execute", listen)
+    try:
+        with Session(engine) as s, s.begin():
+            webhooks_repo.enqueue_outcomes(s, webhooks.EVENT_TYPES)  # what dispatch_once's first transaction does
+            due = webhooks_repo.due(s, 100)
+            if postgres:
+                read = dict(s.execute(text(
+                    "SELECT relname, coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) "
+                    "FROM pg_stat_xact_user_tables WHERE relname IN ('job', 'webhook_delivery')")).all())
+    finally:
+        event.remove(engine, "before_cursor_execute", listen)
+        engine.dispose()
+    assert len(due) == 2
+    if postgres:
+        # The two new jobs (read, then checked by the new deliveries' foreign keys) and the two deliveries;
+        # the old code read every one of the 2000 finished jobs and their deliveries on every pass.
+        assert read["job"] <= 8 and read["webhook_delivery"] <= 8, read
+    else:
+        with engine.connect() as conn:
+            for statement, params in statements:
+                if statement.lstrip().upper().startswith("SELECT") and ("FROM job" in statement
+                                                                          or "FROM webhook_delivery" in statement):
+                    plan = " / ".join(r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params))
+                    assert "_pending" in plan and "SCAN" not in plan, (statement, plan)
