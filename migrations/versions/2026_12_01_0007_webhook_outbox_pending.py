@@ -6,7 +6,7 @@ are unique per endpoint and job), marks it, and never reads it again.
 
 Revision ID: 0007
 Revises: 0006
-Create Date: 2026-12-02
+Create Date: 2026-12-01
 """
 from typing import Sequence, Union
 
