@@ -1,4 +1,13 @@
-"""Token log-probabilities of rollout sequences under the current model."""
+"""Token log-probabilities of rollout sequences under the current model.
+
+A group's completions continue one prompt. With ``share_prefixes`` the
+batch holds each distinct prompt once (``prefix_*``, left-padded) and every
+row only what follows it: the model runs the prompts once, and each row's
+forward attends to its prompt's keys and values, picked from that pass by
+index (gradients flow back through them into the one prompt pass). With G
+completions per prompt this saves (G - 1) prompt forwards and backwards per
+group, the larger share of the work when prompts are long.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +15,27 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
 
 from worker.cispo import token_logprobs
+from worker.trainer.decode import CACHE_ARG
 
 
 @dataclass
 class TokenBatch:
-    """Right-padded prompt+completion sequences, aligned for next-token scoring."""
+    """Right-padded prompt+completion sequences, aligned for next-token scoring.
+
+    With shared prefixes, row i continues prefix ``prefix_of_B[i]`` and the
+    BT tensors hold only the tokens after it.
+    """
 
     input_ids_BT: Tensor
     attention_mask_BT: Tensor
     targets_BT: Tensor  # input_ids shifted left by one
     action_mask_BT: Tensor  # 1 where the target is a generated token
+    prefix_ids_GP: Tensor | None = None  # distinct shared prefixes, left-padded
+    prefix_mask_GP: Tensor | None = None
+    prefix_of_B: Tensor | None = None
 
     @property
     def num_action_tokens(self) -> int:
@@ -25,21 +43,48 @@ class TokenBatch:
 
 
 def collate_sequences(token_ids: list[list[int]], action_masks: list[list[int]], *, pad_id: int,
-                      device) -> TokenBatch:
+                      device, share_prefixes: bool = False) -> TokenBatch:
     """Right-padded sequences; a target counts as an action only where the policy generated that token.
 
     Prompt and environment tokens are context (they feed attention) but have
     action mask 0, so the loss, a sum over action tokens, gives them exactly
-    zero gradient.
+    zero gradient. With `share_prefixes`, rows whose context before their
+    first generated token is the same share one copy of it (see the module
+    docstring), when any two rows do.
     """
+    for i, (seq, mask) in enumerate(zip(token_ids, action_masks, strict=True)):
+        if len(seq) != len(mask):
+            raise ValueError(f"sequence {i}: {len(seq)} tokens but an action mask of {len(mask)}")
+    if share_prefixes:
+        # The context's last token stays in the row: its output predicts the first generated token.
+        keys = [tuple(seq[: max(_first_action(mask) - 1, 0)]) for seq, mask in zip(token_ids, action_masks)]
+        distinct = {key: g for g, key in enumerate(dict.fromkeys(keys))}
+        if len(distinct) < len(keys) and all(keys):
+            batch = _right_padded([seq[len(k):] for seq, k in zip(token_ids, keys)],
+                                  [mask[len(k):] for mask, k in zip(action_masks, keys)], pad_id, device)
+            P = max(map(len, distinct))
+            prefix_ids = torch.full((len(distinct), P), pad_id, dtype=torch.long)
+            prefix_mask = torch.zeros((len(distinct), P), dtype=torch.long)
+            for key, g in distinct.items():
+                prefix_ids[g, P - len(key):] = torch.tensor(key, dtype=torch.long)
+                prefix_mask[g, P - len(key):] = 1
+            batch.prefix_ids_GP, batch.prefix_mask_GP = prefix_ids.to(device), prefix_mask.to(device)
+            batch.prefix_of_B = torch.tensor([distinct[k] for k in keys], dtype=torch.long, device=device)
+            return batch
+    return _right_padded(token_ids, action_masks, pad_id, device)
+
+
+def _first_action(mask: list[int]) -> int:
+    return mask.index(1) if 1 in mask else len(mask)
+
+
+def _right_padded(token_ids: list[list[int]], action_masks: list[list[int]], pad_id: int, device) -> TokenBatch:
     T = max(len(ids) for ids in token_ids)
     B = len(token_ids)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, T), dtype=torch.long)
     action = torch.zeros((B, T), dtype=torch.float32)
-    for i, (seq, mask) in enumerate(zip(token_ids, action_masks, strict=True)):
-        if len(seq) != len(mask):
-            raise ValueError(f"sequence {i}: {len(seq)} tokens but an action mask of {len(mask)}")
+    for i, (seq, mask) in enumerate(zip(token_ids, action_masks)):
         ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attn[i, : len(seq)] = 1
         action[i, : len(seq)] = torch.tensor(mask, dtype=torch.float32)
@@ -65,14 +110,7 @@ def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_siz
     targets carry no loss, and skipping them saves their share of the head's
     cost (often most of it: long prompts, short answers).
     """
-    out = model(
-        input_ids=batch.input_ids_BT,
-        attention_mask=batch.attention_mask_BT,
-        output_hidden_states=True,
-        logits_to_keep=1,  # the LM head runs chunked below
-        use_cache=False,
-    )
-    hidden_BTH = out.hidden_states[-1]
+    hidden_BTH = _hidden_states(model, batch)
     action_BT = batch.action_mask_BT.bool()
     logp_1N, entropy_1N = token_logprobs(
         model.get_output_embeddings(),
@@ -83,3 +121,24 @@ def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_siz
     )
     zeros_BT = logp_1N.new_zeros(action_BT.shape)
     return zeros_BT.index_put((action_BT,), logp_1N[0]), zeros_BT.index_put((action_BT,), entropy_1N[0])
+
+
+def _hidden_states(model, batch: TokenBatch) -> Tensor:
+    """The last layer's hidden states at the batch's positions (after the shared prefixes, if any)."""
+    if batch.prefix_ids_GP is None:
+        out = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT, output_hidden_states=True,
+                    logits_to_keep=1, use_cache=False)  # logits_to_keep: the LM head runs chunked, on actions only
+        return out.hidden_states[-1]
+    cache = DynamicCache(config=model.config)
+    prefix_mask_GP = batch.prefix_mask_GP
+    model(input_ids=batch.prefix_ids_GP, attention_mask=prefix_mask_GP,
+          position_ids=(prefix_mask_GP.cumsum(-1) - 1).clamp(min=0), **{CACHE_ARG: cache}, use_cache=True,
+          logits_to_keep=1)
+    cache.batch_select_indices(batch.prefix_of_B)  # each row gets its prefix's keys and values (differentiably)
+    start_B1 = prefix_mask_GP.sum(-1)[batch.prefix_of_B][:, None]
+    T = batch.input_ids_BT.shape[1]
+    out = model(input_ids=batch.input_ids_BT,
+                attention_mask=torch.cat([prefix_mask_GP[batch.prefix_of_B], batch.attention_mask_BT], dim=1),
+                position_ids=start_B1 + torch.arange(T, device=start_B1.device), **{CACHE_ARG: cache},
+                use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1]

@@ -61,6 +61,10 @@ class Updater:
         self.policy, self.optimizer, self.spec = policy, optimizer, spec
         self.training = spec.training
         self.temperature = spec.sampling.temperature
+        # A group's shared prompt is scored once per micro-batch (worker/trainer/scoring.py). Not with gradient
+        # checkpointing (transformers then keeps no cache to carry the prompt's keys and values) nor under FSDP
+        # (one forward per micro-batch keeps its collectives paired across ranks).
+        self.share_prefixes = not spec.training.gradient_checkpointing and not group.active()
 
     def _batch(self, rollout: Rollout, idx: list[int]):
         return collate_sequences(
@@ -68,6 +72,7 @@ class Updater:
             [rollout.action_mask[i] for i in idx],
             pad_id=self.policy.tokenizer.pad_token_id,
             device=self.policy.device,
+            share_prefixes=self.share_prefixes,
         )
 
     @contextmanager

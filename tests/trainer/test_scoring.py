@@ -1,0 +1,95 @@
+"""Scoring with shared prompt prefixes: the same log-probs and the same gradients as scoring every row whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from worker.trainer.scoring import collate_sequences, sequence_logprobs
+
+PAD = 0
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def lora_model(toy_dir):
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def groups() -> tuple[list[list[int]], list[list[int]]]:
+    """Three prompts of different lengths, each with completions of different lengths; the middle one also has
+    an environment turn (mask 0) between two actions, as multi-turn episodes do."""
+    g = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(4, 40, (n,), generator=g).tolist()  # noqa: E731
+    seqs, masks = [], []
+    for prompt_len, completions in ((5, (3, 7, 1)), (9, (4, 4)), (2, (6, 2, 5, 3))):
+        prompt = [1] + rand(prompt_len)
+        for n in completions:
+            action = rand(n)
+            if prompt_len == 9:  # action, environment turn, action
+                seqs.append(prompt + action + [3, 3] + action)
+                masks.append([0] * len(prompt) + [1] * n + [0, 0] + [1] * n)
+            else:
+                seqs.append(prompt + action)
+                masks.append([0] * len(prompt) + [1] * n)
+    return seqs, masks
+
+
+def score(model, batch):
+    model.zero_grad(set_to_none=True)
+    logp, entropy = sequence_logprobs(model, batch, temperature=0.8, chunk_size=16)
+    mask = batch.action_mask_BT.bool()
+    per_token = [logp[i][mask[i]] for i in range(len(logp))]
+    (logp * batch.action_mask_BT).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return per_token, [entropy[i][mask[i]] for i in range(len(logp))], grads
+
+
+def test_shared_prefixes_give_the_same_logprobs_and_gradients(lora_model):
+    seqs, masks = groups()
+    whole = collate_sequences(seqs, masks, pad_id=PAD, device=CPU)
+    shared = collate_sequences(seqs, masks, pad_id=PAD, device=CPU, share_prefixes=True)
+    assert whole.prefix_ids_GP is None
+    assert shared.prefix_ids_GP.shape[0] == 3 and shared.prefix_of_B.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2]
+    assert shared.input_ids_BT.shape[1] < whole.input_ids_BT.shape[1]  # the rows no longer carry their prompt
+    lora_model.train()
+    logp_a, ent_a, grads_a = score(lora_model, whole)
+    logp_b, ent_b, grads_b = score(lora_model, shared)
+    for a, b in zip(logp_a, logp_b, strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    for a, b in zip(ent_a, ent_b, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert grads_a.keys() == grads_b.keys() and any("lora_A" in n for n in grads_a)
+    for name in grads_a:
+        gap = (grads_a[name] - grads_b[name]).norm() / grads_a[name].norm()
+        assert gap < 1e-5, (name, float(gap))  # float32 summation order, nothing more
+
+
+def test_prefix_pass_runs_once_per_distinct_prompt(lora_model):
+    seqs, masks = groups()
+    shared = collate_sequences(seqs, masks, pad_id=PAD, device=CPU, share_prefixes=True)
+    rows = []
+    hook = lora_model.get_base_model().model.embed_tokens.register_forward_hook(
+        lambda _m, args, _out: rows.append(tuple(args[0].shape)))
+    try:
+        with torch.no_grad():
+            sequence_logprobs(lora_model, shared, temperature=1.0, chunk_size=16)
+    finally:
+        hook.remove()
+    assert rows == [tuple(shared.prefix_ids_GP.shape), tuple(shared.input_ids_BT.shape)]
+
+
+def test_nothing_is_shared_when_no_two_rows_share_a_prompt():
+    seqs = [[1, 5, 6, 7, 8], [1, 9, 6, 7, 8]]
+    masks = [[0, 0, 0, 1, 1]] * 2
+    batch = collate_sequences(seqs, masks, pad_id=PAD, device=CPU, share_prefixes=True)
+    assert batch.prefix_ids_GP is None and batch.input_ids_BT.tolist() == [[1, 5, 6, 7], [1, 9, 6, 7]]
