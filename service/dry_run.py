@@ -29,7 +29,7 @@ from service import files as files_service
 from service.db.models import Job, JobMetric
 from service.errors import InvalidRequest
 from service.model_check import ModelInfo, ModelProblem, check_model
-from service.reward_fields import FieldUse, fields_read, has_path
+from service.rewards.fields import FieldUse, fields_read, has_path
 from service.schemas.dataset import row_prompt
 from service.schemas.job_request import JobCreate
 from service.schemas.job_spec import JobSpec

@@ -23,7 +23,7 @@ from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
 from service.repositories.pagination import Page
-from service.reward_references import check_reward_references
+from service.rewards.references import check_reward_references
 from service.schemas.job_request import JobCreate
 from service.schemas.job_spec import JobSpec
 from service.settings import Settings

@@ -15,7 +15,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from service.api.ratelimit import Slots
-from service.reward_tests import Scoring
+from service.rewards.trials import Scoring
 from service.settings import Settings
 
 
