@@ -18,7 +18,7 @@ from service.db.models import Checkpoint, File, Job
 from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, Unprocessable
 from service.environments import resolve_for_job
 from service.jobs_spec import build_spec, grader_reward
-from service.model_source import check_model
+from service.models.source import check_model
 from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
