@@ -32,7 +32,7 @@ from service.schemas.scoring_api import (
     RewardTestResult,
     RewardTestTiming,
 )
-from service.secret_box import secret_box
+from service.secrets.box import secret_box
 from service.settings import Settings
 
 _SPEC = TypeAdapter(RewardSpec)
