@@ -92,7 +92,7 @@ COPY . .
 # Import what a deployment uses, so an image with a missing dependency fails here, not at run time.
 RUN pip install --no-deps -e . \
  && python -c "import torch, transformers, peft, psycopg, redis, worker.cli, worker.job_runner; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS" \
- && python -c "import shutil; from service.sandbox_probe import SYSTEM_SEARCH; assert shutil.which('unshare', path=SYSTEM_SEARCH), 'no unshare: the sandbox cannot start'" \
+ && python -c "import shutil; from service.sandbox.probe import SYSTEM_SEARCH; assert shutil.which('unshare', path=SYSTEM_SEARCH), 'no unshare: the sandbox cannot start'" \
  && sh -n /app/docker/worker-entrypoint.sh
 
 # The worker runs as root, unlike the API. User Python code (python rewards,

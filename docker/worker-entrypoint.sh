@@ -9,7 +9,7 @@
 # AppArmor unconfined) reaches nothing of the host. On cgroup v2 the
 # container's cgroup then has to hand memory and pids to child cgroups, which
 # the "no internal processes" rule forbids while processes live in it: they
-# move to the leaf service/sandbox_cgroup.py expects (WORKER_LEAF), as
+# move to the leaf service/sandbox/cgroup.py expects (WORKER_LEAF), as
 # docker-in-docker does. The worker probes the result before running any user
 # code: if a step fails here it says so and refuses user code (fail closed).
 set -u

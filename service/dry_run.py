@@ -3,7 +3,7 @@
 After the request resolves to a JobSpec (service/jobs.py prepare), a dry run
 checks what would otherwise fail or mislead hours later:
 
-- model: the model resolves (service/model_check.py);
+- model: the model resolves (service/models/check.py);
 - reward_fields: every row field the reward reads is in every row (the lines
   that lack one are listed); what user code reads is reported as not checked;
 - prompt_lengths: prompts fit in sampling.max_model_len - max_output_tokens,
@@ -28,8 +28,8 @@ from sqlalchemy.orm import Session
 from service import files as files_service
 from service.db.models import Job, JobMetric
 from service.errors import InvalidRequest
-from service.model_check import ModelInfo, ModelProblem, check_model
-from service.reward_fields import FieldUse, fields_read, has_path
+from service.models.check import ModelInfo, ModelProblem, check_model
+from service.rewards.fields import FieldUse, fields_read, has_path
 from service.schemas.dataset import row_prompt
 from service.schemas.job_request import JobCreate
 from service.schemas.job_spec import JobSpec

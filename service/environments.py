@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Environment
 from service.egress import EgressPolicy, EgressRefused, check_url
-from service.secrets import check_bindings
+from service.secrets.store import check_bindings
 from service.errors import Conflict, InvalidRequest, NotFound
 from service.repositories import environments as env_repo
 from service.schemas.environment_api import EnvironmentCreate

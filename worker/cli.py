@@ -2,7 +2,7 @@
 
     cispo train SPEC.yaml [--output DIR] [--no-resume]   a job locally, no service
     cispo worker                                        a Celery worker for service jobs
-    cispo up | api | db upgrade | keys create           see service/cli.py
+    cispo up | api | db upgrade | keys create           see service/cli/main.py
 
 Heavy imports (torch, transformers) happen inside the commands that need
 them, so commands that only touch the service stay fast.
@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from service.cli import add_commands
+from service.cli.main import add_commands
 
 
 def _format_validation_error(e: ValidationError) -> str:

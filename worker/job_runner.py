@@ -33,7 +33,7 @@ from service.repositories import job_outputs, jobs
 from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
 from service.schemas.rewards import secret_names
-from service.secret_box import secret_box
+from service.secrets.box import secret_box
 from service.settings import Settings
 from service.queue import enqueue_job
 from service.storage import ObjectStore, StorageError, open_store

@@ -4,7 +4,7 @@
     ...talk to it over proc.stdin / proc.stdout...
     kill(proc)  # ends everything it started, verifies that, removes nothing (the caller owns workdir)
 
-What a spawned process gets (level "namespaces"; see service/_sandbox_launch.py):
+What a spawned process gets (level "namespaces"; see service/sandbox/launch.py):
 
 - its own pid namespace, under a root-owned init that reaps orphans: killing
   that init kills every descendant, setsid() daemons included;
@@ -18,12 +18,12 @@ What a spawned process gets (level "namespaces"; see service/_sandbox_launch.py)
   settings, job directories, /tmp) is not there. The host's `workdir` stays
   an empty root-owned placeholder;
 - a uid/gid of its own, leased from settings.sandbox_uid[_count] for its
-  lifetime (service/sandbox_uids.py): no other live sandbox shares it, so
+  lifetime (service/sandbox/uids.py): no other live sandbox shares it, so
   RLIMIT_NPROC, keyrings and /proc checks separate tenants; no capabilities,
   no supplementary groups, no_new_privs, a fresh session keyring;
 - a seccomp filter denying new namespaces, io_uring, keyctl, ptrace, mounts,
-  bpf, perf, userfaultfd, kexec and modules (service/_sandbox_launch.py);
-- a cgroup of its own (v2, or v1 memory + pids; service/sandbox_cgroup.py)
+  bpf, perf, userfaultfd, kexec and modules (service/sandbox/launch.py);
+- a cgroup of its own (v2, or v1 memory + pids; service/sandbox/cgroup.py)
   bounding the memory (its tmpfs included) and the processes of all of it
   together, plus per-process rlimits: address space, file size, open files,
   processes, optionally CPU seconds, no core dumps;
@@ -59,9 +59,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.sandbox_cgroup import CgroupUnavailable, SandboxCgroup, new_cgroup, remove_cgroup
-from service.sandbox_probe import effective_level, launch_argv, launch_config, probe, sandbox_python
-from service.sandbox_uids import NoUidFree, UidLease, lease_uid
+from service.sandbox.cgroup import CgroupUnavailable, SandboxCgroup, new_cgroup, remove_cgroup
+from service.sandbox.probe import effective_level, launch_argv, launch_config, probe, sandbox_python
+from service.sandbox.uids import NoUidFree, UidLease, lease_uid
 from service.settings import get_settings
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ def _uses(spec) -> Iterator[tuple[str, str]]:
 
 
 def _box():
-    from service.secret_box import secret_box
+    from service.secrets.box import secret_box
     from service.settings import get_settings
 
     return secret_box(get_settings())

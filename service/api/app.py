@@ -27,7 +27,7 @@ from service.dashboard import routes as dashboard
 from service.auth import PrincipalCache
 from service.db.session import read_session_factory, session_factory
 from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_job, make_celery
-from service.secret_box import secret_box
+from service.secrets.box import secret_box
 from service.settings import Settings, get_settings
 from service.storage import open_store
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from service import fine_tuned_models
 from service.auth import Principal
 from service.db.models import Checkpoint, File, Job, JobEvent, JobMetric, JobSample, RewardFunction
 from service.jobs_spec import public_hyperparameters
+from service.models import fine_tuned
 from service.repositories.job_outputs import sample_id
 from service.repositories.pagination import Page
 from service.schemas.api import (
@@ -53,7 +53,7 @@ def reward_function(row: RewardFunction) -> RewardFunctionObject:
 
 
 def model_name(job: Job, who: Principal) -> str:
-    return fine_tuned_models.model_id(job, who.project_name)
+    return fine_tuned.model_id(job, who.project_name)
 
 
 def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:

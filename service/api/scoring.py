@@ -14,7 +14,7 @@ from collections.abc import Callable
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from service.reward_tests import Scoring
+from service.rewards.trials import Scoring
 
 
 async def score(request: Request, project_id: str, prepare: Callable[[], Scoring]) -> dict:

@@ -111,7 +111,7 @@ class Environment(Base):
 class Secret(Base):
     """A value (e.g. a remote grader's auth header) that jobs may use and the API never returns.
 
-    Stored encrypted (service/secret_box.py) and bound to the hosts it may be sent to.
+    Stored encrypted (service/secrets/box.py) and bound to the hosts it may be sent to.
     """
 
     __tablename__ = "secret"

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Secret
 from service.egress import BoundSecret
-from service.secret_box import SecretBox
+from service.secrets.box import SecretBox
 from service.repositories.pagination import Page, paginate
 
 

@@ -135,5 +135,5 @@ def test_watch_exits_nonzero_when_the_job_does_not_succeed(live, tmp_path):
 
 
 def test_the_cli_imports_no_torch():
-    probe = "import sys, worker.cli, service.cli_jobs; print('torch' in sys.modules)"
+    probe = "import sys, worker.cli, service.cli.jobs; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"

@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
-from service.sandbox_probe import probe
+from service.sandbox.probe import probe
 from tests.api.conftest import make_settings
 
 from tests.conftest import REDIS_TEST_URL as REDIS_URL

@@ -9,7 +9,7 @@ from sqlalchemy import create_engine, text
 from service.db.migrate import upgrade
 from service.egress import BoundSecret
 from service.repositories import secrets as secrets_repo
-from service.secret_box import secret_box
+from service.secrets.box import secret_box
 from service.settings import Settings
 from tests.api.conftest import assert_error, cispo_body, running_api, uploaded
 

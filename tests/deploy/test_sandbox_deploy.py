@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 import yaml
 
-from service import sandbox_cgroup, sandbox_uids
+from service.sandbox import cgroup as sandbox_cgroup, uids as sandbox_uids
 from service.settings import Settings
 from tests.deploy.test_manifests import (
     APP_SERVICES,
@@ -40,8 +40,8 @@ from tests.deploy.test_manifests import (
 )
 
 ENTRYPOINT = REPO / "docker" / "worker-entrypoint.sh"
-SANDBOX_MODULES = ("service/_sandbox_launch.py", "service/sandbox_probe.py", "service/sandbox_cgroup.py",
-                   "service/sandbox_uids.py", "worker/sandbox.py")
+SANDBOX_MODULES = ("service/sandbox/launch.py", "service/sandbox/probe.py", "service/sandbox/cgroup.py",
+                   "service/sandbox/uids.py", "worker/sandbox.py")
 SECRET_SETTINGS = ("CISPO_METRICS_TOKEN", "CISPO_JUDGE_API_KEY")
 # Settings a deployment may leave at their defaults, and why.
 DEFAULTS_SUFFICE = {
@@ -103,7 +103,7 @@ def test_sandbox_code_never_chowns_so_the_deployments_grant_neither_chown_nor_fo
     for module in SANDBOX_MODULES:
         text = (REPO / module).read_text()
         assert not re.search(r"\b(?:l|f)?chown\(", text), f"{module} chowns: the worker would need CHOWN (and FOWNER)"
-    launcher = (REPO / "service/_sandbox_launch.py").read_text()
+    launcher = (REPO / "service/sandbox/launch.py").read_text()
     assert re.search(r"uid=\{config\['uid'\]\}", launcher), "the workdir tmpfs is no longer mounted owned by the uid"
 
 

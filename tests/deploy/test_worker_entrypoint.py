@@ -22,7 +22,7 @@ import pytest
 from tests.deploy.test_manifests import REPO, SANDBOX_CAPS
 
 ENTRYPOINT = REPO / "docker" / "worker-entrypoint.sh"
-PROBE = "import json; from service.sandbox_probe import probe; p = probe(); print(json.dumps([p.level, p.reason]))"
+PROBE = "import json; from service.sandbox.probe import probe; p = probe(); print(json.dumps([p.level, p.reason]))"
 
 
 def host_can_sandbox() -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from service import sandbox_cgroup
+from service.sandbox import cgroup as sandbox_cgroup
 
 
 def _v2_tree(root: Path, own: str, controllers: str, subtree: str, procs: str = "") -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from service import sandbox_cgroup
+from service.sandbox import cgroup as sandbox_cgroup
 from service.settings import get_settings
 from worker.rewards.sandbox import PythonRewardProcess
 from worker.sandbox import members, sandbox_level

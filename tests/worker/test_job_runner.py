@@ -235,7 +235,7 @@ def test_a_broken_reward_fails_the_job_with_reward_error_rate(database_url, toy_
 
 def test_the_worker_resolves_the_secret_and_never_records_it(database_url, toy_dir, tmp_path):
     from service.db.models import Secret
-    from service.secret_box import secret_box
+    from service.secrets.box import secret_box
     from tests.worker.reward_servers import reward_server
 
     settings = make_settings(tmp_path, database_url).model_copy(update={"egress_allow": "127.0.0.1"})

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from service.sandbox_probe import Probe
+from service.sandbox.probe import Probe
 from worker import sandbox
 from worker.rewards.sandbox import PythonRewardProcess
 from worker.sandbox import Limits, SandboxError, SandboxUnavailable, members, python_argv, sandbox_level

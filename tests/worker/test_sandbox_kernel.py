@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-import service._sandbox_launch as launcher
-from service import sandbox_cgroup, sandbox_probe
-from service.sandbox_probe import Probe
-from service.sandbox_uids import lease_uid
+import service.sandbox.launch as launcher
+from service.sandbox import cgroup as sandbox_cgroup, probe as sandbox_probe
+from service.sandbox.probe import Probe
+from service.sandbox.uids import lease_uid
 from worker.rewards.sandbox import PythonRewardProcess
 from worker.sandbox import SandboxUnavailable, sandbox_level
 from tests.worker.sandbox_attacks import SANDBOX_UIDS, Run, fresh_settings, needs_sandbox, trainer  # noqa: F401

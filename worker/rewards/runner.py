@@ -2,7 +2,7 @@
 
 The API must not run user code or import the worker, yet its reward test
 and graders/run endpoints need the exact scoring a job gets. So the API
-(service/reward_runner.py) starts this module as a subprocess with a clean
+(service/rewards/runner.py) starts this module as a subprocess with a clean
 environment, writes one JSON request on stdin and reads one JSON answer
 from stdout; python rewards still go one level further, into the sandbox.
 

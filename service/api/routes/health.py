@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from service.repositories import health
-from service.sandbox_probe import effective_level
+from service.sandbox.probe import effective_level
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])

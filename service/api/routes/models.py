@@ -7,9 +7,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service import fine_tuned_models
 from service.api import presenters
 from service.api.deps import PrincipalDep, SessionDep, StoreDep
+from service.models import fine_tuned
 from service.schemas.api import ListObject
 from service.schemas.model_api import ModelDeleted, ModelObject
 
@@ -22,19 +22,19 @@ def list_models(session: SessionDep, who: PrincipalDep, after: str | None = None
                 limit: Annotated[int, Query(ge=1, le=100)] = 100) -> ListObject:
     """Newest first; `after` is a model id from an earlier page."""
     after_job = after.rsplit(":", 1)[-1] if after else None
-    rows = fine_tuned_models.list_models(session, who.project_id, after_job_id=after_job, limit=limit)
+    rows = fine_tuned.list_models(session, who.project_id, after_job_id=after_job, limit=limit)
     return presenters.page([presenters.model(r, who) for r in rows.items], rows.has_more)
 
 
 @router.get("/{model:path}", response_model=ModelObject)
 def get_model(model: str, session: SessionDep, who: PrincipalDep) -> ModelObject:
     # {model:path}: a base model name may hold a slash (Qwen/Qwen2.5-0.5B), as OpenAI's ids may.
-    return presenters.model(fine_tuned_models.get(session, who.project_id, who.project_name, model), who)
+    return presenters.model(fine_tuned.get(session, who.project_id, who.project_name, model), who)
 
 
 @router.delete("/{model:path}", response_model=ModelDeleted)
 def delete_model(model: str, session: SessionDep, who: PrincipalDep, store: StoreDep) -> ModelDeleted:
-    prefixes = fine_tuned_models.delete(session, who.project_id, who.project_name, model)
+    prefixes = fine_tuned.delete(session, who.project_id, who.project_name, model)
     session.commit()
     for prefix in prefixes:  # after the commit: a failure here leaves unreachable bytes, never a dangling row
         try:

@@ -6,12 +6,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from service import reward_functions as rf_service
 from service.api import presenters
-from service import reward_tests
 from service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from service.api.scoring import score
 from service.repositories import reward_functions as rf_repo
+from service.rewards import registry as rf_service
+from service.rewards import trials
 from service.schemas.api import Deleted, ListObject, RewardFunctionCreate, RewardFunctionObject
 from service.schemas.scoring_api import InlineRewardTestRequest, RewardTestObject, RewardTestRequest
 
@@ -50,9 +50,9 @@ async def test_inline_reward(request: Request, body: InlineRewardTestRequest, se
                              who: PrincipalDep, settings: SettingsDep) -> RewardTestObject:
     """Score samples with a reward spec that is not registered yet (same scoring as a job's)."""
     spec = body.spec.model_dump(mode="json")
-    answer = await score(request, who.project_id, lambda: reward_tests.prepare_reward_test(
+    answer = await score(request, who.project_id, lambda: trials.prepare_reward_test(
         session, who.project_id, spec, body, settings=settings))
-    return reward_tests.reward_test_result(answer)
+    return trials.reward_test_result(answer)
 
 
 @router.post("/{reward_function_id}/test", response_model=RewardTestObject)
@@ -61,6 +61,6 @@ async def test_reward_function(request: Request, reward_function_id: str, body: 
     """Score samples with a registered reward: scores, sub-scores, errors by kind, timing."""
     def prepare():
         fn = rf_service.get(session, who.project_id, reward_function_id)
-        return reward_tests.prepare_reward_test(session, who.project_id, fn.spec, body, settings=settings)
+        return trials.prepare_reward_test(session, who.project_id, fn.spec, body, settings=settings)
 
-    return reward_tests.reward_test_result(await score(request, who.project_id, prepare))
+    return trials.reward_test_result(await score(request, who.project_id, prepare))

@@ -6,13 +6,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service import secrets as secrets_service
 from service.api import presenters
 from service.api.deps import PrincipalDep, SessionDep, SettingsDep
 from service.repositories import secrets as secrets_repo
 from service.schemas.api import Deleted, ListObject
 from service.schemas.scoring_api import SecretCreate, SecretObject
-from service.secret_box import secret_box
+from service.secrets import store as secrets_service
+from service.secrets.box import secret_box
 
 router = APIRouter(prefix="/v1/secrets", tags=["secrets"])
 

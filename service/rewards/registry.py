@@ -13,7 +13,7 @@ from service.db.models import RewardFunction
 from service.errors import Conflict, NotFound
 from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
-from service.reward_references import check_reward_references
+from service.rewards.references import check_reward_references
 from service.schemas.api import RewardFunctionCreate
 from service.settings import Settings
 

@@ -1,6 +1,6 @@
 """Dry-running rewards and OpenAI graders on a few samples, with the exact scoring a job gets.
 
-The scoring itself runs in a subprocess (service/reward_runner.py); this
+The scoring itself runs in a subprocess (service/rewards/runner.py); this
 module checks the request, reads the secret values the spec names, and turns
 the runner's answer into our reward-test shape or OpenAI's graders/run shape.
 Each request is split in three: a short blocking part that reads the
@@ -20,8 +20,8 @@ from sqlalchemy.orm import Session
 
 from service.errors import InvalidRequest
 from service.repositories import secrets as secrets_repo
-from service.reward_references import check_reward_references
-from service.reward_runner import run_reward
+from service.rewards.references import check_reward_references
+from service.rewards.runner import run_reward
 from service.schemas.graders import grader_reward, parse_grader
 from service.schemas.rewards import RewardSpec, secret_names
 from service.schemas.scoring_api import (
@@ -32,7 +32,7 @@ from service.schemas.scoring_api import (
     RewardTestResult,
     RewardTestTiming,
 )
-from service.secret_box import secret_box
+from service.secrets.box import secret_box
 from service.settings import Settings
 
 _SPEC = TypeAdapter(RewardSpec)

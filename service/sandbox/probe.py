@@ -29,11 +29,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.sandbox_cgroup import CgroupUnavailable, new_cgroup, remove_cgroup
-from service.sandbox_uids import NoUidFree, lease_uid
+from service.sandbox.cgroup import CgroupUnavailable, new_cgroup, remove_cgroup
+from service.sandbox.uids import NoUidFree, lease_uid
 from service.settings import get_settings
 
-LAUNCHER = Path(__file__).with_name("_sandbox_launch.py")
+LAUNCHER = Path(__file__).with_name("launch.py")
 UNSHARE_FLAGS = ("--net", "--pid", "--fork", "--mount-proc", "--ipc", "--kill-child")
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 SYSTEM_SEARCH = "/usr/sbin:/usr/bin:/sbin:/bin"
@@ -101,7 +101,7 @@ def launch_argv(config: dict, argv: list[str]) -> list[str]:
 
 def launch_config(*, uid: int, workdir: str, workdir_bytes: int, workdir_inodes: int, rlimits: dict[str, int],
                   cgroups: list[str], status_fd: int | None, extra_read_only: tuple[str, ...] = ()) -> dict:
-    """The launcher's CONFIG_JSON (see service/_sandbox_launch.py); gid = uid."""
+    """The launcher's CONFIG_JSON (see service/sandbox/launch.py); gid = uid."""
     return {"uid": uid, "gid": uid, "workdir": workdir, "workdir_bytes": workdir_bytes,
             "workdir_inodes": workdir_inodes, "ro": read_only_paths(extra_read_only), "rlimits": rlimits,
             "cgroups": cgroups, "status_fd": status_fd}

@@ -1,5 +1,5 @@
 """Service-side commands of `cispo`: database migrations, API keys, the API server, the embedded stack, and
-the `jobs` client (service/cli_jobs.py).
+the `jobs` client (service/cli/jobs.py).
 
 Nothing here imports torch; `cispo up` starts the worker as a separate process.
 """
@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from service.cli_jobs import add_jobs_command
+from service.cli.jobs import add_jobs_command
 from service.settings import get_settings
 
 

@@ -4,7 +4,7 @@ A secret holds e.g. the Authorization header value of a remote reward
 endpoint. Jobs and reward specs name a secret; the worker reads its value
 when a job starts. No endpoint returns a value, and names are unique per
 project: to rotate a secret, delete it and create it again (a job reads the
-value at its next start). Values are stored encrypted (service/secret_box.py)
+value at its next start). Values are stored encrypted (service/secrets/box.py)
 and each secret is bound to the hosts it may be sent to: a spec that would
 send it elsewhere is refused when registered (check_bindings), and the
 worker refuses again at call time (service/egress.py, BoundSecret).
@@ -23,7 +23,7 @@ from service.egress import host_matches
 from service.errors import Conflict, InvalidRequest, NotFound
 from service.repositories import secrets as secrets_repo
 from service.schemas.scoring_api import SecretCreate, SecretObject
-from service.secret_box import SecretBox
+from service.secrets.box import SecretBox
 
 
 def present(row: Secret) -> SecretObject:

@@ -3,7 +3,7 @@
 Per-process rlimits cannot bound a sandbox's sum (N processes of 1 GiB each,
 or a fork bomb under a shared uid); a cgroup does, and its tmpfs pages (the
 sandbox's working directory) are charged to it too. The launcher
-(service/_sandbox_launch.py) moves itself into `paths` before anything forks.
+(service/sandbox/launch.py) moves itself into `paths` before anything forks.
 
 Where it goes, checked in this order:
 - cgroup v2, where this process's cgroup offers the memory and pids

@@ -23,7 +23,7 @@ from pathlib import Path
 from service.errors import ServiceError
 from service.settings import Settings
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MAX_ANSWER_BYTES = 8 << 20
 
 

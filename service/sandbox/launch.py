@@ -1,9 +1,9 @@
 """The sandbox launcher: pid 1 of a sandbox's fresh namespaces. A script, never imported.
 
-worker/sandbox.py (and the probe in service/sandbox_probe.py) run it, as root, as
+worker/sandbox.py (and the probe in service/sandbox/probe.py) run it, as root, as
 
     unshare --net --pid --fork --mount-proc --ipc --kill-child -- \\
-        python -I -S -B _sandbox_launch.py CONFIG_JSON -- ARGV...
+        python -I -S -B launch.py CONFIG_JSON -- ARGV...
 
 so it starts as pid 1 of a new pid namespace, in a network namespace with no
 interface up, and in private mount and IPC namespaces. It then

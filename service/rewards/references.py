@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from service.egress import EgressPolicy, EgressRefused, check_url
 from service.errors import InvalidRequest
 from service.schemas.rewards import HttpReward, MultiReward, ScoreModelReward
-from service.secrets import check_bindings
+from service.secrets.store import check_bindings
 from service.settings import Settings
 
 

@@ -1,0 +1,1 @@
+"""Project secrets: stored encrypted (box) and bound to hosts, created, checked and deleted (store)."""
