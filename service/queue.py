@@ -44,10 +44,20 @@ def make_celery(settings: Settings) -> Celery:
             "socket_keepalive": True,
         }
         app.conf.broker_connection_timeout = timeout
-        # One quick retry for a blip; a broker still gone is the reconciler's to repair from SQL.
+        # One quick retry for a blip (a dropped connection); a broker still gone is the reconciler's
+        # to repair from SQL.
         app.conf.task_publish_retry_policy = {"max_retries": 1, "interval_start": 0, "interval_step": 0.5,
-                                              "interval_max": 0.5}
+                                              "interval_max": 0.5, "errback": _no_retry_after_a_timeout}
     return app
+
+
+def _no_retry_after_a_timeout(exc: Exception, _interval: float) -> None:
+    """A timeout means the broker is stalled, not briefly gone: a reconnect and a second send would each
+    wait out another socket timeout, tripling the time an API request hangs on it."""
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    if isinstance(exc, RedisTimeout):
+        raise exc
 
 
 @lru_cache
@@ -62,6 +72,12 @@ def enqueue_job(job_id: str, delay_s: float = 0.0, settings: Settings | None = N
     app.send_task(RUN_JOB, args=[job_id], queue=JOBS_QUEUE, countdown=delay_s or None)
 
 
-def broker_ping(timeout_s: float = 2.0) -> None:
-    with celery_app().connection_for_write() as conn:
-        conn.ensure_connection(max_retries=1, timeout=timeout_s)
+def ping(app: Celery) -> None:
+    """One connection attempt, bounded by the broker's socket timeouts: a retry would add kombu's 2 s
+    back-off and another timeout, and a probe must answer before its caller gives up on it."""
+    with app.connection_for_write() as conn:
+        conn.ensure_connection(max_retries=0)
+
+
+def broker_ping() -> None:
+    ping(celery_app())

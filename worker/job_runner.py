@@ -5,7 +5,8 @@ and returns; a worker that loses its lease stops writing at once (every write
 is fenced by the lease epoch, and its checkpoints go under its epoch's own
 prefix). Cancellation, pause and the worker's graceful shutdown (DRAIN) are
 honoured at the next step boundary, after a checkpoint; the job resumes from
-it on this worker or any other.
+it on this worker or any other. A cancel also cuts short a batch of sandboxed
+user code (a reward or environment) at once: nothing of the step is kept.
 
 Failures: a bad job (its data, checkpoint or reward) fails at once. Anything
 else (an unreachable object store, a crashed step) may be transient: the job
@@ -43,6 +44,7 @@ from worker.progress import StepClock
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import RewardErrorRateExceeded, summarize
+from worker.sandbox_channel import INTERRUPT, Interrupted
 from worker.trainer.data import DataError
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,8 @@ class JobReporter:
             self.lost = True
         else:
             self.cancel, self.pause = control.cancel, control.pause
+            if self.cancel:  # a cancelled job has no step worth finishing; pause and drain keep theirs
+                INTERRUPT.set()
 
     def event(self, message: str, *, level: str = "info", type: str = "message", data: dict | None = None) -> None:
         if self.lost:
@@ -310,11 +314,14 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     except LeaseLost:
         log.warning("job %s: lease lost; another worker owns it now", job_id)
         return None
+    except Interrupted:  # the cancel stopped the user code mid-batch
+        status = "cancelled"
     except Exception as e:  # the job fails or retries with a message; the worker lives on
         log.exception("job %s: run failed", job_id)
         error = _failure(e)
     finally:
         reporter.stop()
+        INTERRUPT.clear()  # the cancel was this job's: later user code in this process must run
 
     status, delay = _end(sessions, store, job_id, claimed, settings, status, error)
     if status == "queued":  # after commit, as every enqueue; a lost message is the reconciler's to resend

@@ -26,7 +26,7 @@ from service.api.routes import (environments, files, graders, health, job_output
 from service.dashboard import routes as dashboard
 from service.auth import PrincipalCache
 from service.db.session import read_session_factory, session_factory
-from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_job, make_celery
+from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_job, make_celery, ping
 from service.secrets.box import secret_box
 from service.settings import Settings, get_settings
 from service.storage import open_store
@@ -41,11 +41,7 @@ def _broker(settings: Settings) -> tuple[Callable[[str], None], Callable[[], Non
     def enqueue(job_id: str) -> None:
         celery.send_task(RUN_JOB, args=[job_id], queue=JOBS_QUEUE)
 
-    def ping(timeout_s: float = 2.0) -> None:
-        with celery.connection_for_write() as conn:
-            conn.ensure_connection(max_retries=1, timeout=timeout_s)
-
-    return enqueue, ping
+    return enqueue, lambda: ping(celery)
 
 
 def _lifespan(threads: int):
@@ -63,7 +59,7 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     settings = settings or get_settings()
     app = FastAPI(title="CISPO fine-tuning service", version="1", summary="OpenAI-compatible reinforcement "
                   "fine-tuning with CISPO", lifespan=_lifespan(settings.api_threads))
-    default_enqueue, ping = _broker(settings)
+    default_enqueue, probe = _broker(settings)
     app.state.settings = settings
     # Every API thread may hold a connection (+4 for /readyz and the auth middleware's touch).
     pool = {"pool_size": min(settings.db_pool_size, settings.api_threads),
@@ -72,7 +68,7 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.read_sessions = read_session_factory(settings.resolved_database_url(), **pool)
     app.state.store = open_store(settings.resolved_storage_url())
     app.state.enqueue = enqueue or default_enqueue
-    app.state.broker_ping = ping
+    app.state.broker_ping = probe
     app.state.scoring_slots = scoring_slots(settings)
     app.state.poll_cache = PollCache(settings.poll_cache_s)
     app.state.principals = PrincipalCache(settings.auth_cache_s)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from service.schemas.environments import PythonEnvironment
 from worker.envs.python_env import EnvironmentLoadError, PythonEnvironmentProcess
 from worker.sandbox import sandbox_level
+from worker.sandbox_channel import INTERRUPT, Interrupted
 
 pytestmark = pytest.mark.skipif(sandbox_level() != "namespaces",
                                 reason="this host cannot sandbox user code (sandbox_level() is 'none')")
@@ -111,6 +115,21 @@ def test_a_hanging_step_times_out_and_the_next_batch_gets_a_new_child():
         assert e.pid == pid
         e.reset([("next", 0, {"n": 1})])
         assert e.step([("next", "x")])[0].terminated
+
+
+def test_an_interrupt_kills_a_running_batch_at_once():
+    with env(timeout_s=60) as e:  # a batch deadline of a minute
+        e.reset([("hang", 0, {"n": 3, "mode": "hang"})])
+        sandbox = e.sandbox
+        threading.Timer(0.5, INTERRUPT.set).start()  # what the job runner does on a cancel
+        started = time.monotonic()
+        try:
+            with pytest.raises(Interrupted):
+                e.step([("hang", "x")])
+        finally:
+            INTERRUPT.clear()
+        assert time.monotonic() - started < 3
+        assert sandbox.returncode is not None and sandbox.members() == {}  # nothing of it is left
 
 
 def test_source_that_fails_to_load_is_a_job_error():

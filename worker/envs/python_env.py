@@ -28,7 +28,7 @@ from pathlib import Path
 
 from service.schemas.environments import PythonEnvironment
 from worker.sandbox_channel import ChildFailed, JsonLinesChild, describe_death
-from worker.sandbox import Limits, require_sandbox
+from worker.sandbox import Limits, SandboxProcess, require_sandbox
 from worker.envs.protocol import Outcome, checked, failed, reset_outcome, step_outcome
 
 CHILD_SCRIPT = Path(__file__).with_name("_env_child.py")
@@ -73,6 +73,11 @@ class PythonEnvironmentProcess:
     @property
     def pid(self) -> int | None:
         return self._holder.child.proc.pid if self._holder.child else None
+
+    @property
+    def sandbox(self) -> SandboxProcess | None:
+        """The running sandbox (its ``members()`` are the processes in it), or None."""
+        return self._holder.child.proc if self._holder.child else None
 
     def _started(self) -> JsonLinesChild:
         if self._holder.closed:

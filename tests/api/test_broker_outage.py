@@ -1,0 +1,55 @@
+"""A Redis that accepts connections but never answers, met by the real API process over real HTTP:
+creating a job still answers quickly (the row stays queued for the reconciler) and /readyz says the
+broker is down instead of hanging."""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlsplit
+
+import redis
+
+from service.queue import JOBS_QUEUE
+from service.settings import Settings
+from tests.api.conftest import TRAIN_ROWS, cispo_body, jsonl
+from tests.api.live_server import live_api
+from tests.conftest import REDIS_TEST_URL
+from tests.tcp_proxy import TcpProxy
+from worker.reconciler import reconcile_once
+
+
+def _timed(call):
+    t = time.monotonic()
+    response = call()
+    return response, time.monotonic() - t
+
+
+def test_a_stalled_broker_neither_hangs_job_creation_nor_readyz(tmp_path):
+    url = urlsplit(REDIS_TEST_URL)
+    redis.Redis.from_url(REDIS_TEST_URL).delete(JOBS_QUEUE)
+    with TcpProxy(url.hostname, url.port) as proxy, \
+            live_api(tmp_path, BROKER_URL=f"redis://127.0.0.1:{proxy.port}{url.path}", CISPO_BROKER_TIMEOUT_S="2",
+                     CISPO_MODEL_DIRS=str(tmp_path), CISPO_MODEL_HUB_URL="") as live, live.client() as client:
+        train = client.post("/v1/files", files={"file": ("train.jsonl", jsonl(TRAIN_ROWS))},
+                            data={"purpose": "fine-tune"}).json()["id"]
+        healthy = client.post("/v1/fine_tuning/jobs", json=cispo_body(train))  # warms the API's broker pool
+        assert healthy.status_code == 200, healthy.text
+        assert client.get("/readyz").json()["checks"]["broker"] == "ok"
+
+        proxy.stall()  # connections open, no byte answered: a hung Redis
+        try:
+            created, took = _timed(lambda: client.post("/v1/fine_tuning/jobs", json=cispo_body(train)))
+            assert created.status_code == 200 and created.json()["status"] == "queued", created.text
+            assert took < 4.5, f"job creation waited {took:.1f} s on the stalled broker"
+            ready, took = _timed(lambda: client.get("/readyz"))
+            assert ready.status_code == 503 and ready.json()["checks"]["broker"] == "failed", ready.text
+            assert took < 4.5, f"/readyz waited {took:.1f} s on the stalled broker"
+        finally:
+            proxy.unstall()
+
+        # Not an orphan: the reconciler sends the queued job once the broker answers again.
+        time.sleep(1.1)  # queued_before compares whole seconds
+        settings = Settings(DATABASE_URL=live.database_url, BROKER_URL=REDIS_TEST_URL)
+        assert created.json()["id"] in reconcile_once(settings, resend_after_s=0)
+        queued = redis.Redis.from_url(REDIS_TEST_URL).lrange(JOBS_QUEUE, 0, -1)
+        assert any(created.json()["id"].encode() in m for m in queued)
