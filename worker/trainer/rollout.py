@@ -108,7 +108,7 @@ def _sample(policy: Policy, seqs: list[list[int]], max_new: int, sampling: Sampl
     was_training = model.training
     model.eval()
     try:
-        with merged_lora(model) as generator:
+        with merged_lora(model) as generator, policy.autocast():
             return sample_tokens(generator, seqs, max_new=max_new, sampling=sampling, greedy=greedy,
                                  eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, device=policy.device,
                                  compiled=policy.device.type == "cuda")
