@@ -8,8 +8,11 @@
 - Atomic rename: a checkpoint is built in a hidden sibling directory and renamed
   into place, so a crash never leaves a half-written ``step-NNNNNNNN``.
 
-A LoRA job's checkpoint holds ``adapter/`` (PEFT's format); a full fine-tuning
-job's holds ``model/`` (config + safetensors, loadable with from_pretrained).
+A LoRA job's checkpoint holds ``adapter/`` (PEFT's format; float32, as the
+adapters train); a full fine-tuning job's holds ``model/`` (config +
+safetensors, loadable with from_pretrained) in the job's dtype, and then, when
+that is below float32, the float32 master weights among the trainer-state
+tensors (``master.*``) so a resume continues from exactly the same weights.
 Either may hold ``reference/`` in the same format, the pinned reference policy.
 Weights and optimizer state are always whole (gathered from every FSDP rank),
 so a checkpoint resumes at any number of processes.
@@ -118,10 +121,12 @@ def save_checkpoint(path: Path, *, model, optimizer: torch.optim.Optimizer | dic
 def _write_weights(tmp: Path, model, reference_adapter, model_state, reference_state, tokenizer) -> None:
     if not hasattr(model, "peft_config"):  # full fine-tuning: the whole model, as from_pretrained reads it
         model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
+        _record_dtype(tmp / "model", model_state)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "model")
         if reference_state is not None:
             model.save_pretrained(tmp / "reference", state_dict=reference_state, safe_serialization=True)
+            _record_dtype(tmp / "reference", reference_state)
         if not (tmp / MODEL_CONFIG).is_file():
             raise CheckpointError(f"{type(model).__name__}.save_pretrained wrote no config.json")
         return
@@ -137,6 +142,16 @@ def _write_weights(tmp: Path, model, reference_adapter, model_state, reference_s
         shutil.rmtree(scratch)
     if not (tmp / "adapter" / "adapter_model.safetensors").is_file():
         raise CheckpointError(f"{type(model).__name__}.save_pretrained wrote no adapter_model.safetensors")
+
+
+def _record_dtype(model_dir: Path, state: dict[str, torch.Tensor] | None) -> None:
+    """config.json's dtype as the files hold it: save_pretrained writes the live model's (float32 master weights)."""
+    dtypes = {v.dtype for v in (state or {}).values() if v.is_floating_point()}
+    if len(dtypes) != 1:
+        return
+    config = json.loads((model_dir / "config.json").read_text())
+    config["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _write_contents(tmp: Path, optimizer, state, tensors) -> None:

@@ -6,6 +6,9 @@ unit (inside a PeftModel: generate() enters there, and FSDP needs the root's
 forward to run first).
 FSDP2 shards parameter by parameter, so a LoRA layer's frozen base weights
 and trainable adapters share a unit.
+With a compute dtype below float32 the units gather their parameters in that
+dtype and reduce gradients in float32 into the float32 shards, which are the
+master weights the optimizer updates (worker/trainer/precision.py).
 
 Generation runs a different number of forward passes on each rank (sequences
 end at different lengths), so it cannot all-gather per forward: `unsharded`
@@ -20,20 +23,24 @@ from contextlib import contextmanager
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from worker.distributed import group
 
 
-def shard_model(model: torch.nn.Module, device: torch.device) -> None:
-    """Shard `model` in place across the process group (one unit per decoder layer, plus the root)."""
+def shard_model(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype = torch.float32) -> None:
+    """Shard `model` in place across the process group (one unit per decoder layer, plus the root).
+
+    Works on a model built on the meta device too: its shards stay on meta until materialized.
+    """
     mesh = init_device_mesh(device.type, (group.world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     root = _transformer(model)
     layer_types = set(getattr(root, "_no_split_modules", None) or ())
     for module in root.modules():
         if type(module).__name__ in layer_types:
-            fully_shard(module, mesh=mesh)
-    fully_shard(root, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(root, mesh=mesh, mp_policy=mp)
 
 
 def _transformer(model: torch.nn.Module) -> torch.nn.Module:

