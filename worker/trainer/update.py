@@ -63,7 +63,8 @@ class Updater:
         self.temperature = spec.sampling.temperature
         # A group's shared prompt is scored once per micro-batch (worker/trainer/scoring.py). Not with gradient
         # checkpointing (transformers then keeps no cache to carry the prompt's keys and values) nor under FSDP
-        # (one forward per micro-batch keeps its collectives paired across ranks).
+        # (tried: FSDP2 reshards after each forward, and the backward through the earlier prompt pass then
+        # meets freed parameter storage).
         self.share_prefixes = not spec.training.gradient_checkpointing and not group.active()
 
     def _batch(self, rollout: Rollout, idx: list[int]):
