@@ -21,6 +21,7 @@ RETRY_REDIS_S, so an outage costs one short timeout, not one per request.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 import time
@@ -86,6 +87,9 @@ class _Redis:
 
     def __init__(self, settings: Settings):
         self.url, self.timeout_s = settings.resolved_broker_url(), settings.limits_timeout_s
+        # One deployment is one database: stacks that share a Redis database keep apart limits (the URL is hashed,
+        # so no password reaches a key name).
+        self.prefix = f"{PREFIX}{hashlib.sha256(settings.resolved_database_url().encode()).hexdigest()[:12]}:"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: Redis | None = None
         self._down_until = 0.0
@@ -120,7 +124,7 @@ class RedisTokenBuckets:
     async def take(self, key: str) -> None:
         if self.redis.up():
             try:
-                wait = float(await self.redis.eval(TAKE, [f"{PREFIX}rate:{key}"], [self.rate_per_s, self.burst]))
+                wait = float(await self.redis.eval(TAKE, [f"{self.redis.prefix}rate:{key}"], [self.rate_per_s, self.burst]))
             except REDIS_ERRORS as exc:
                 self.redis.failed(exc)
             else:
@@ -137,10 +141,10 @@ class RedisSlots:
         self.retry_after_s = fallback.retry_after_s
         self.redis, self.fallback = _Redis(settings), fallback
 
-    @staticmethod
-    def _keys(owner: str) -> list[str]:
+    def _keys(self, owner: str) -> list[str]:
         # One hash tag: both sets land in one Redis Cluster slot, as a multi-key script needs.
-        return [f"{PREFIX}{{scoring}}:project:{owner}", f"{PREFIX}{{scoring}}:all"]
+        prefix = self.redis.prefix
+        return [f"{prefix}{{scoring}}:project:{owner}", f"{prefix}{{scoring}}:all"]
 
     async def _acquire(self, owner: str) -> str | None:
         """The lease id, or None when Redis failed (the caller falls back)."""

@@ -143,3 +143,35 @@ def test_a_hung_redis_costs_a_short_timeout_and_each_replica_keeps_its_own_limit
             assert statuses == [200, 200, 200, 429, 429]  # the in-process limit, neither open nor closed
             assert time.monotonic() - started < 5  # one 0.25 s timeout, then Redis is left alone a while
         proxy.unstall()
+
+
+def test_stacks_sharing_one_redis_database_keep_their_own_limits(tmp_path):
+    """The limit keys are per deployment (its database): two stacks on one Redis database do not share a budget,
+    two replicas of one stack do."""
+    import asyncio
+
+    from service.api.ratelimit import rate_limit
+    from service.errors import TooManyRequests
+    from service.settings import Settings
+
+    redis.Redis.from_url(REDIS_TEST_URL).flushdb()
+
+    def limiter(db: str):
+        return rate_limit(Settings(database_url=f"sqlite:///{tmp_path / db}", broker_url=REDIS_TEST_URL,
+                                   rate_limit_per_s=0.001, rate_limit_burst=2))
+
+    async def accepted(limit, n: int) -> int:
+        ok = 0
+        for _ in range(n):
+            try:
+                await limit.take("same-key")
+                ok += 1
+            except TooManyRequests:
+                pass
+        return ok
+
+    async def scenario():
+        a, a_replica, b = limiter("a.db"), limiter("a.db"), limiter("b.db")
+        return await accepted(a, 2), await accepted(a_replica, 2), await accepted(b, 3)
+
+    assert asyncio.run(scenario()) == (2, 0, 2)
