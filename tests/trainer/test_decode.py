@@ -5,27 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from service.schemas.job_spec import SamplingSpec
+from tests.trainer.conftest import forward_shapes
 from worker.trainer import decode
 
 EOS, PAD = 2, 0
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def lora_model(toy_dir):
-    """The toy model with a LoRA whose B matrices are far from zero, so the adapter changes what it generates."""
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    return model.eval()
 
 
 def prompts(n: int = 6) -> list[list[int]]:
@@ -106,15 +93,10 @@ def test_a_plain_model_decodes_as_it_is(toy_dir):
 def test_finished_rows_leave_the_batch(lora_model):
     """Each forward after a row's EOS runs on fewer rows; the loop ends when every row is done."""
     rows = prompts()
-    batch_sizes = []
-    hook = lora_model.get_base_model().model.embed_tokens.register_forward_hook(
-        lambda _m, args, _out: batch_sizes.append(args[0].shape[0]))
-    try:
-        with decode.rollout_weights(lora_model) as merged:
-            out, _ = decode.sample_tokens(merged, rows, max_new=40, sampling=spec(), greedy=True, eos_id=EOS,
-                                          pad_id=PAD, device=CPU)
-    finally:
-        hook.remove()
+    with forward_shapes(lora_model) as shapes, decode.rollout_weights(lora_model) as merged:
+        out, _ = decode.sample_tokens(merged, rows, max_new=40, sampling=spec(), greedy=True, eos_id=EOS,
+                                      pad_id=PAD, device=CPU)
+    batch_sizes = [b for b, _ in shapes]
     assert batch_sizes[0] == len(rows)
     assert batch_sizes == sorted(batch_sizes, reverse=True)
     still_running = [sum(len(o) > t for o in out) for t in range(1, len(batch_sizes))]
@@ -154,15 +136,10 @@ def test_each_distinct_prompt_is_prefilled_once(lora_model):
     """Groups share a prompt: the first forward runs on the distinct prompts only, and every row still gets the
     tokens generate() gives it."""
     rows = [p for p in prompts(3) for _ in range(4)]  # three groups of four completions
-    batch_sizes = []
-    hook = lora_model.get_base_model().model.embed_tokens.register_forward_hook(
-        lambda _m, args, _out: batch_sizes.append(args[0].shape[0]))
-    try:
-        with decode.rollout_weights(lora_model) as merged:
-            out, _ = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(), greedy=True, eos_id=EOS,
-                                          pad_id=PAD, device=CPU)
-    finally:
-        hook.remove()
+    with forward_shapes(lora_model) as shapes, decode.rollout_weights(lora_model) as merged:
+        out, _ = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(), greedy=True, eos_id=EOS,
+                                      pad_id=PAD, device=CPU)
+    batch_sizes = [b for b, _ in shapes]
     assert batch_sizes[0] == 3
     assert batch_sizes[1] == sum(len(o) > 1 for o in out)  # then one row per completion
     assert out == hf_greedy(lora_model, rows, 6)

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
+from tests.trainer.conftest import forward_shapes
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
 
 PAD = 0
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def lora_model(toy_dir):
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    return model
 
 
 def groups() -> tuple[list[list[int]], list[list[int]]]:
@@ -77,14 +63,8 @@ def test_shared_prefixes_give_the_same_logprobs_and_gradients(lora_model):
 def test_prefix_pass_runs_once_per_distinct_prompt(lora_model):
     seqs, masks = groups()
     shared = collate_sequences(seqs, masks, pad_id=PAD, device=CPU, share_prefixes=True)
-    rows = []
-    hook = lora_model.get_base_model().model.embed_tokens.register_forward_hook(
-        lambda _m, args, _out: rows.append(tuple(args[0].shape)))
-    try:
-        with torch.no_grad():
-            sequence_logprobs(lora_model, shared, temperature=1.0, chunk_size=16)
-    finally:
-        hook.remove()
+    with forward_shapes(lora_model) as rows, torch.no_grad():
+        sequence_logprobs(lora_model, shared, temperature=1.0, chunk_size=16)
     assert rows == [tuple(shared.prefix_ids_GP.shape), tuple(shared.input_ids_BT.shape)]
 
 

@@ -34,6 +34,7 @@ from peft import PeftModel
 from service.schemas.job_spec import JobSpec, SamplingSpec
 from worker.envs.protocol import Environment
 from worker.trainer.policy import Policy
+from worker.trainer.precision import compute_dtype
 from worker.trainer.rollout import Rollout, generate
 
 
@@ -45,11 +46,10 @@ def _configure_vllm_process() -> None:
 
 
 def _engine_dtype(spec: JobSpec, cuda: bool) -> str:
-    """rollout.dtype, else the model's: the trainer's rule, where 'auto' is float32 on CPU (half precision is slow
-    and lossy there without AVX512-BF16)."""
+    """rollout.dtype, else the dtype the trainer computes in (worker/trainer/precision.py's rule)."""
     if spec.rollout.dtype != "auto":
         return spec.rollout.dtype
-    return "float32" if spec.dtype == "auto" and not cuda else spec.dtype
+    return str(compute_dtype(spec.dtype, spec.model, torch.device("cuda" if cuda else "cpu"))).removeprefix("torch.")
 
 
 def vllm_lora_rank(r: int) -> int:

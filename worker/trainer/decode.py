@@ -86,13 +86,13 @@ def rollout_weights(model, dtype: torch.dtype | None = None):
 
     def swap(module: torch.nn.Module, name: str, value: Tensor) -> None:
         original = module._parameters[name]
-        kept = _rollout_copies.setdefault(module, {})
-        copy = kept.get(name)
-        target = dtype or original.dtype
-        if copy is None or copy.shape != original.shape or copy.dtype != target:
-            copy = kept[name] = torch.nn.Parameter(torch.empty_like(original, dtype=target), requires_grad=False)
-        copy.copy_(value)
-        copies[id(original)] = copy
+        copy = copies.get(id(original))
+        if copy is None:  # else a tied weight: it shares the copy made for its twin
+            kept = _rollout_copies.setdefault(module, {})
+            copy, target = kept.get(name), dtype or original.dtype
+            if copy is None or copy.shape != original.shape or copy.dtype != target:
+                copy = kept[name] = torch.nn.Parameter(torch.empty_like(original, dtype=target), requires_grad=False)
+            copies[id(original)] = copy.copy_(value)
         module._parameters[name] = copy
         swapped.append((module, name, original))
 
@@ -115,13 +115,8 @@ def rollout_weights(model, dtype: torch.dtype | None = None):
                     if peft and ".lora_" in f".{name}":  # adapter weights: unused while the adapter is off
                         continue
                     for pname, p in list(module._parameters.items()):
-                        if p is None or not p.is_floating_point() or p.dtype == dtype:
-                            continue
-                        if id(p) in copies:  # a tied weight: share the copy made for its twin
-                            swapped.append((module, pname, p))
-                            module._parameters[pname] = copies[id(p)]
-                            continue
-                        swap(module, pname, p)
+                        if p is not None and p.is_floating_point() and p.dtype != dtype:
+                            swap(module, pname, p)
         if peft:
             with model.disable_adapter():
                 yield model
