@@ -80,6 +80,8 @@ def test_rollout_engine_is_a_hyperparameter(api):
     assert spec["rollout"]["engine"] == "vllm" and spec["rollout"]["tis_cap"] is None
     body["method"]["cispo"]["hyperparameters"]["rollout"] = {"engine": "sglang"}
     assert_error(api.client.post(JOBS, json=body), 422, "method.cispo.hyperparameters.rollout.engine")
+    body["method"]["cispo"]["hyperparameters"]["rollout"] = {"dtype": "int8"}
+    assert_error(api.client.post(JOBS, json=body), 422, "method.cispo.hyperparameters.rollout.dtype")
     assert _count(api) == 0
 
 
