@@ -42,7 +42,8 @@ class Settings(BaseSettings):
     sandbox_uid_count: int = Field(1000, ge=1, description="How many uids from sandbox_uid: live sandboxes at most.")
     egress_allow: str = Field(
         "", description="Comma-separated hosts, IPs or CIDRs that remote rewards and environments may reach "
-        "even though they are not public addresses (e.g. an in-cluster grader)."
+        "even though they are not public addresses (e.g. an in-cluster grader), each optionally with :port "
+        "(IPv6 in brackets: [fd00::1]:8000); without a port every port of that host is reachable."
     )
     judge_base_url: str = Field(
         "", description="OpenAI-compatible base URL (…/v1) that score_model graders call, e.g. an in-cluster "
@@ -81,6 +82,14 @@ class Settings(BaseSettings):
                             "model; empty: only hub ids are accepted.")
     secret_key: str = Field("", description="Fernet key that encrypts project secrets at rest; empty: a key "
                             "file HOME/secret.key (mode 0600) is created and used.")
+
+    @field_validator("egress_allow")
+    @classmethod
+    def _allow_list_parses(cls, v: str) -> str:
+        from service.egress import EgressPolicy  # fail at start-up on a typo, not at the first remote call
+
+        EgressPolicy.from_setting(v)
+        return v
 
     @field_validator("database_url")
     @classmethod
