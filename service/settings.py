@@ -29,6 +29,14 @@ class Settings(BaseSettings):
 
     max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="JSON bodies.")
+    # Request bodies are received before the request takes an admission place (service/api/body_spool.py).
+    body_timeout_s: float = Field(1800.0, gt=0, description="Wall time for one request body to arrive (408).")
+    body_min_bytes_per_s: int = Field(16384, gt=0, description="A body slower than this on average, after "
+                                      "body_grace_s, is refused (408).")
+    body_grace_s: float = Field(10.0, ge=0, description="Seconds a body may send nothing at first.")
+    uploads_per_project: int = Field(4, ge=1, description="File uploads a project may have in flight at once "
+                                     "(per API process; more: 429).")
+    uploads_total: int = Field(64, ge=1, description="File uploads in flight at once in one API process.")
     lease_ttl_s: float = Field(90.0, gt=0)
     heartbeat_s: float = Field(15.0, gt=0)
     max_attempts: int = Field(3, ge=1, description="Runs a job may use up; pauses and graceful shutdowns are free.")

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from service.api import envelope
 from service.api.access import Admission, Authenticate
+from service.api.body_spool import BodySpool
 from service.api.poll_cache import PollCache
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.ratelimit import rate_limit, scoring_slots
@@ -75,6 +76,7 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     secret_box(settings)  # fail at start, not at the first secret, when CISPO_SECRET_KEY is unusable
 
     envelope.install(app)
+    app.add_middleware(BodySpool, settings=settings)  # inside BodySizeLimit, which counts what it spools
     app.add_middleware(BodySizeLimit, max_json_bytes=settings.max_request_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(Authenticate, reads=app.state.read_sessions, writes=app.state.sessions,
