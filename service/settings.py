@@ -29,6 +29,8 @@ class Settings(BaseSettings):
 
     max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="JSON bodies.")
+    max_upload_line_bytes: int = Field(8 * 1024 * 1024, gt=0, description="One row of an uploaded JSONL file; "
+                                       "a longer line is refused (400) without being read whole.")
     # Request bodies are received before the request takes an admission place (service/api/body_spool.py).
     body_timeout_s: float = Field(1800.0, gt=0, description="Wall time for one request body to arrive (408).")
     body_min_bytes_per_s: int = Field(16384, gt=0, description="A body slower than this on average, after "
