@@ -60,6 +60,15 @@ class Settings(BaseSettings):
         "vLLM server; empty: such graders must name their own base_url."
     )
     judge_api_key: str = Field("", description="Bearer key for judge_base_url; never shown by the API.")
+    # The operator's judge is paid for by the operator: tenants may ask it only for listed models, for
+    # short replies, and (in reward tests and grader runs) within a token budget; its text is never shown.
+    judge_models: str = Field("", description="Comma-separated models score_model graders may ask "
+                              "judge_base_url for; empty: none (such graders must name their own base_url).")
+    judge_max_tokens: int = Field(1024, ge=1, le=65536, description="max_tokens of one judge reply from "
+                                  "judge_base_url (a grader asking more is refused; one asking none gets this).")
+    judge_tokens_per_project_hour: int = Field(200_000, ge=0, description="Tokens of judge_base_url a project's "
+                                               "reward tests and grader runs may use per hour (per API process); "
+                                               "past it: 429.")
     metrics_token: str = Field(
         "", description="Bearer token Prometheus sends to scrape GET /metrics; empty: /metrics is off (404)."
     )
@@ -118,6 +127,9 @@ class Settings(BaseSettings):
 
     def resolved_storage_url(self) -> str:
         return self.storage_url or str((self.home / "objects").resolve())
+
+    def resolved_judge_models(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.judge_models.split(",") if m.strip())
 
     def resolved_model_dirs(self) -> tuple[Path, ...]:
         return tuple(Path(d.strip()).resolve() for d in self.model_dirs.split(",") if d.strip())

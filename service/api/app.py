@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from service.api import envelope
 from service.api.access import Admission, Authenticate
 from service.api.body_spool import BodySpool
+from service.api.judge_budget import JudgeBudget
 from service.api.poll_cache import PollCache
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.ratelimit import rate_limit, scoring_slots
@@ -71,6 +72,7 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.enqueue = enqueue or default_enqueue
     app.state.broker_ping = probe
     app.state.scoring_slots = scoring_slots(settings)
+    app.state.judge_budget = JudgeBudget(settings.judge_tokens_per_project_hour)
     app.state.poll_cache = PollCache(settings.poll_cache_s)
     app.state.principals = PrincipalCache(settings.auth_cache_s)
     secret_box(settings)  # fail at start, not at the first secret, when CISPO_SECRET_KEY is unusable
