@@ -17,7 +17,7 @@ from tests.api.conftest import LiveServer, jsonl, running_api
 from tests.api.conftest import TRAIN_ROWS
 
 BOUNDARY = "cispo-test-boundary"
-LIMITS = dict(api_threads=2, uploads_per_project=3, body_grace_s=2.0, body_min_bytes_per_s=1000, body_timeout_s=60)
+LIMITS = dict(api_threads=2, uploads_per_project=3, body_grace_s=4.0, body_min_bytes_per_s=1000, body_timeout_s=60)
 
 
 def multipart(content: bytes) -> bytes:
@@ -77,7 +77,7 @@ def test_stalled_uploads_hold_no_admission_place_and_are_capped_per_project(post
         started = time.monotonic()
         assert beta.get("/v1/files").status_code == 200  # old code: waits for an admission place (times out)
         assert alpha.get("/v1/files").status_code == 200
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 4  # well inside the 4 s grace: the stalled uploads still hold slots
         # The project's fourth upload in flight is refused at once, its body unread.
         with upload_socket(base, keys["client"], 100_000) as fourth:
             status, body = answer(fourth)
@@ -106,7 +106,7 @@ def test_a_trickling_body_is_cut_off_but_a_slow_honest_one_is_taken(postgres_url
             status, body = answer(honest)
         assert status == 200 and body["bytes"] == len(jsonl(TRAIN_ROWS * 40)), body
 
-        # A JSON body sent a byte every 0.3 s: past the 2 s grace it is under the rate, and refused.
+        # A JSON body sent a byte every 0.3 s: past the 4 s grace it is under the rate, and refused.
         payload = json.dumps({"spec": {"type": "exact_match", "reference": "a"}, "completions": ["a"]}).encode()
         host, port = base.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as sock:
@@ -122,10 +122,10 @@ def test_a_trickling_body_is_cut_off_but_a_slow_honest_one_is_taken(postgres_url
                     time.sleep(0.3)
                 except OSError:
                     break
-                if time.monotonic() - started > 4:
+                if time.monotonic() - started > 6:
                     break
             sock.settimeout(30)
             status, body = answer(sock)
         assert status == 408 and "the request body did not arrive in time" in body["error"]["message"], body
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < 12
         assert alpha.get("/v1/files").status_code == 200
