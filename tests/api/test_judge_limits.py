@@ -62,3 +62,23 @@ def test_a_project_over_its_judge_budget_gets_429_and_others_go_on(judged):
     own = judge_spec(model="anything", base_url=f"{rec.base}/v1")
     r = api.client.post("/v1/reward_functions/test", json={"spec": own, "completions": ["a"]})
     assert r.status_code == 200 and r.json()["scores"] == [1.0], r.text
+
+
+def test_the_budget_is_a_sliding_hour():
+    from service.api.judge_budget import JudgeBudget
+    from service.errors import TooManyRequests
+
+    now = [1000.0]
+    budget = JudgeBudget(100, clock=lambda: now[0])
+    budget.charge("p", 60)
+    now[0] += 1800
+    budget.charge("p", 50)
+    budget.check("q")  # another project's budget is its own
+    with pytest.raises(TooManyRequests) as refused:
+        budget.check("p")
+    assert refused.value.retry_after_s == pytest.approx(1800)  # when the first 60 age out
+    now[0] += 1800  # the first charge is an hour old: 50 left in the window
+    budget.check("p")
+    assert budget.used("p") == 50
+    now[0] += 1800
+    assert budget.used("p") == 0
