@@ -3,8 +3,11 @@
 Every row is checked with the worker's rule (service/schemas/dataset.py: a
 JSON object with our `prompt` or OpenAI's `messages`; blank lines are
 skipped), so a job never fails hours later on line 90 000. Errors carry line
-numbers and all of them (up to a few) are reported at once. Only a file that
-passes gets a storage object and a row; the caller commits.
+numbers; the first few are reported with a count of all. Memory stays bounded
+whatever the file: it is read in chunks, only those first errors are kept,
+and a line longer than `max_line_bytes` is refused as soon as the scan passes
+that length, without being read whole. Only a file that passes gets a storage
+object and a row; the caller commits.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ PURPOSE = "fine-tune"
 RESULTS_PURPOSE = "fine-tune-results"  # a job's metrics CSV, written by the worker (worker/results.py), never uploaded
 MAX_REPORTED_ROWS = 10
 MAX_FILENAME = 512
+MAX_LINE_BYTES = 8 * 1024 * 1024  # one row (prompt or messages); a longer line is refused
+READ_CHUNK = 1 << 18
 
 
 @dataclass
@@ -42,7 +47,36 @@ class Scan:
     bytes: int
     sha256: str
     rows: int
-    errors: list[str]
+    errors: list[str]  # the first MAX_REPORTED_ROWS
+    invalid_rows: int = 0  # all of them
+
+
+class LineTooLong(InvalidRequest):
+    def __init__(self, line_no: int, limit: int):
+        super().__init__(f"file: line {line_no} is longer than {limit} bytes (the limit for one row)", param="file",
+                         code="invalid_file")
+
+
+def _lines(src: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(line number, line with its newline) in order, reading chunks; a line past the cap raises LineTooLong."""
+    parts: list[bytes] = []  # the pieces of a line that spans chunks
+    held = line_no = 0
+    while chunk := src.read(READ_CHUNK):
+        start = 0
+        while (end := chunk.find(b"\n", start)) != -1:
+            line_no += 1
+            if held + end - start > max_line_bytes:
+                raise LineTooLong(line_no, max_line_bytes)
+            piece = chunk[start:end + 1]
+            yield line_no, b"".join((*parts, piece)) if parts else piece
+            parts, held, start = [], 0, end + 1
+        if start < len(chunk):
+            parts.append(chunk[start:])
+            held += len(chunk) - start
+            if held > max_line_bytes:
+                raise LineTooLong(line_no + 1, max_line_bytes)
+    if parts:
+        yield line_no + 1, b"".join(parts)
 
 
 def row_error(line: bytes) -> str | None:
@@ -56,30 +90,34 @@ def row_error(line: bytes) -> str | None:
     return row_problem(row)
 
 
-def scan_jsonl(src: BinaryIO, copy_to: Path) -> Scan:
+def scan_jsonl(src: BinaryIO, copy_to: Path, *, max_line_bytes: int = MAX_LINE_BYTES) -> Scan:
     """Hash, count and check every row while copying the upload to a named file."""
-    digest, size, rows, errors = hashlib.sha256(), 0, 0, []
+    scan = Scan(bytes=0, sha256="", rows=0, errors=[])
+    digest = hashlib.sha256()
     with open(copy_to, "wb") as out:
-        for line_no, line in enumerate(src, start=1):
+        for line_no, line in _lines(src, max_line_bytes):
             digest.update(line)
-            size += len(line)
+            scan.bytes += len(line)
             out.write(line)
             if not line.strip():
                 continue
             if (problem := row_error(line)) is None:
-                rows += 1
-            else:
-                errors.append(f"line {line_no}: {problem}")
-    return Scan(bytes=size, sha256=digest.hexdigest(), rows=rows, errors=errors)
+                scan.rows += 1
+                continue
+            scan.invalid_rows += 1
+            if len(scan.errors) < MAX_REPORTED_ROWS:
+                scan.errors.append(f"line {line_no}: {problem}")
+    scan.sha256 = digest.hexdigest()
+    return scan
 
 
 def _refuse(scan: Scan) -> None:
     if scan.bytes == 0:
         raise InvalidRequest("file: the file is empty", param="file", code="invalid_file")
-    if scan.errors:
-        shown = "; ".join(scan.errors[:MAX_REPORTED_ROWS])
-        more = f" (and {len(scan.errors) - MAX_REPORTED_ROWS} more)" if len(scan.errors) > MAX_REPORTED_ROWS else ""
-        raise InvalidRequest(f"file: {len(scan.errors)} invalid row(s): {shown}{more}", param="file",
+    if scan.invalid_rows:
+        shown = "; ".join(scan.errors)
+        more = f" (and {scan.invalid_rows - len(scan.errors)} more)" if scan.invalid_rows > len(scan.errors) else ""
+        raise InvalidRequest(f"file: {scan.invalid_rows} invalid row(s): {shown}{more}", param="file",
                              code="invalid_file")
     if scan.rows == 0:
         raise InvalidRequest("file: the file has no rows (only blank lines)", param="file", code="invalid_file")
@@ -95,7 +133,7 @@ def _scratch() -> Iterator[Path]:
 
 
 def create(session: Session, store: ObjectStore, project_id: str, *, filename: str | None, purpose: str,
-           src: BinaryIO) -> File:
+           src: BinaryIO, max_line_bytes: int = MAX_LINE_BYTES) -> File:
     """Validate, store the object, add the row (uncommitted); nothing is left behind on refusal."""
     if purpose != PURPOSE:
         raise InvalidRequest(f"purpose: must be {PURPOSE!r}, got {purpose!r}", param="purpose")
@@ -106,7 +144,7 @@ def create(session: Session, store: ObjectStore, project_id: str, *, filename: s
     if len(filename) > MAX_FILENAME:
         raise InvalidRequest(f"file: filename is longer than {MAX_FILENAME} characters", param="file")
     with _scratch() as path:
-        scan = scan_jsonl(src, path)
+        scan = scan_jsonl(src, path, max_line_bytes=max_line_bytes)
         _refuse(scan)
         file_id = new_id("file-")
         key = f"files/{file_id}"

@@ -9,6 +9,7 @@ from functools import lru_cache
 
 from celery import Celery
 
+from service.private_paths import private_file, sqlite_file
 from service.settings import Settings, get_settings
 
 RUN_JOB = "worker.run_job"
@@ -17,8 +18,8 @@ JOBS_QUEUE = "jobs"
 
 def make_celery(settings: Settings) -> Celery:
     broker = settings.resolved_broker_url()
-    if broker.startswith("sqla+sqlite:///"):
-        settings.home.mkdir(parents=True, exist_ok=True)
+    if (path := sqlite_file(broker)) is not None:
+        private_file(path)
     app = Celery("cispo", broker=broker)
     app.conf.update(
         task_serializer="json",

@@ -29,6 +29,16 @@ class Settings(BaseSettings):
 
     max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="JSON bodies.")
+    max_upload_line_bytes: int = Field(8 * 1024 * 1024, gt=0, description="One row of an uploaded JSONL file; "
+                                       "a longer line is refused (400) without being read whole.")
+    # Request bodies are received before the request takes an admission place (service/api/body_spool.py).
+    body_timeout_s: float = Field(1800.0, gt=0, description="Wall time for one request body to arrive (408).")
+    body_min_bytes_per_s: int = Field(16384, gt=0, description="A body slower than this on average, after "
+                                      "body_grace_s, is refused (408).")
+    body_grace_s: float = Field(10.0, ge=0, description="Seconds a body may send nothing at first.")
+    uploads_per_project: int = Field(4, ge=1, description="File uploads a project may have in flight at once "
+                                     "(per API process; more: 429).")
+    uploads_total: int = Field(64, ge=1, description="File uploads in flight at once in one API process.")
     lease_ttl_s: float = Field(90.0, gt=0)
     heartbeat_s: float = Field(15.0, gt=0)
     max_attempts: int = Field(3, ge=1, description="Runs a job may use up; pauses and graceful shutdowns are free.")
@@ -42,13 +52,23 @@ class Settings(BaseSettings):
     sandbox_uid_count: int = Field(1000, ge=1, description="How many uids from sandbox_uid: live sandboxes at most.")
     egress_allow: str = Field(
         "", description="Comma-separated hosts, IPs or CIDRs that remote rewards and environments may reach "
-        "even though they are not public addresses (e.g. an in-cluster grader)."
+        "even though they are not public addresses (e.g. an in-cluster grader), each optionally with :port "
+        "(IPv6 in brackets: [fd00::1]:8000); without a port every port of that host is reachable."
     )
     judge_base_url: str = Field(
         "", description="OpenAI-compatible base URL (…/v1) that score_model graders call, e.g. an in-cluster "
         "vLLM server; empty: such graders must name their own base_url."
     )
     judge_api_key: str = Field("", description="Bearer key for judge_base_url; never shown by the API.")
+    # The operator's judge is paid for by the operator: tenants may ask it only for listed models, for
+    # short replies, and (in reward tests and grader runs) within a token budget; its text is never shown.
+    judge_models: str = Field("", description="Comma-separated models score_model graders may ask "
+                              "judge_base_url for; empty: none (such graders must name their own base_url).")
+    judge_max_tokens: int = Field(1024, ge=1, le=65536, description="max_tokens of one judge reply from "
+                                  "judge_base_url (a grader asking more is refused; one asking none gets this).")
+    judge_tokens_per_project_hour: int = Field(200_000, ge=0, description="Tokens of judge_base_url a project's "
+                                               "reward tests and grader runs may use per hour (per API process); "
+                                               "past it: 429.")
     metrics_token: str = Field(
         "", description="Bearer token Prometheus sends to scrape GET /metrics; empty: /metrics is off (404)."
     )
@@ -82,6 +102,14 @@ class Settings(BaseSettings):
     secret_key: str = Field("", description="Fernet key that encrypts project secrets at rest; empty: a key "
                             "file HOME/secret.key (mode 0600) is created and used.")
 
+    @field_validator("egress_allow")
+    @classmethod
+    def _allow_list_parses(cls, v: str) -> str:
+        from service.egress import EgressPolicy  # fail at start-up on a typo, not at the first remote call
+
+        EgressPolicy.from_setting(v)
+        return v
+
     @field_validator("database_url")
     @classmethod
     def _psycopg3(cls, v: str) -> str:
@@ -99,6 +127,9 @@ class Settings(BaseSettings):
 
     def resolved_storage_url(self) -> str:
         return self.storage_url or str((self.home / "objects").resolve())
+
+    def resolved_judge_models(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.judge_models.split(",") if m.strip())
 
     def resolved_model_dirs(self) -> tuple[Path, ...]:
         return tuple(Path(d.strip()).resolve() for d in self.model_dirs.split(",") if d.strip())

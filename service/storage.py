@@ -29,6 +29,8 @@ from boto3.exceptions import Boto3Error
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from service.private_paths import FILE_MODE, private_dir
+
 CHUNK = 1 << 20
 # In-flight local writes are named like this; keys may not use it so list() can skip them.
 _TMP = ".tmp-"
@@ -76,13 +78,13 @@ def _chunks(f: BinaryIO, chunk_size: int, start: int = 0, end: int | None = None
             yield chunk
 
 
-def _write_atomic(dest: Path, chunks: Iterable[bytes]) -> str:
+def _write_atomic(dest: Path, chunks: Iterable[bytes], mode: int = 0o666) -> str:
     """Write via a sibling temp file + rename: readers see the old file or the new one, never a mix."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f"{_TMP}{secrets.token_hex(8)}")
     digest = hashlib.sha256()
     try:
-        with open(tmp, "xb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), "wb") as f:
             for chunk in chunks:
                 digest.update(chunk)
                 f.write(chunk)
@@ -146,8 +148,7 @@ def _os_errors(key: str, reading: bool = True):
 
 class LocalStore(ObjectStore):
     def __init__(self, root: str | Path):
-        self.root = Path(root).expanduser().resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = private_dir(Path(root).expanduser().resolve())  # every project's datasets and adapters
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
@@ -155,12 +156,12 @@ class LocalStore(ObjectStore):
     def put_file(self, key, path):
         dest = self._path(key)
         with open(path, "rb") as src, _os_errors(key, reading=False):
-            return _write_atomic(dest, _chunks(src, CHUNK))
+            return _write_atomic(dest, _chunks(src, CHUNK), FILE_MODE)
 
     def put_bytes(self, key, data):
         dest = self._path(key)
         with _os_errors(key, reading=False):
-            return _write_atomic(dest, [data])
+            return _write_atomic(dest, [data], FILE_MODE)
 
     def iter_bytes(self, key, chunk_size=CHUNK, start=0, end=None):
         _check_range(start, end)

@@ -33,7 +33,8 @@ class Admission:
     route waiting for a thread to serialize its response: the pool then times out (seen at 200 pollers).
     Admitting no more requests than threads (and the pool has threads + 4 connections) makes that cycle
     impossible. A request leaves when its response starts, so a slow download holds no place, or earlier
-    through `request.state.leave_admission()` once it holds no connection (a reward test while it scores).
+    through `request.state.leave_admission()` once it holds no connection (a reward test while it scores,
+    a body on its way over the network: service/api/body_spool.py), which `join_admission()` takes back.
     """
 
     def __init__(self, app: ASGIApp):
@@ -61,7 +62,13 @@ class Admission:
                 leave()
             await send(message)
 
-        scope.setdefault("state", {})["leave_admission"] = leave
+        async def join() -> None:
+            nonlocal admitted
+            if not admitted:
+                await places.acquire()
+                admitted = True
+
+        scope.setdefault("state", {}).update(leave_admission=leave, join_admission=join)
         try:
             await self.app(scope, receive, send_and_leave)
         finally:

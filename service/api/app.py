@@ -17,6 +17,8 @@ from fastapi import FastAPI
 
 from service.api import envelope
 from service.api.access import Admission, Authenticate
+from service.api.body_spool import BodySpool
+from service.api.judge_budget import JudgeBudget
 from service.api.poll_cache import PollCache
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.ratelimit import rate_limit, scoring_slots
@@ -70,11 +72,13 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.enqueue = enqueue or default_enqueue
     app.state.broker_ping = probe
     app.state.scoring_slots = scoring_slots(settings)
+    app.state.judge_budget = JudgeBudget(settings.judge_tokens_per_project_hour)
     app.state.poll_cache = PollCache(settings.poll_cache_s)
     app.state.principals = PrincipalCache(settings.auth_cache_s)
     secret_box(settings)  # fail at start, not at the first secret, when CISPO_SECRET_KEY is unusable
 
     envelope.install(app)
+    app.add_middleware(BodySpool, settings=settings)  # inside BodySizeLimit, which counts what it spools
     app.add_middleware(BodySizeLimit, max_json_bytes=settings.max_request_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(Authenticate, reads=app.state.read_sessions, writes=app.state.sessions,

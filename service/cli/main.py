@@ -18,7 +18,7 @@ def cmd_db_upgrade(args) -> int:
     from service.db.migrate import upgrade
 
     settings = get_settings()
-    settings.home.mkdir(parents=True, exist_ok=True)
+    settings.home.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new home is private (service/private_paths.py)
     upgrade(settings.resolved_database_url())
     return 0
 

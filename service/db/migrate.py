@@ -7,6 +7,8 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
+from service.private_paths import private_file, sqlite_file
+
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 
 
@@ -19,4 +21,6 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
+    if (path := sqlite_file(url)) is not None:
+        private_file(path)  # Alembic's own engine would create it 0644
     command.upgrade(alembic_config(url), revision)

@@ -17,6 +17,8 @@ from functools import lru_cache
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.private_paths import private_file, sqlite_file
+
 READ_ONLY = "cispo_read_only"  # an execution option: this connection never writes
 
 
@@ -24,6 +26,8 @@ def make_engine(url: str, *, pool_size: int = 5, max_connections: int = 15) -> E
     # A connection waits for a free pool slot at most this long: a bounded wait, never a hang.
     pool = {"pool_size": pool_size, "max_overflow": max(0, max_connections - pool_size), "pool_timeout": 30}
     if url.startswith("sqlite"):
+        if (path := sqlite_file(url)) is not None:
+            private_file(path)  # before SQLite creates it 0644
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **pool)
 
         @event.listens_for(engine, "connect")

@@ -23,6 +23,25 @@ def _remote(spec) -> list[HttpReward | ScoreModelReward]:
     return [spec] if isinstance(spec, (HttpReward, ScoreModelReward)) else []
 
 
+def service_judges(spec) -> int:
+    """How many of the spec's parts are score_model graders on the service's own judge (no base_url)."""
+    return sum(1 for r in _remote(spec) if isinstance(r, ScoreModelReward) and r.base_url is None)
+
+
+def _check_service_judge(spec: ScoreModelReward, param: str, settings: Settings) -> None:
+    """The operator's judge serves only the models it lists, with replies of at most judge_max_tokens."""
+    models = settings.resolved_judge_models()
+    if spec.model not in models:
+        listed = ", ".join(repr(m) for m in models) if models else "none (CISPO_JUDGE_MODELS is empty)"
+        raise InvalidRequest(f"{param}.model: {spec.model!r} is not a model this service's judge offers; it offers "
+                             f"{listed}; or give base_url", param=f"{param}.model", code="judge_model_not_allowed")
+    asked = spec.sampling_params.max_completions_tokens
+    if asked is not None and asked > settings.judge_max_tokens:
+        field = f"{param}.sampling_params.max_completions_tokens"
+        raise InvalidRequest(f"{field}: {asked} is more than this service's judge gives one reply "
+                             f"({settings.judge_max_tokens})", param=field, code="judge_tokens_too_many")
+
+
 def check_reward_references(session: Session, project_id: str, spec, *, param: str,
                             settings: Settings | None) -> None:
     """Raise InvalidRequest (naming ``param``) for a missing secret, a refused URL or a missing judge endpoint.
@@ -41,6 +60,7 @@ def check_reward_references(session: Session, project_id: str, spec, *, param: s
                 raise InvalidRequest(f"{param}: score_model needs a judge endpoint and this service has none "
                                      "configured (CISPO_JUDGE_BASE_URL); give base_url", param=param,
                                      code="no_judge_endpoint")
+            _check_service_judge(remote, param, settings)
             continue
         try:
             check_url(url, policy)

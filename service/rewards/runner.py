@@ -51,8 +51,8 @@ def _env(home: str, settings: Settings) -> dict[str, str]:
 async def run_reward(spec: dict, completions: list[str], rows: list[dict], *, secrets: dict[str, str],
                      settings: Settings) -> dict:
     """The runner's answer (see worker/rewards/runner.py); RewardLoadFailed / RunnerFailed otherwise."""
-    judge = {"base_url": settings.judge_base_url, "api_key": settings.judge_api_key or None} \
-        if settings.judge_base_url else None
+    judge = {"base_url": settings.judge_base_url, "api_key": settings.judge_api_key or None,
+             "max_tokens": settings.judge_max_tokens} if settings.judge_base_url else None
     request = json.dumps({"spec": spec, "completions": completions, "rows": rows, "secrets": secrets,
                           "egress_allow": settings.egress_allow, "judge": judge})
     timeout_s = settings.scoring_timeout_s

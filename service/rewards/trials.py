@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from service.errors import InvalidRequest
 from service.repositories import secrets as secrets_repo
-from service.rewards.references import check_reward_references
+from service.rewards.references import check_reward_references, service_judges
 from service.rewards.runner import run_reward
 from service.schemas.graders import grader_reward, parse_grader
 from service.schemas.rewards import RewardSpec, secret_names
@@ -46,6 +46,7 @@ class Scoring:
     completions: list[str]
     rows: list[dict]
     secrets: dict[str, str]
+    judge_calls: int = 0  # requests to the operator's judge this scoring makes (its budget counts them)
 
     async def run(self, settings: Settings) -> dict:
         return await run_reward(self.spec, self.completions, self.rows, secrets=self.secrets, settings=settings)
@@ -57,7 +58,7 @@ def _prepare(session: Session, project_id: str, spec_json: dict, completions: li
     check_reward_references(session, project_id, spec, param=param, settings=settings)
     secrets = secrets_repo.values(session, project_id, secret_names(spec), secret_box(settings))
     session.rollback()  # no transaction stays open while user code runs
-    return Scoring(spec_json, completions, rows, secrets)
+    return Scoring(spec_json, completions, rows, secrets, judge_calls=len(completions) * service_judges(spec))
 
 
 def prepare_reward_test(session: Session, project_id: str, spec_json: dict, body: RewardTestRequest, *,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import io
 
+import pytest
 from sqlalchemy import func, select
 
 from service.db.models import File
-from tests.api.conftest import TRAIN_ROWS, assert_error, cispo_body, jsonl, upload, uploaded
+from tests.api.conftest import TRAIN_ROWS, assert_error, cispo_body, jsonl, running_api, upload, uploaded
 
 
 def _file_rows(api) -> int:
@@ -52,6 +54,62 @@ def test_error_report_is_capped_at_ten_rows(api):
     r = upload(api.client, content=b"bad\n" * 25)
     error = assert_error(r, 400, "25 invalid row(s)", "line 10:", "(and 15 more)")
     assert "line 11:" not in error["message"]
+
+
+def test_a_file_of_invalid_rows_is_scanned_in_bounded_memory(tmp_path):
+    """200 000 invalid rows: the scan keeps the first ten messages and a count (the old scan kept every message:
+    a 4 MB file of such rows took the API from 113 to 362 MB)."""
+    import tracemalloc
+
+    from service.files import scan_jsonl
+
+    tracemalloc.start()
+    try:
+        scan = scan_jsonl(io.BytesIO(b"x\n" * 200_000), tmp_path / "copy.jsonl")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert scan.invalid_rows == 200_000 and len(scan.errors) == 10 and scan.errors[0].startswith("line 1: ")
+    assert peak < 2 * 1024 * 1024, peak  # a read chunk and a line; the old scan: 23 MB here
+
+
+class _Stream(io.RawIOBase):
+    """`size` bytes of one line of 'x', then a valid row; counts what was read of it."""
+
+    def __init__(self, size: int):
+        self.left, self.read_bytes = size, 0
+        self.tail = b'\n{"prompt": "ok"}\n'
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        n = min(len(buffer), self.left)
+        if n:
+            buffer[:n] = b"x" * n
+            self.left -= n
+        else:
+            n = min(len(buffer), len(self.tail))
+            buffer[:n], self.tail = self.tail[:n], self.tail[n:]
+        self.read_bytes += n
+        return n
+
+
+def test_a_huge_line_is_refused_naming_the_line_without_being_read_whole(tmp_path):
+    from service.files import LineTooLong, READ_CHUNK, scan_jsonl
+
+    stream = _Stream(64 * 1024 * 1024)
+    with pytest.raises(LineTooLong, match="line 1 is longer than 1048576 bytes"):
+        scan_jsonl(io.BufferedReader(stream), tmp_path / "copy.jsonl", max_line_bytes=1024 * 1024)
+    assert stream.read_bytes <= 1024 * 1024 + 2 * READ_CHUNK + 8192  # not the 64 MiB line
+
+
+def test_an_upload_with_a_line_over_the_limit_is_a_400_naming_the_line(database_url, tmp_path):
+    content = b'{"prompt": "ok"}\n{"prompt": "ok"}\n{"prompt": "' + b"y" * 5000 + b'"}\n{"prompt": "ok"}\n'
+    with running_api(database_url, tmp_path, max_upload_line_bytes=1000) as api:
+        error = assert_error(upload(api.client, content=content), 400, "file: line 3 is longer than 1000 bytes")
+        assert error["param"] == "file" and error["code"] == "invalid_file"
+        assert upload(api.client, content=b'{"prompt": "short"}\n').status_code == 200
 
 
 def test_empty_and_blank_files_are_refused(api):

@@ -38,7 +38,7 @@ def judge():
 def judged_api(database_url, tmp_path, judge):
     base, _ = judge
     with running_api(database_url, tmp_path, egress_allow="127.0.0.1", judge_base_url=f"{base}/v1",
-                     judge_api_key="judge-key") as built:
+                     judge_api_key="judge-key", judge_models="judge-1") as built:
         yield built
 
 

@@ -275,3 +275,10 @@ def test_a_pass_reads_only_pending_jobs_and_deliveries_not_the_old_finished_ones
                                                                           or "FROM webhook_delivery" in statement):
                     plan = " / ".join(r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params))
                     assert "_pending" in plan and "SCAN" not in plan, (statement, plan)
+
+
+def test_an_allow_list_entry_with_a_port_keeps_webhooks_off_the_hosts_other_ports(database_url, tmp_path):
+    with running_api(database_url, tmp_path, egress_allow="127.0.0.1:8009") as api:
+        assert_error(api.client.post("/v1/webhook_endpoints", json={"url": "http://127.0.0.1:6379/"}), 400, "url: ",
+                     "non-public address")  # Redis's port next to the allowed receiver
+        register(api, "http://127.0.0.1:8009/hooks")

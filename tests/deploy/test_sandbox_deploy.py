@@ -63,6 +63,14 @@ DEFAULTS_SUFFICE = {
     "model_dirs": "hub ids only: a hosted service takes no paths on its hosts",
     "auth_cache_s": "a checked key is trusted for 1 s",
     "poll_cache_s": "a job's GET and event pages are reused for 1 s",
+    "max_upload_line_bytes": "8 MiB per JSONL row",
+    "body_timeout_s": "30 min for one request body",
+    "body_min_bytes_per_s": "16 KiB/s on average after the grace",
+    "body_grace_s": "10 s before a body must keep the minimum rate",
+    "uploads_per_project": "4 uploads in flight per project and API process",
+    "uploads_total": "64 uploads in flight per API process",
+    "judge_max_tokens": "1024 tokens per reply of the service's judge",
+    "judge_tokens_per_project_hour": "200 000 judge tokens per project and hour for reward tests",
 }
 
 

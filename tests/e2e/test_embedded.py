@@ -3,6 +3,7 @@ broker, a local object store), driven over REST, with no database or Redis serve
 
 from __future__ import annotations
 
+import stat
 import subprocess
 import sys
 
@@ -17,4 +18,7 @@ def test_demo_runs_on_the_embedded_default(tmp_path):
     assert "eval reward:" in out.stdout and "adapter of checkpoint" in out.stdout
     home = tmp_path / "demo" / "home"
     assert (home / "cispo.db").is_file() and (home / "broker.db").is_file()
+    # every project's state is the owner's only (service/private_paths.py)
+    assert {p: stat.S_IMODE((home / p).stat().st_mode) for p in ("", "cispo.db", "broker.db", "objects")} == {
+        "": 0o700, "cispo.db": 0o600, "broker.db": 0o600, "objects": 0o700}
     assert (tmp_path / "demo" / "adapter" / "adapter_model.safetensors").is_file()

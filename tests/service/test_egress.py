@@ -18,6 +18,9 @@ from service.egress import EgressPolicy, EgressRefused, check_url, post_json
     "https://192.168.0.10/", "https://172.16.5.5/", "https://169.254.169.254/latest/meta-data/",
     "https://[::1]/", "https://[fd00::1]/", "https://[::ffff:127.0.0.1]/", "https://0.0.0.0/",
     "https://100.64.0.1/",
+    # IPv6 forms wrapping a loopback/private IPv4 (NAT64, local-use NAT64, 6to4, IPv4-compatible)
+    "https://[64:ff9b::7f00:1]/", "https://[64:ff9b::a9fe:a9fe]/", "https://[64:ff9b:1::7f00:1]/",
+    "https://[2002:7f00:1::]/", "https://[2002:c0a8:1::1]/", "https://[::127.0.0.1]/", "https://[::10.0.0.1]/",
 ])
 def test_non_public_addresses_are_refused(url):
     with pytest.raises(EgressRefused, match="non-public"):
@@ -36,6 +39,32 @@ def test_other_unsafe_urls_are_refused(url, reason):
 def test_public_https_is_pinned_to_the_checked_address():
     target = check_url("https://8.8.8.8/score?x=1", EgressPolicy())
     assert target.pinned_url == "https://8.8.8.8:443/score?x=1" and target.host == "8.8.8.8"
+
+
+def test_wrapped_public_ipv4_stays_public():
+    for url in ("https://[64:ff9b::808:808]/", "https://[2002:808:808::1]/"):
+        assert check_url(url, EgressPolicy()).host
+
+
+def test_an_allow_list_entry_with_a_port_covers_only_that_port():
+    policy = EgressPolicy.from_setting("127.0.0.1:8000, 10.0.0.0/8:9000, [::1]:7000, localhost:81, fd00::/8")
+    assert check_url("http://127.0.0.1:8000/x", policy).pinned_url == "http://127.0.0.1:8000/x"
+    assert check_url("http://10.2.3.4:9000/x", policy) and check_url("http://[::1]:7000/x", policy)
+    assert check_url("http://localhost:81/x", policy) and check_url("http://[fd00::5]:6379/x", policy)
+    for url in ("http://127.0.0.1:6379/", "http://127.0.0.1/", "http://10.2.3.4:5432/", "http://[::1]:6379/",
+                "http://localhost:6379/"):
+        with pytest.raises(EgressRefused, match="non-public"):
+            check_url(url, policy)
+
+
+@pytest.mark.parametrize("entry", ["127.0.0.1:http", "127.0.0.1:0", "127.0.0.1:70000", "[::1", "[::1]x", ":80"])
+def test_a_malformed_allow_list_entry_fails_when_the_policy_is_built(entry):
+    from service.settings import Settings
+
+    with pytest.raises(ValueError, match="allow-list entry"):
+        EgressPolicy.from_setting(entry)
+    with pytest.raises(ValueError, match="allow-list entry"):
+        Settings(egress_allow=entry)
 
 
 def test_operators_can_allow_list_hosts_and_networks():

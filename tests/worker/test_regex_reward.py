@@ -104,3 +104,48 @@ def test_bad_arguments_are_refused():
         scorer.score(["a", "b"], [{}])
     assert scorer.score([], []).scores == []
     scorer.close()
+
+
+def test_a_fresh_child_gives_the_first_sample_its_timeout_not_the_start_up_slack():
+    """The per-sample limit holds for the first text of a new child too: its clock starts when the child is
+    ready, so a backtracking first sample ends after timeout_s (was timeout_s + 5 s of start-up slack)."""
+    scorer = RegexBatchScorer(CATASTROPHIC, timeout_s=1.0)
+    try:
+        started = time.monotonic()
+        out = scorer.score([HANGS, "aa"], [{}] * 2)
+        elapsed = time.monotonic() - started
+    finally:
+        scorer.close()
+    assert out.errors[0] == "regex: timed out after 1 s" and out.scores[1] == 1.0
+    assert 1.0 <= elapsed < 3.0, elapsed  # two child starts (~0.05 s each) + 1 s; the old deadline was 6 s
+
+
+def test_a_slow_child_start_is_not_charged_to_the_sample(monkeypatch):
+    """Start-up (here 1.5 s, past the 0.5 s per-sample limit) has its own allowance: the sample still scores."""
+    import worker.rewards.regex as regex
+
+    slow = "import time; time.sleep(1.5)\n" + regex.CHILD_SCRIPT.read_text()
+    monkeypatch.setattr(regex, "CHILD_SCRIPT", type("Script", (), {"read_text": staticmethod(lambda: slow)}))
+    scorer = RegexBatchScorer(RegexReward(pattern=r"\d"), timeout_s=0.5)
+    try:
+        assert scorer.score(["7", "x"], [{}] * 2).scores == [1.0, 0.0]
+    finally:
+        scorer.close()
+
+
+def test_a_child_that_never_gets_ready_fails_the_batch_once_not_sample_by_sample(monkeypatch):
+    import worker.rewards.regex as regex
+
+    monkeypatch.setattr(regex, "START_SLACK_S", 0.5)
+    monkeypatch.setattr(regex, "CHILD_SCRIPT", type("Script", (), {"read_text": staticmethod(
+        lambda: "import time; time.sleep(30)")}))
+    scorer = RegexBatchScorer(RegexReward(pattern=r"\d"), timeout_s=0.2)
+    try:
+        started = time.monotonic()
+        out = scorer.score(["1", "2", "3"], [{}] * 3)
+        elapsed = time.monotonic() - started
+    finally:
+        scorer.close()
+    assert out.scores == [None] * 3 and elapsed < 2.0, elapsed
+    assert out.errors == ["regex: timed out: the matching process did not start within 0.5 s"] * 3
+    assert all(error_kind(e) == "timeout" for e in out.errors)

@@ -107,7 +107,9 @@ def test_score_model_renders_parses_clamps_and_counts_tokens():
         out = score(spec, ["ab", "prose", "refuse", "silent", "x"], [{"q": "Q"}] * 4 + [{}], ctx)
     assert out.scores[0] == 5.0  # {"result": 5} for "Q: ab", clipped to the range's top
     assert out.scores[1] == 0.8  # the last number of a prose reply
-    assert out.errors[2] == "judge refused: I cannot grade this." and error_kind(out.errors[2]) == "judge_refusal"
+    # The judge's own words never come back (they would make the judge a chat endpoint for anyone).
+    assert "I cannot grade" not in out.errors[2] and error_kind(out.errors[2]) == "judge_refusal"
+    assert out.errors[3] == "judge reply: no number in the judge's reply (11 characters, not shown)"
     assert error_kind(out.errors[3]) == "judge_parse"
     assert error_kind(out.errors[4]) == "invalid_variable"  # the row has no q: never sent
     assert out.usage == {"judge-1": {"prompt_tokens": 40, "completion_tokens": 20, "total_tokens": 60}}
@@ -116,6 +118,16 @@ def test_score_model_renders_parses_clamps_and_counts_tokens():
     body = first["body"]
     assert body["temperature"] == 0 and body["max_tokens"] == 50 and body["model"] == "judge-1"
     assert [m["role"] for m in body["messages"]] == ["system", "system", "user"]  # ours, then developer as system
+
+
+def test_the_operators_judge_caps_each_replys_tokens():
+    spec = {"type": "score_model", "model": "judge-1", "input": [{"role": "user", "content": "{{ sample.output_text }}"}]}
+    with reward_server() as (base, rec):
+        capped = ScoringContext(egress=LOOPBACK, judge=JudgeEndpoint(f"{base}/v1", "k", max_tokens=100))
+        score(spec, ["a"], [{}], capped)  # asks for no limit: gets the cap
+        score({**spec, "sampling_params": {"max_completions_tokens": 40}}, ["a"], [{}], capped)  # under it: its own
+        score({**spec, "sampling_params": {"max_completions_tokens": 4000}}, ["a"], [{}], capped)  # over: the cap
+    assert [r["body"]["max_tokens"] for r in rec.requests] == [100, 40, 100]
 
 
 def test_score_model_without_an_endpoint_is_refused_at_build_time():

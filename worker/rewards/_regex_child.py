@@ -10,8 +10,9 @@ Protocol, JSON lines on stdin/stdout:
 
   parent: {"pattern": str, "full_match": bool, "texts": [str...]}      (the regex reward)
       or: {"schema": {...}, "sys_path": [str...], "texts": [str...]}   (json_schema: is each text conforming JSON?)
-  child:  one line per text, in order, flushed at once: "1" (matched) or "0",
-          or "!" and what the text raised (that sample's error)
+  child:  "+" once the request is read and its matcher built (the parent starts the first text's clock
+          here, so interpreter start-up and imports never count against a sample), then one line per text,
+          in order, flushed at once: "1" (matched) or "0", or "!" and what the text raised (that sample's error)
 """
 
 import json
@@ -54,6 +55,8 @@ def main():
     for line in sys.stdin:
         request = json.loads(line)
         match = schema_matcher(request) if "schema" in request else regex_matcher(request)
+        out.write("+\n")
+        out.flush()
         for text in request["texts"]:
             try:
                 answer = "1" if match(text) else "0"

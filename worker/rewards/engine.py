@@ -55,8 +55,8 @@ class ScoringContext:
 
     @classmethod
     def from_settings(cls, settings, secrets: Mapping[str, str] | None = None) -> ScoringContext:
-        judge = JudgeEndpoint(settings.judge_base_url, settings.judge_api_key or None) if settings.judge_base_url \
-            else None
+        judge = JudgeEndpoint(settings.judge_base_url, settings.judge_api_key or None, settings.judge_max_tokens) \
+            if settings.judge_base_url else None
         return cls(secrets=dict(secrets or {}), egress=EgressPolicy.from_setting(settings.egress_allow), judge=judge)
 
     def secret(self, name: str | None) -> str | None:

@@ -22,7 +22,7 @@ from service.egress import EgressPolicy, bearer
 from service.schemas.reward_remote import ScoreModelReward
 from service.schemas.templates import SampleParseError, TemplateError, render
 from worker.rewards.builtins import last_number
-from worker.rewards.errors import ScoringError, truncate
+from worker.rewards.errors import ScoringError
 from worker.rewards.json_checks import extract_fenced
 from worker.rewards.outcome import Outcome, add_usage
 from worker.rewards.remote import post_with_retries
@@ -37,6 +37,7 @@ class JudgeEndpoint:
 
     base_url: str
     api_key: str | None = None
+    max_tokens: int | None = None  # the operator's cap on one reply (its own judge); None: the spec's own
 
 
 def read_score(reply: str) -> float | None:
@@ -55,10 +56,12 @@ def read_score(reply: str) -> float | None:
     return last_number(reply)
 
 
-def _sampling(spec: ScoreModelReward) -> dict[str, Any]:
+def _sampling(spec: ScoreModelReward, cap: int | None) -> dict[str, Any]:
     params = spec.sampling_params.model_dump(exclude_none=True)
     if "max_completions_tokens" in params:
         params["max_tokens"] = params.pop("max_completions_tokens")
+    if cap is not None:
+        params["max_tokens"] = min(params.get("max_tokens", cap), cap)
     return params
 
 
@@ -89,7 +92,8 @@ class JudgeBatchScorer:
                          "content": render(m.content, completion, row)} for m in self.spec.input]
         except (TemplateError, SampleParseError) as e:
             return None, str(e), None
-        body = {"model": self.spec.model, "messages": [self.instruction, *messages], **_sampling(self.spec)}
+        body = {"model": self.spec.model, "messages": [self.instruction, *messages],
+                **_sampling(self.spec, self.endpoint.max_tokens)}
         try:
             answer = post_with_retries(self.url, body, self.policy, headers=self.headers, retries=self.spec.retries,
                                        prefix="judge:", secret=self.endpoint.api_key)
@@ -101,11 +105,14 @@ class JudgeBatchScorer:
             content = message.get("content")
         except (KeyError, IndexError, TypeError, AttributeError):
             return None, "judge reply: the answer has no choices[0].message", usage
+        # The judge's own words are never passed on: they would make the judge a free chat endpoint for
+        # whoever can run a reward test (on the operator's key, when it is the service's judge).
         if message.get("refusal"):
-            return None, truncate(f"judge refused: {message['refusal']}"), usage
+            return None, "judge refused: the judge declined to score this sample (its text is not shown)", usage
         value = read_score(content) if isinstance(content, str) else None
         if value is None:
-            return None, truncate(f"judge reply: no number in the reply {content!r}"), usage
+            length = len(content) if isinstance(content, str) else 0
+            return None, f"judge reply: no number in the judge's reply ({length} characters, not shown)", usage
         low, high = self.spec.range
         return min(max(value, low), high), None, usage
 

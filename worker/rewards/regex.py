@@ -4,7 +4,10 @@ Python's ``re`` backtracks: ``(a+)+$`` on a long run of "a"s followed by "b"
 takes exponential time, holds the GIL, and cannot be interrupted in the
 trainer process, so a cancelled job would never notice. The pattern therefore
 runs in a child (worker/rewards/_regex_child.py, standard library only), which
-answers text by text. The parent gives each text ``timeout_s``; on a miss it
+says when it is ready (started, request read, pattern compiled) and then
+answers text by text. The parent gives each text ``timeout_s`` from the
+child's "ready" on (start-up has its own START_SLACK_S, and a child that
+misses it fails the rest of the batch, not one sample); on a miss it
 kills the child, records ``regex: timed out after S s`` for that sample (kind
 "timeout"), and goes on with the rest of the batch in a new child. The whole
 batch also has ``batch_budget_s``: once it is spent, the samples not yet
@@ -36,7 +39,7 @@ from worker.rewards.outcome import Outcome
 CHILD_SCRIPT = Path(__file__).with_name("_regex_child.py")
 TIMEOUT_S = 1.0  # per sample: a sane pattern takes microseconds on a completion
 BATCH_BUDGET_S = 10.0
-START_SLACK_S = 5.0  # a new child's interpreter start-up, on top of its first text's timeout
+START_SLACK_S = 5.0  # a child's start-up and request set-up, before (not on top of) its first text's timeout
 
 
 class ChildBatchScorer:
@@ -90,17 +93,19 @@ class ChildBatchScorer:
             for i in range(start, len(texts)):
                 out.errors[i] = f"{self.label}: timed out (the batch's {self.batch_budget_s:g} s budget was spent)"
             return len(texts)
-        fresh = self.child is None
         child = self._ensure_started()
         payload = memoryview(json.dumps(self.request(texts[start:])).encode() + b"\n")
         i = start
         with selectors.DefaultSelector() as sel:
             sel.register(child.stdout, selectors.EVENT_READ)
             sel.register(child.stdin, selectors.EVENT_WRITE)
-            deadline = min(time.monotonic() + self.timeout_s + (START_SLACK_S if fresh else 0.0), budget_end)
+            ready = False  # until the child's "+": no sample's clock runs
+            deadline = min(time.monotonic() + START_SLACK_S, budget_end)
             while i < len(texts):
                 remaining = deadline - time.monotonic()
                 events = sel.select(remaining) if remaining > 0 else []
+                if not events and not ready:
+                    return self._not_ready(texts, i, out, budget_end)
                 if not events:  # texts[i] missed its deadline (or the batch budget ran out)
                     self.close()
                     why = f"after {self.timeout_s:g} s" if deadline < budget_end else \
@@ -126,13 +131,26 @@ class ChildBatchScorer:
                         return self._crashed(texts, i, out)
                     *answers, self._pending = (self._pending + chunk).split(b"\n")
                     for answer in answers:
-                        if answer.startswith(b"!"):  # this text raised in the child: the sample's error
+                        if answer == b"+":
+                            ready = True
+                        elif answer.startswith(b"!"):  # this text raised in the child: the sample's error
                             out.errors[i] = f"{self.label}: {answer[1:].decode(errors='replace')}"
                         else:
                             out.scores[i] = 1.0 if answer == b"1" else 0.0
-                        i += 1
-                    deadline = min(time.monotonic() + self.timeout_s, budget_end)  # the next text's clock
+                        i += answer != b"+"
+                    if ready:
+                        deadline = min(time.monotonic() + self.timeout_s, budget_end)  # the next text's clock
         return i
+
+    def _not_ready(self, texts: list[str], i: int, out: Outcome, budget_end: float) -> int:
+        """The child did not get ready in time: no sample ran, so none is to blame; the rest of the batch fails
+        (another start would only spend the batch's budget again)."""
+        self.close()
+        why = f"did not start within {START_SLACK_S:g} s" if time.monotonic() < budget_end else \
+            f"did not start before the batch's {self.batch_budget_s:g} s budget was spent"
+        for j in range(i, len(texts)):
+            out.errors[j] = f"{self.label}: timed out: the matching process {why}"
+        return len(texts)
 
     def _crashed(self, texts: list[str], i: int, out: Outcome) -> int:
         """The child died at texts[i] (out of memory, most likely): that sample fails, the rest go on."""

@@ -40,7 +40,8 @@ def score_request(request: dict) -> dict:
     judge = request.get("judge")
     context = ScoringContext(secrets=request.get("secrets") or {},
                              egress=EgressPolicy.from_setting(request.get("egress_allow", "")),
-                             judge=JudgeEndpoint(judge["base_url"], judge.get("api_key")) if judge else None)
+                             judge=JudgeEndpoint(judge["base_url"], judge.get("api_key"), judge.get("max_tokens"))
+                             if judge else None)
     started = time.perf_counter()
     try:
         scorer = build_scorer(spec, context)

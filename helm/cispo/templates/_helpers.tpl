@@ -99,6 +99,7 @@ CISPO_SANDBOX_UID: {{ .Values.config.sandboxUid | int64 | toString | quote }}
 CISPO_SANDBOX_UID_COUNT: {{ .Values.config.sandboxUidCount | int64 | toString | quote }}
 CISPO_EGRESS_ALLOW: {{ .Values.config.egressAllow | quote }}
 CISPO_JUDGE_BASE_URL: {{ .Values.config.judgeBaseUrl | quote }}
+CISPO_JUDGE_MODELS: {{ .Values.config.judgeModels | quote }}
 {{- range $key, $value := .Values.config.extraEnv }}
 {{ $key }}: {{ $value | toString | quote }}
 {{- end }}

@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from service import files as files_service
 from service.api import presenters
-from service.api.deps import PrincipalDep, SessionDep, StoreDep
+from service.api.deps import PrincipalDep, SessionDep, SettingsDep, StoreDep
 from service.errors import InvalidRequest
 from service.repositories import files as files_repo
 from service.schemas.api import Deleted, FileObject, ListObject
@@ -29,10 +29,10 @@ async def _known_form_fields(request: Request, who: PrincipalDep) -> None:
 
 
 @router.post("", response_model=FileObject, dependencies=[Depends(_known_form_fields)])
-def upload_file(session: SessionDep, store: StoreDep, who: PrincipalDep,
+def upload_file(session: SessionDep, store: StoreDep, who: PrincipalDep, settings: SettingsDep,
                 file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> FileObject:
     row = files_service.create(session, store, who.project_id, filename=file.filename, purpose=purpose,
-                               src=file.file)
+                               src=file.file, max_line_bytes=settings.max_upload_line_bytes)
     try:
         session.commit()
     except Exception:
