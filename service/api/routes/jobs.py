@@ -14,7 +14,7 @@ from service import jobs as jobs_service
 from service.dry_run import dry_run as run_dry_run
 from service.api import presenters
 from service.api.deps import Enqueue, EnqueueDep, PollCacheDep, PrincipalDep, SessionDep, SettingsDep, StoreDep
-from service.api.poll_cache import PollCache
+from service.api.poll_cache import JOB, PollCache
 from service.auth import Principal
 from service.db.models import Job
 from service.schemas.api import DryRunCheck, DryRunObject, JobObject, ListObject
@@ -88,7 +88,7 @@ async def get_job(fine_tuning_job_id: str, request: Request, who: PrincipalDep) 
             job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
             return _present(session, who, job).model_dump_json().encode()
 
-    body = await request.app.state.poll_cache.get(who.project_id, fine_tuning_job_id, "job", load)
+    body = await request.app.state.poll_cache.get(who.project_id, fine_tuning_job_id, JOB, load)
     return Response(body, media_type="application/json")
 
 
