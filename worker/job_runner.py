@@ -30,7 +30,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.session import session_factory
-from service.repositories import job_outputs, jobs
+from service.repositories import job_messages, job_outputs, jobs
 from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
 from service.schemas.rewards import secret_names
@@ -328,7 +328,12 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         try:
             enqueue_job(job_id, delay_s=delay, settings=settings)
         except Exception:
-            log.exception("job %s: could not enqueue its next run; the reconciler will", job_id)
+            log.exception("job %s: could not enqueue its next run; the reconciler's next pass will", job_id)
+            try:
+                with sessions.begin() as s:
+                    job_messages.mark_unsent(s, job_id)
+            except Exception:  # then its resend of old queued jobs will
+                log.exception("job %s: could not mark it as owed a message", job_id)
     if status not in ("paused", "queued"):
         shutil.rmtree(work, ignore_errors=True)
     return status

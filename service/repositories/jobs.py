@@ -211,7 +211,7 @@ def claim(session: Session, job_id: str, owner: str, ttl_s: float, *, max_attemp
         update(Job)
         .where(Job.id == job_id, _runnable(t, max_attempts))
         .values(status="running", lease_owner=owner, lease_epoch=Job.lease_epoch + 1,
-                lease_expires_at=t + ttl_s, attempts=Job.attempts + 1, not_before=None,
+                lease_expires_at=t + ttl_s, attempts=Job.attempts + 1, not_before=None, enqueue_failed_at=None,
                 started_at=func.coalesce(Job.started_at, int(t)))
         .execution_options(synchronize_session=False)
     )
