@@ -37,6 +37,7 @@ from service.schemas.rewards import secret_names
 from service.secrets.box import secret_box
 from service.settings import Settings
 from service.queue import enqueue_job
+from service.storage import NotFound as StorageNotFound
 from service.storage import ObjectStore, StorageError, open_store
 from worker.artifacts import MANIFEST, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 # Metrics worth a line in the job's event stream (all of them go to the metrics table).
 EVENT_METRICS = ("reward_mean", "loss", "clip_fraction", "kl_old", "completion_length_mean", "step_seconds")
 REWARD_WARN_EVERY = 10  # steps between warn events that repeat already-shown reward errors
+STORAGE_UNAVAILABLE = "storage_unavailable"  # the error code of a run stopped by an object-store outage
 
 
 # Set when this worker is shutting down gracefully (see celery_app): the job checkpoints at its next
@@ -278,8 +280,29 @@ def _failure(e: Exception) -> tuple[str, str, bool]:
     if isinstance(e, (DataError, CheckpointError, ValueError)):
         return "invalid_job", str(e), False
     if isinstance(e, StorageError):
-        return "storage_unavailable", f"the object store failed: {e}", True
+        return STORAGE_UNAVAILABLE if _is_outage(e) else "storage_error", f"the object store failed: {e}", True
     return "training_error", f"{type(e).__name__}: {e}", True
+
+
+def _is_outage(e: StorageError) -> bool:
+    """The store could not be used at all (unreachable, timing out, refusing), not a missing object."""
+    return not isinstance(e, StorageNotFound)
+
+
+def _wait_out_outage(s: Session, job_id: str, claimed: Claimed, settings: Settings, message: str) -> float | None:
+    """Queue the job again after a backoff, giving its attempt back, while the outage is younger than
+    settings.outage_deadline_s; returns the delay, or None when the run should count as a failed attempt."""
+    since = jobs.note_outage(s, job_id, claimed.epoch)
+    waited = time.time() - since if since is not None else None
+    if waited is None or waited >= settings.outage_deadline_s:
+        return None
+    delay = jobs.outage_delay(waited, base_s=settings.retry_backoff_s)
+    if not jobs.requeue(s, job_id, claimed.epoch, delay_s=delay, failed=False):
+        return None
+    jobs.add_event(s, job_id, f"The object store is unavailable ({message[:300]}); the job runs again in "
+                   f"{delay:.0f} s from its newest checkpoint, using no attempt (the outage has lasted "
+                   f"{waited:.0f} s; it is waited out for {settings.outage_deadline_s:.0f} s)", level="warn")
+    return delay
 
 
 def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str | None:
@@ -343,6 +366,11 @@ def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claim
          status: str, error: tuple[str, str, bool] | None) -> tuple[str | None, float]:
     """Record how the run ended (fenced); returns (the job's status now, seconds before its next run)."""
     epoch, delay = claimed.epoch, 0.0
+    if error and error[0] == STORAGE_UNAVAILABLE:  # infrastructure, not the job: no attempt spent, up to a deadline
+        with sessions.begin() as s:
+            outage_delay = _wait_out_outage(s, job_id, claimed, settings, error[1])
+        if outage_delay is not None:
+            return "queued", outage_delay
     with sessions.begin() as s:
         if error and error[2] and claimed.attempt < settings.max_attempts:
             delay = jobs.retry_delay(claimed.attempt, base_s=settings.retry_backoff_s)

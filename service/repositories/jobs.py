@@ -192,6 +192,23 @@ def retry_delay(attempts: int, *, base_s: float, cap_s: float = 360.0) -> float:
     return min(cap_s, base_s * 2 ** max(0, attempts - 1))
 
 
+def outage_delay(elapsed_s: float, *, base_s: float, cap_s: float = 60.0) -> float:
+    """Wait before trying again after an outage has lasted `elapsed_s`: about doubling, and never long once it
+    is over (cap_s), since nothing about the job is wrong."""
+    return min(cap_s, max(base_s, elapsed_s))
+
+
+def note_outage(session: Session, job_id: str, epoch: int) -> float | None:
+    """The run met an unreachable object store: returns since when it has been so for the job (fenced; None if
+    the lease is lost). A committed checkpoint (add_checkpoint) ends the outage."""
+    result = session.execute(update(Job).where(_fenced(job_id, epoch))
+                             .values(outage_since=func.coalesce(Job.outage_since, time.time()))
+                             .execution_options(synchronize_session=False))
+    if result.rowcount != 1:
+        return None
+    return session.scalar(select(Job.outage_since).where(Job.id == job_id))
+
+
 def _runnable(t: float, max_attempts: int):
     """A queued job past its backoff, or a running one whose worker stopped renewing; with an attempt left."""
     return and_(
@@ -292,8 +309,8 @@ def add_checkpoint(session: Session, job_id: str, epoch: int, *, step: int, stor
     commit, so a claim racing with this write waits, and then takes the job with this checkpoint recorded.
     """
     expires = Job.lease_expires_at if ttl_s is None else time.time() + ttl_s
-    result = session.execute(
-        update(Job).where(_fenced(job_id, epoch)).values(lease_expires_at=expires)
+    result = session.execute(  # the store took a whole checkpoint: any outage is over
+        update(Job).where(_fenced(job_id, epoch)).values(lease_expires_at=expires, outage_since=None)
         .execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:

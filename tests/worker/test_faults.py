@@ -99,7 +99,8 @@ def test_an_object_store_outage_retries_the_job_from_its_last_checkpoint(postgre
     port = int(urlsplit(moto_endpoint).port)
     proxy = TcpProxy("127.0.0.1", port).start()
     try:
-        settings = _s3_settings(tmp_path, postgres_url, _through(proxy, s3_url))
+        # One attempt only: an outage must not spend it (it is no fault of the job's).
+        settings = _s3_settings(tmp_path, postgres_url, _through(proxy, s3_url), max_attempts=1)
         job_id = submit(settings, toy_dir, steps=4)
         out = {}
         worker = threading.Thread(target=lambda: out.setdefault("status", run_job(job_id, settings)))
@@ -107,20 +108,53 @@ def test_an_object_store_outage_retries_the_job_from_its_last_checkpoint(postgre
         _wait_for_checkpoint(settings, job_id, 2)
         proxy.kill()  # the store goes away: the step-4 upload fails (after the client's own retries)
         worker.join(180)
-        assert out["status"] == "queued"  # not failed: another attempt may well succeed
+        assert out["status"] == "queued"  # not failed: the run is tried again
         job = job_row(settings, job_id)
-        assert (job.status, job.attempts, job.error_code) == ("queued", 1, None)
+        assert (job.status, job.attempts, job.error_code) == ("queued", 0, None) and job.outage_since
 
         proxy = TcpProxy("127.0.0.1", port, port=proxy.port).start()  # the store is back
+        _wait_out_backoff(settings, job_id)
         assert run_job(job_id, settings) == "succeeded"
         job = job_row(settings, job_id)
-        assert (job.status, job.attempts, job.steps_done) == ("succeeded", 2, 4)
+        assert (job.status, job.attempts, job.steps_done, job.outage_since) == ("succeeded", 1, 4, None)
         from service.db.models import JobEvent
 
         with session_factory(postgres_url).begin() as s:
             messages = [e.message for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
-        assert any("storage_unavailable" in m and "runs again" in m for m in messages)
+        assert any(m.startswith("The object store is unavailable") and "using no attempt" in m for m in messages)
         assert "Resumed from the checkpoint at step 2" in messages
+    finally:
+        proxy.kill()
+
+
+def _wait_out_backoff(settings, job_id) -> None:
+    time.sleep(max(0.0, (job_row(settings, job_id).not_before or 0) - time.time()) + 0.05)
+
+
+@pytest.mark.slow
+def test_an_object_store_outage_spends_no_attempt_until_its_deadline(postgres_url, s3_url, moto_endpoint, toy_dir,
+                                                                     tmp_path):
+    from service.db.models import Job
+
+    proxy = TcpProxy("127.0.0.1", int(urlsplit(moto_endpoint).port)).start()
+    try:
+        settings = _s3_settings(tmp_path, postgres_url, _through(proxy, s3_url), max_attempts=1,
+                                outage_deadline_s=600)
+        job_id = submit(settings, toy_dir, steps=2)
+        proxy.kill()  # down before the job starts: its dataset cannot be fetched
+        for run in range(3):
+            assert run_job(job_id, settings) == "queued"
+            job = job_row(settings, job_id)
+            assert (job.status, job.attempts, job.error_code) == ("queued", 0, None)
+            since = job.outage_since if run == 0 else since
+            assert job.outage_since == since  # one outage, from its first sighting
+            _wait_out_backoff(settings, job_id)
+
+        with session_factory(postgres_url).begin() as s:  # the outage outlasts the deadline
+            s.execute(Job.__table__.update().where(Job.id == job_id).values(outage_since=since - 600))
+        assert run_job(job_id, settings) == "failed"  # now a failed run counts, and this was the only one
+        job = job_row(settings, job_id)
+        assert (job.attempts, job.error_code) == (1, "storage_unavailable")
     finally:
         proxy.kill()
 
