@@ -41,6 +41,7 @@ from service.storage import NotFound as StorageNotFound
 from service.storage import ObjectStore, StorageError, open_store
 from worker.artifacts import MANIFEST, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
+from worker import scratch
 from worker.progress import StepClock
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
@@ -317,7 +318,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     total = claimed.spec.training.steps
     reporter = JobReporter(sessions, store, job_id, claimed.epoch, settings, total,
                            keep_checkpoints=claimed.spec.training.checkpoint_keep)
-    work = settings.resolved_work_dir() / job_id
+    work = scratch.run_dir(settings, job_id, claimed.epoch)  # this run's own, removed however it ends
     status, error = "failed", None  # error: (code, message, retryable)
     reporter.start()
     try:
@@ -336,6 +337,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
             error = ("training_error", f"the run stopped at step {result.steps_done} of {total}", False)
     except LeaseLost:
         log.warning("job %s: lease lost; another worker owns it now", job_id)
+        scratch.remove(work)
         return None
     except Interrupted:  # the cancel stopped the user code mid-batch
         status = "cancelled"
@@ -357,8 +359,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
                     job_messages.mark_unsent(s, job_id)
             except Exception:  # then its resend of old queued jobs will
                 log.exception("job %s: could not mark it as owed a message", job_id)
-    if status not in ("paused", "queued"):
-        shutil.rmtree(work, ignore_errors=True)
+    scratch.remove(work)  # a later run starts from the committed checkpoint, downloaded
     return status
 
 

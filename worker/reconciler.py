@@ -20,6 +20,7 @@ from service.db.session import session_factory
 from service.queue import enqueue_job
 from service.repositories import job_messages, jobs
 from service.settings import Settings
+from worker import scratch
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +57,25 @@ def reconcile_once(settings: Settings, *, resend_after_s: float = 300.0, sent: d
 
 
 def start(settings: Settings, interval_s: float = 30.0) -> threading.Event:
-    """Run reconcile_once every interval in a daemon thread; set the returned event to stop."""
+    """Run reconcile_once (and sweep this worker's scratch space, worker/scratch.py) every interval in a daemon
+    thread; set the returned event to stop."""
     stop = threading.Event()
     sent: dict[str, float] = {}
 
     def loop():
+        sweep()  # what a killed worker left here, before its first interval
         while not stop.wait(interval_s):
             try:
                 reconcile_once(settings, sent=sent)
             except Exception:
                 log.exception("reconciler pass failed")
+            sweep()
+
+    def sweep():
+        try:
+            scratch.sweep(settings)
+        except Exception:
+            log.exception("scratch sweep failed")
 
     threading.Thread(target=loop, name="reconciler", daemon=True).start()
     return stop

@@ -205,6 +205,7 @@ def test_a_worker_frozen_past_its_lease_never_overwrites_a_committed_checkpoint(
             proxy.unstall()
             out, _ = stale.communicate(timeout=180)
             assert "run ended: None" in out, out[-3000:]  # it found its lease gone and stopped
+            assert not (tmp_path / "a" / "work" / job_id).exists()  # and left no scratch behind
             assert _stored_versions(settings, job_id) == committed  # not one committed object rewritten
             assert job_row(settings, job_id).status == "succeeded"
         finally:
