@@ -39,7 +39,7 @@ from service.settings import Settings
 from service.queue import enqueue_job
 from service.storage import NotFound as StorageNotFound
 from service.storage import ObjectStore, StorageError, open_store
-from worker.artifacts import MANIFEST, download_checkpoint, upload_checkpoint
+from worker.artifacts import MANIFEST, delete_unreferenced, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
 from worker import scratch
 from worker.progress import StepClock
@@ -338,6 +338,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     except LeaseLost:
         log.warning("job %s: lease lost; another worker owns it now", job_id)
         scratch.remove(work)
+        _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints/epoch-{claimed.epoch:06d}")
         return None
     except Interrupted:  # the cancel stopped the user code mid-batch
         status = "cancelled"
@@ -360,7 +361,20 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
             except Exception:  # then its resend of old queued jobs will
                 log.exception("job %s: could not mark it as owed a message", job_id)
     scratch.remove(work)  # a later run starts from the committed checkpoint, downloaded
+    if status in jobs.TERMINAL:  # no run of the job writes to the store any more
+        _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints")
     return status
+
+
+def _delete_uncommitted(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, within: str) -> None:
+    """Remove checkpoint uploads under `within` that were never committed (only space is at stake)."""
+    try:
+        with sessions.begin() as s:
+            referenced = {c.storage_prefix for c in jobs.checkpoints(s, job_id, after=None, limit=10_000).items}
+        for prefix in delete_unreferenced(store, within, referenced):
+            log.info("job %s: deleted the uncommitted upload %s", job_id, prefix)
+    except Exception:
+        log.warning("job %s: could not delete uncommitted uploads under %s", job_id, within, exc_info=True)
 
 
 def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claimed: Claimed, settings: Settings,

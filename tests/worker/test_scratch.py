@@ -47,3 +47,20 @@ def test_the_sweep_keeps_only_the_runs_that_hold_their_lease(database_url, toy_d
     assert _scratch(settings) == [running, f"{running}/epoch-{live:06d}", f"{running}/epoch-{live:06d}/data"]
     assert sorted(removed) == sorted([*dirs[:1], *dirs[2:5], dirs[5] / "data"])
     assert scratch.sweep(settings) == []  # nothing twice
+
+
+def test_a_finished_job_keeps_only_its_committed_checkpoints_in_the_store(database_url, toy_dir, tmp_path):
+    from service.storage import open_store
+    from worker.job_runner import run_job
+
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=2)
+    store = open_store(settings.resolved_storage_url())
+    orphan = f"jobs/{job_id}/checkpoints/epoch-000009/step-000002"  # a dead run's upload, never committed
+    store.put_bytes(f"{orphan}/adapter.tar", b"half")
+    assert run_job(job_id, settings) == "succeeded"
+    with session_factory(database_url).begin() as s:
+        committed = {c.storage_prefix for c in jobs.checkpoints(s, job_id, after=None, limit=100).items}
+    stored = {"/".join(k.split("/")[:5]) for k in store.list(f"jobs/{job_id}/checkpoints")}
+    assert committed and stored == committed
+    assert not (store.root / "jobs" / job_id / "checkpoints" / "epoch-000009").exists()
