@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(15.0, gt=0)
     max_attempts: int = Field(3, ge=1, description="Runs a job may use up; pauses and graceful shutdowns are free.")
     retry_backoff_s: float = Field(10.0, ge=0, description="Wait before the 2nd run (doubling each time, max 6 min).")
+    outage_deadline_s: float = Field(1800.0, ge=0, description="How long a job waits out an unreachable object "
+                                     "store (runs again with backoff, using no attempt); after it, failed runs "
+                                     "count again.")
     broker_timeout_s: float = Field(5.0, gt=0, description="Socket timeout on the broker: a stalled Redis "
                                     "fails a send or a ping instead of hanging the API.")
     work_dir: Path | None = Field(None, description="Worker scratch space (default HOME/work).")

@@ -78,13 +78,23 @@ def _chunks(f: BinaryIO, chunk_size: int, start: int = 0, end: int | None = None
             yield chunk
 
 
+def _create(path: Path, mode: int) -> BinaryIO:
+    """Open a new file, making its directories; again if a delete pruned them (empty) in between."""
+    for tries_left in (2, 1, 0):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), "wb")
+        except FileNotFoundError:
+            if not tries_left:
+                raise
+
+
 def _write_atomic(dest: Path, chunks: Iterable[bytes], mode: int = 0o666) -> str:
     """Write via a sibling temp file + rename: readers see the old file or the new one, never a mix."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f"{_TMP}{secrets.token_hex(8)}")
     digest = hashlib.sha256()
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), "wb") as f:
+        with _create(tmp, mode) as f:
             for chunk in chunks:
                 digest.update(chunk)
                 f.write(chunk)
@@ -193,6 +203,7 @@ class LocalStore(ObjectStore):
                 path.unlink()
         except NotFound:
             pass
+        self._prune(path.parent)
 
     def delete_prefix(self, prefix):
         if not prefix:
@@ -201,6 +212,17 @@ class LocalStore(ObjectStore):
         if base.is_dir():
             with _os_errors(prefix, reading=False):
                 shutil.rmtree(base)
+        self._prune(base.parent)
+
+    def _prune(self, directory: Path) -> None:
+        """Remove directories left empty up to the root: S3 has no directories, so a local store must not
+        collect empty ones (jobs/<id>/checkpoints/epoch-N/ once its checkpoints are deleted)."""
+        while directory != self.root and self.root in directory.parents:
+            try:
+                directory.rmdir()
+            except OSError:  # not empty (or already gone): nothing above it is empty either
+                return
+            directory = directory.parent
 
     def ping(self):
         if not (self.root.is_dir() and os.access(self.root, os.W_OK | os.X_OK)):

@@ -78,3 +78,14 @@ def download_checkpoint(store: ObjectStore, prefix: str, files: dict, dest: Path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def delete_unreferenced(store: ObjectStore, within: str, referenced: set[str]) -> list[str]:
+    """Delete the checkpoint prefixes under `within` (a job's checkpoints, or one run's) that no checkpoint
+    row points at: uploads a run made but never committed (it died, lost its lease, or met an outage
+    mid-upload). Returns the prefixes deleted. Only for prefixes no live run still writes under."""
+    depth = len(checkpoint_prefix("j", 0, Path("s")).split("/"))  # jobs/<id>/checkpoints/epoch-N/<step>
+    orphans = sorted({"/".join(key.split("/")[:depth]) for key in store.list(within)} - referenced)
+    for prefix in orphans:
+        store.delete_prefix(prefix)
+    return orphans

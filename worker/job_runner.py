@@ -30,16 +30,18 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.session import session_factory
-from service.repositories import job_outputs, jobs
+from service.repositories import job_messages, job_outputs, jobs
 from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
 from service.schemas.rewards import secret_names
 from service.secrets.box import secret_box
 from service.settings import Settings
 from service.queue import enqueue_job
+from service.storage import NotFound as StorageNotFound
 from service.storage import ObjectStore, StorageError, open_store
-from worker.artifacts import MANIFEST, download_checkpoint, upload_checkpoint
+from worker.artifacts import MANIFEST, delete_unreferenced, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
+from worker import scratch
 from worker.progress import StepClock
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 # Metrics worth a line in the job's event stream (all of them go to the metrics table).
 EVENT_METRICS = ("reward_mean", "loss", "clip_fraction", "kl_old", "completion_length_mean", "step_seconds")
 REWARD_WARN_EVERY = 10  # steps between warn events that repeat already-shown reward errors
+STORAGE_UNAVAILABLE = "storage_unavailable"  # the error code of a run stopped by an object-store outage
 
 
 # Set when this worker is shutting down gracefully (see celery_app): the job checkpoints at its next
@@ -278,8 +281,29 @@ def _failure(e: Exception) -> tuple[str, str, bool]:
     if isinstance(e, (DataError, CheckpointError, ValueError)):
         return "invalid_job", str(e), False
     if isinstance(e, StorageError):
-        return "storage_unavailable", f"the object store failed: {e}", True
+        return STORAGE_UNAVAILABLE if _is_outage(e) else "storage_error", f"the object store failed: {e}", True
     return "training_error", f"{type(e).__name__}: {e}", True
+
+
+def _is_outage(e: StorageError) -> bool:
+    """The store could not be used at all (unreachable, timing out, refusing), not a missing object."""
+    return not isinstance(e, StorageNotFound)
+
+
+def _wait_out_outage(s: Session, job_id: str, claimed: Claimed, settings: Settings, message: str) -> float | None:
+    """Queue the job again after a backoff, giving its attempt back, while the outage is younger than
+    settings.outage_deadline_s; returns the delay, or None when the run should count as a failed attempt."""
+    since = jobs.note_outage(s, job_id, claimed.epoch)
+    waited = time.time() - since if since is not None else None
+    if waited is None or waited >= settings.outage_deadline_s:
+        return None
+    delay = jobs.outage_delay(waited, base_s=settings.retry_backoff_s)
+    if not jobs.requeue(s, job_id, claimed.epoch, delay_s=delay, failed=False):
+        return None
+    jobs.add_event(s, job_id, f"The object store is unavailable ({message[:300]}); the job runs again in "
+                   f"{delay:.0f} s from its newest checkpoint, using no attempt (the outage has lasted "
+                   f"{waited:.0f} s; it is waited out for {settings.outage_deadline_s:.0f} s)", level="warn")
+    return delay
 
 
 def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str | None:
@@ -294,7 +318,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     total = claimed.spec.training.steps
     reporter = JobReporter(sessions, store, job_id, claimed.epoch, settings, total,
                            keep_checkpoints=claimed.spec.training.checkpoint_keep)
-    work = settings.resolved_work_dir() / job_id
+    work = scratch.run_dir(settings, job_id, claimed.epoch)  # this run's own, removed however it ends
     status, error = "failed", None  # error: (code, message, retryable)
     reporter.start()
     try:
@@ -313,6 +337,8 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
             error = ("training_error", f"the run stopped at step {result.steps_done} of {total}", False)
     except LeaseLost:
         log.warning("job %s: lease lost; another worker owns it now", job_id)
+        scratch.remove(work)
+        _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints/epoch-{claimed.epoch:06d}")
         return None
     except Interrupted:  # the cancel stopped the user code mid-batch
         status = "cancelled"
@@ -328,16 +354,38 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         try:
             enqueue_job(job_id, delay_s=delay, settings=settings)
         except Exception:
-            log.exception("job %s: could not enqueue its next run; the reconciler will", job_id)
-    if status not in ("paused", "queued"):
-        shutil.rmtree(work, ignore_errors=True)
+            log.exception("job %s: could not enqueue its next run; the reconciler's next pass will", job_id)
+            try:
+                with sessions.begin() as s:
+                    job_messages.mark_unsent(s, job_id)
+            except Exception:  # then its resend of old queued jobs will
+                log.exception("job %s: could not mark it as owed a message", job_id)
+    scratch.remove(work)  # a later run starts from the committed checkpoint, downloaded
+    if status in jobs.TERMINAL:  # no run of the job writes to the store any more
+        _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints")
     return status
+
+
+def _delete_uncommitted(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, within: str) -> None:
+    """Remove checkpoint uploads under `within` that were never committed (only space is at stake)."""
+    try:
+        with sessions.begin() as s:
+            referenced = {c.storage_prefix for c in jobs.checkpoints(s, job_id, after=None, limit=10_000).items}
+        for prefix in delete_unreferenced(store, within, referenced):
+            log.info("job %s: deleted the uncommitted upload %s", job_id, prefix)
+    except Exception:
+        log.warning("job %s: could not delete uncommitted uploads under %s", job_id, within, exc_info=True)
 
 
 def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claimed: Claimed, settings: Settings,
          status: str, error: tuple[str, str, bool] | None) -> tuple[str | None, float]:
     """Record how the run ended (fenced); returns (the job's status now, seconds before its next run)."""
     epoch, delay = claimed.epoch, 0.0
+    if error and error[0] == STORAGE_UNAVAILABLE:  # infrastructure, not the job: no attempt spent, up to a deadline
+        with sessions.begin() as s:
+            outage_delay = _wait_out_outage(s, job_id, claimed, settings, error[1])
+        if outage_delay is not None:
+            return "queued", outage_delay
     with sessions.begin() as s:
         if error and error[2] and claimed.attempt < settings.max_attempts:
             delay = jobs.retry_delay(claimed.attempt, base_s=settings.retry_backoff_s)

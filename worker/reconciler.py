@@ -4,7 +4,9 @@ Celery on Redis can lose a message (a killed worker, a Redis restart, a
 broker that was down when the API enqueued) and redelivers late. The SQL
 row is the truth: a running job whose lease expired has no live worker, so
 it is re-queued after a backoff (or failed, once it used up its attempts); a
-job queued for longer than `resend_after_s` is sent again (a duplicate
+job whose enqueue failed (marked on its row, service/repositories/job_messages.py)
+is sent on the next pass; and any job queued for longer than `resend_after_s`
+is sent again, for a message lost without anyone noticing (a duplicate
 message is harmless: the lease admits one runner).
 """
 
@@ -16,8 +18,9 @@ import time
 
 from service.db.session import session_factory
 from service.queue import enqueue_job
-from service.repositories import jobs
+from service.repositories import job_messages, jobs
 from service.settings import Settings
+from worker import scratch
 
 log = logging.getLogger(__name__)
 
@@ -26,30 +29,53 @@ def reconcile_once(settings: Settings, *, resend_after_s: float = 300.0, sent: d
     """One pass; returns the ids sent to the broker. `sent` remembers when each id was last resent."""
     sent = {} if sent is None else sent
     t = time.time()
-    with session_factory(settings.resolved_database_url()).begin() as s:
+    sessions = session_factory(settings.resolved_database_url())
+    with sessions.begin() as s:
         requeued = jobs.requeue_expired(s, max_attempts=settings.max_attempts, backoff_s=settings.retry_backoff_s)
+        owed = dict(job_messages.unsent(s))
         waiting = jobs.queued_before(s, int(t - resend_after_s))
-        due = {j: jobs.get_for_worker(s, j).not_before or t for j in requeued}
+        due = {**{j: nb for j, nb in owed.items() if nb}, **{j: jobs.get_for_worker(s, j).not_before for j in requeued}}
     for job_id in requeued:
         log.warning("job %s: lease expired; re-queued", job_id)
-    resend = requeued + [j for j in waiting if j not in requeued and t - sent.get(j, 0.0) > resend_after_s]
-    for job_id in resend:  # after commit, as every enqueue; a re-queued job after its backoff
-        enqueue_job(job_id, max(0.0, due.get(job_id, t) - t), settings)
+    resend = list(dict.fromkeys(requeued + list(owed) + [
+        j for j in waiting if t - sent.get(j, 0.0) > resend_after_s]))
+    done = []
+    for job_id in resend:  # after commit, as every enqueue; a job in a backoff waits it out in the broker
+        try:
+            enqueue_job(job_id, max(0.0, (due.get(job_id) or t) - t), settings)
+        except Exception:  # the broker is still down: the job stays owed, the next pass tries again
+            log.warning("job %s: could not send its message; the next pass retries", job_id, exc_info=True)
+            with sessions.begin() as s:
+                job_messages.mark_unsent(s, job_id)
+            continue
         sent[job_id] = t
-    return resend
+        done.append(job_id)
+        if job_id in owed:
+            with sessions.begin() as s:
+                job_messages.mark_sent(s, job_id)
+    return done
 
 
 def start(settings: Settings, interval_s: float = 30.0) -> threading.Event:
-    """Run reconcile_once every interval in a daemon thread; set the returned event to stop."""
+    """Run reconcile_once (and sweep this worker's scratch space, worker/scratch.py) every interval in a daemon
+    thread; set the returned event to stop."""
     stop = threading.Event()
     sent: dict[str, float] = {}
 
     def loop():
+        sweep()  # what a killed worker left here, before its first interval
         while not stop.wait(interval_s):
             try:
                 reconcile_once(settings, sent=sent)
             except Exception:
                 log.exception("reconciler pass failed")
+            sweep()
+
+    def sweep():
+        try:
+            scratch.sweep(settings)
+        except Exception:
+            log.exception("scratch sweep failed")
 
     threading.Thread(target=loop, name="reconciler", daemon=True).start()
     return stop

@@ -213,15 +213,17 @@ def cmd_events(args, client: Client) -> int:
     """The latest events, oldest first; with --follow, new ones as they come until the job ends."""
     seen: set[str] = set()
     while True:
+        # The status is read before the events: the worker writes a job's last event with its terminal status
+        # (and the API serves events no older than the job it last served), so events read after a terminal
+        # status include the last ones. Read after them, the job could end in between, its last events unseen.
+        ended = args.follow and client.get(f"/fine_tuning/jobs/{args.job}")["status"] in TERMINAL
         page = client.get(f"/fine_tuning/jobs/{args.job}/events", limit=args.limit)
         fresh = [e for e in reversed(page["data"]) if e["id"] not in seen]
         for event in fresh:
             print(json.dumps(event) if args.json else _event_line(event), flush=True)
             seen.add(event["id"])
-        if not args.follow:
+        if not args.follow or ended:
             return 0
-        if not fresh and client.get(f"/fine_tuning/jobs/{args.job}")["status"] in TERMINAL:
-            return 0  # checked after an empty poll, so the job's last events were printed
         time.sleep(args.interval)
 
 

@@ -178,6 +178,12 @@ class Job(Base):
     result_file_id: Mapped[str | None] = mapped_column(String(40))  # the metrics CSV (purpose fine-tune-results)
     # A job queued again after a failed attempt is not claimed before this moment (retry backoff).
     not_before: Mapped[float | None] = mapped_column(Float)
+    # A queued job whose broker message could not be sent (the broker was down): the reconciler's next
+    # pass sends it. Cleared when a message is sent or the job is claimed.
+    enqueue_failed_at: Mapped[float | None] = mapped_column(Float)
+    # Since when the object store has failed this job's runs (null: it has not, or a checkpoint was committed
+    # since): until the outage deadline, a run it stops gives its attempt back.
+    outage_since: Mapped[float | None] = mapped_column(Float)
     # When the webhook outbox made this job's deliveries, for good (null: not yet, or not yet settled).
     webhooks_enqueued_at: Mapped[int | None] = mapped_column(BigInteger)
 

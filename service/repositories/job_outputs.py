@@ -1,12 +1,13 @@
 """What a running job leaves for people to read: sample completions, its estimated finish, its result file.
 
 Worker writes are fenced by the lease epoch like metrics (service/repositories/jobs.py), and a repeated
-write (a step re-run after a resume) keeps the first one.
+write (a step re-run after a resume) replaces the earlier one, so the samples are those of the run that
+counts (service/repositories/job_history.py).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from service.db.models import File, Job, JobEvent, JobSample
@@ -26,6 +27,8 @@ def add_samples(session: Session, job_id: str, epoch: int, step: int, samples: l
     is lost."""
     if not _owned(session, job_id, epoch):
         return False
+    session.execute(delete(JobSample).where(JobSample.job_id == job_id, JobSample.step == step)
+                    .execution_options(synchronize_session=False))
     _insert_ignoring_duplicates(session, JobSample, [
         {"job_id": job_id, "step": step, "slot": slot, **sample} for slot, sample in enumerate(samples)])
     return True

@@ -24,6 +24,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from service.db.models import Checkpoint, Job, JobEvent, JobMetric, Project, now
+from service.repositories import job_history
 from service.repositories.pagination import Page, paginate
 
 LIVE = ("validating_files", "queued", "running", "paused")
@@ -191,6 +192,23 @@ def retry_delay(attempts: int, *, base_s: float, cap_s: float = 360.0) -> float:
     return min(cap_s, base_s * 2 ** max(0, attempts - 1))
 
 
+def outage_delay(elapsed_s: float, *, base_s: float, cap_s: float = 60.0) -> float:
+    """Wait before trying again after an outage has lasted `elapsed_s`: about doubling, and never long once it
+    is over (cap_s), since nothing about the job is wrong."""
+    return min(cap_s, max(base_s, elapsed_s))
+
+
+def note_outage(session: Session, job_id: str, epoch: int) -> float | None:
+    """The run met an unreachable object store: returns since when it has been so for the job (fenced; None if
+    the lease is lost). A committed checkpoint (add_checkpoint) ends the outage."""
+    result = session.execute(update(Job).where(_fenced(job_id, epoch))
+                             .values(outage_since=func.coalesce(Job.outage_since, time.time()))
+                             .execution_options(synchronize_session=False))
+    if result.rowcount != 1:
+        return None
+    return session.scalar(select(Job.outage_since).where(Job.id == job_id))
+
+
 def _runnable(t: float, max_attempts: int):
     """A queued job past its backoff, or a running one whose worker stopped renewing; with an attempt left."""
     return and_(
@@ -201,18 +219,22 @@ def _runnable(t: float, max_attempts: int):
 
 
 def claim(session: Session, job_id: str, owner: str, ttl_s: float, *, max_attempts: int = 3) -> int | None:
-    """Take the lease on a runnable job (see _runnable); returns the epoch. The run uses up an attempt."""
+    """Take the lease on a runnable job (see _runnable); returns the epoch. The run uses up an attempt.
+
+    What an earlier run recorded after the newest committed checkpoint is forgotten: this run does those
+    steps again (service/repositories/job_history.py)."""
     t = time.time()
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, _runnable(t, max_attempts))
         .values(status="running", lease_owner=owner, lease_epoch=Job.lease_epoch + 1,
-                lease_expires_at=t + ttl_s, attempts=Job.attempts + 1, not_before=None,
+                lease_expires_at=t + ttl_s, attempts=Job.attempts + 1, not_before=None, enqueue_failed_at=None,
                 started_at=func.coalesce(Job.started_at, int(t)))
         .execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:
         return None
+    job_history.rewind(session, job_id)
     return session.scalar(select(Job.lease_epoch).where(Job.id == job_id))
 
 
@@ -242,21 +264,40 @@ def _insert_ignoring_duplicates(session: Session, model, rows: list[dict]) -> No
     session.execute(insert(model).values(rows).on_conflict_do_nothing())
 
 
+def _upsert(session: Session, model, rows: list[dict], keys: list[str]) -> None:
+    """Insert rows; a row that exists (same keys) takes the new values."""
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert(model).values(rows)
+    changed = {c: stmt.excluded[c] for c in rows[0] if c not in keys}
+    session.execute(stmt.on_conflict_do_update(index_elements=keys, set_=changed))
+
+
 def record_step(session: Session, job_id: str, epoch: int, step: int, values: dict[str, float],
                 *, trained_tokens: int, ttl_s: float) -> bool:
-    """Store one step's metrics (a repeat is a no-op) and renew the lease; False if the lease is lost."""
+    """Store one step's metrics and renew the lease; False if the lease is lost.
+
+    A step recorded again (a re-run after a resume) replaces its values. `trained_tokens` (0: none, as for an
+    evaluation) is kept as the step's trained_tokens metric; the job's total changes by the difference from
+    what the step held before, so it is the sum over steps and a re-run step counts once."""
+    if trained_tokens:
+        values = {**values, job_history.TOKENS: trained_tokens}
+    added = 0
+    if job_history.TOKENS in values:
+        added = int(values[job_history.TOKENS]) - job_history.step_tokens(session, job_id, step)
     result = session.execute(
         update(Job).where(_fenced(job_id, epoch))
         .values(steps_done=func.max(Job.steps_done, step) if session.get_bind().dialect.name == "sqlite"
                 else func.greatest(Job.steps_done, step),
-                trained_tokens=Job.trained_tokens + trained_tokens, lease_expires_at=time.time() + ttl_s)
+                trained_tokens=Job.trained_tokens + added, lease_expires_at=time.time() + ttl_s)
         .execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:
         return False
-    _insert_ignoring_duplicates(
-        session, JobMetric, [{"job_id": job_id, "step": step, "name": k, "value": float(v)} for k, v in values.items()]
-    )
+    _upsert(session, JobMetric, [{"job_id": job_id, "step": step, "name": k, "value": float(v)}
+                                 for k, v in values.items()], ["job_id", "step", "name"])
     return True
 
 
@@ -268,8 +309,8 @@ def add_checkpoint(session: Session, job_id: str, epoch: int, *, step: int, stor
     commit, so a claim racing with this write waits, and then takes the job with this checkpoint recorded.
     """
     expires = Job.lease_expires_at if ttl_s is None else time.time() + ttl_s
-    result = session.execute(
-        update(Job).where(_fenced(job_id, epoch)).values(lease_expires_at=expires)
+    result = session.execute(  # the store took a whole checkpoint: any outage is over
+        update(Job).where(_fenced(job_id, epoch)).values(lease_expires_at=expires, outage_since=None)
         .execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:

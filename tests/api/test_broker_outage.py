@@ -47,9 +47,46 @@ def test_a_stalled_broker_neither_hangs_job_creation_nor_readyz(tmp_path):
         finally:
             proxy.unstall()
 
-        # Not an orphan: the reconciler sends the queued job once the broker answers again.
-        time.sleep(1.1)  # queued_before compares whole seconds
+        # Not an orphan: the reconciler's next pass sends the queued job once the broker answers again,
+        # not its resend of old queued jobs (minutes later).
         settings = Settings(DATABASE_URL=live.database_url, BROKER_URL=REDIS_TEST_URL)
-        assert created.json()["id"] in reconcile_once(settings, resend_after_s=0)
+        assert reconcile_once(settings) == [created.json()["id"]]
+        assert reconcile_once(settings) == []  # owed once, sent once
         queued = redis.Redis.from_url(REDIS_TEST_URL).lrange(JOBS_QUEUE, 0, -1)
         assert any(created.json()["id"].encode() in m for m in queued)
+
+
+def _failing(job_id: str) -> None:
+    raise ConnectionError("the broker is down")
+
+
+def test_a_job_whose_message_failed_is_sent_on_the_reconcilers_next_pass(api, monkeypatch):
+    from service.repositories import jobs as jobs_repo
+    from tests.api.conftest import created_job
+    from worker import reconciler
+
+    api.app.state.enqueue = _failing  # the broker is down when the API enqueues
+    job = created_job(api)
+    assert job["status"] == "queued"
+    paused = created_job(api)
+    api.app.state.enqueue = api.enqueued
+    assert api.client.post(f"/v1/fine_tuning/jobs/{paused['id']}/pause").status_code == 200
+    api.app.state.enqueue = _failing
+    assert api.client.post(f"/v1/fine_tuning/jobs/{paused['id']}/resume").json()["status"] == "queued"
+
+    sent = []
+    monkeypatch.setattr(reconciler, "enqueue_job", lambda job_id, delay_s=0.0, settings=None: sent.append(job_id))
+    settings = api.app.state.settings
+    assert sorted(reconciler.reconcile_once(settings)) == sorted([job["id"], paused["id"]])  # not in 300 s: now
+    assert reconciler.reconcile_once(settings) == [] and len(sent) == 2  # and once
+
+    # A pass that cannot send either keeps the job owed; the next one sends it.
+    api.app.state.enqueue = _failing
+    third = created_job(api)
+    monkeypatch.setattr(reconciler, "enqueue_job", lambda job_id, delay_s=0.0, settings=None: _failing(job_id))
+    assert reconciler.reconcile_once(settings) == []
+    monkeypatch.setattr(reconciler, "enqueue_job", lambda job_id, delay_s=0.0, settings=None: sent.append(job_id))
+    assert reconciler.reconcile_once(settings) == [third["id"]]
+    with api.session() as s:  # a job that runs owes nothing, whoever sent it
+        assert jobs_repo.claim(s, third["id"], "w", ttl_s=60)
+        assert jobs_repo.get_for_worker(s, third["id"]).enqueue_failed_at is None

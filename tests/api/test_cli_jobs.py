@@ -137,3 +137,48 @@ def test_watch_exits_nonzero_when_the_job_does_not_succeed(live, tmp_path):
 def test_the_cli_imports_no_torch():
     probe = "import sys, worker.cli, service.cli.jobs; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_follow_prints_the_last_events_of_a_job_that_ends_between_two_polls(api, monkeypatch, capsys):
+    """Deterministic: the job ends right after the follower's second events poll (with a cached page)."""
+    import argparse
+
+    from fastapi.testclient import TestClient
+
+    from service.cli import jobs as cli
+    from service.repositories import jobs as jobs_repo
+    from tests.api.conftest import created_job
+
+    cache = api.app.state.poll_cache
+    cache.clock = lambda: now[0]
+    now = [1000.0]
+    job = created_job(api)
+    with api.session() as s:
+        epoch = jobs_repo.claim(s, job["id"], "w", ttl_s=60)
+        jobs_repo.add_event(s, job["id"], "Step 1/2: loss=1")
+        s.commit()
+
+    polls = []
+
+    def worker_ends_after_the_second_events_poll(response) -> None:
+        if response.request.url.path.endswith("/events"):
+            polls.append(1)
+            if len(polls) == 2:
+                with api.session() as s:
+                    jobs_repo.add_event(s, job["id"], "Step 2/2: loss=0.5")
+                    assert jobs_repo.finish(s, job["id"], epoch, "succeeded")
+                    jobs_repo.add_event(s, job["id"], "Job succeeded")
+                    s.commit()
+
+    def sleep(_seconds) -> None:  # time passes only between polls: each poll may meet the cache
+        assert len(polls) < 10, "the follower never stopped"
+        now[0] += cache.ttl_s
+
+    client = cli.Client("http://testserver", "unused")
+    client.http = TestClient(api.app, base_url="http://testserver/v1", headers=dict(api.client.headers))
+    client.http.event_hooks = {"response": [worker_ends_after_the_second_events_poll]}
+    monkeypatch.setattr(cli.time, "sleep", sleep)
+    args = argparse.Namespace(job=job["id"], limit=20, follow=True, json=False, interval=0)
+    assert cli.cmd_events(args, client) == 0
+    printed = capsys.readouterr().out
+    assert "Step 2/2: loss=0.5" in printed and printed.rstrip().endswith("Job succeeded")

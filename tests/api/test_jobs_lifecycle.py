@@ -100,7 +100,9 @@ def test_a_finished_job_reports_progress_metrics_and_its_model_name(api):
     assert (got["status"], got["steps_done"], got["trained_tokens"]) == ("succeeded", 3, 300)
     assert got["fine_tuned_model"] == f"ft:tiny-model:alpha:exp:{job['id']}"
     metrics = api.client.get(f"{JOBS}/{job['id']}/metrics").json()
-    assert metrics["object"] == "list" and len(metrics["data"]) == 6 and not metrics["has_more"]
+    # loss, reward_mean and each step's trained_tokens (what the job's trained_tokens sums)
+    assert metrics["object"] == "list" and len(metrics["data"]) == 9 and not metrics["has_more"]
+    assert sum(m["value"] for m in metrics["data"] if m["name"] == "trained_tokens") == got["trained_tokens"]
     assert metrics["data"][0] == {"step": 1, "name": "loss", "value": 1.0}
     some = api.client.get(f"{JOBS}/{job['id']}/metrics",
                           params=[("name", "reward_mean"), ("step_min", 2), ("step_max", 3)]).json()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 from anyio import from_thread
 
@@ -104,3 +106,53 @@ def test_a_load_that_raced_a_control_action_is_not_kept():
         return [await cache.get("p", "j", "job", load) for _ in range(3)]
 
     assert anyio.run(main) == [b"1", b"2", b"2"]  # the second load was kept, the first was not
+
+
+def test_a_job_seen_ending_is_never_followed_by_an_older_events_page(api):
+    clock = _frozen(api)
+    ttl = api.app.state.settings.poll_cache_s
+    job = created_job(api)
+    path = f"{JOBS}/{job['id']}"
+    with api.session() as s:
+        epoch = jobs_repo.claim(s, job["id"], "w", ttl_s=60)
+        s.commit()
+    assert api.client.get(path).json()["status"] == "running"  # the job's entry, loaded at t
+    clock.t += ttl / 2
+    assert api.client.get(f"{path}/events").status_code == 200  # the events page's, loaded at t + ttl/2
+    with api.session() as s:  # the worker's last step and its end, in one commit as the job runner writes them
+        jobs_repo.add_event(s, job["id"], "Step 1/1: loss=1")
+        assert jobs_repo.finish(s, job["id"], epoch, "succeeded")
+        jobs_repo.add_event(s, job["id"], "Job succeeded")
+        s.commit()
+    clock.t += ttl / 2 + 0.01  # the job's entry has expired; the events page's has not
+
+    assert api.client.get(path).json()["status"] == "succeeded"
+    events = [e["message"] for e in api.client.get(f"{path}/events").json()["data"]]
+    assert events[:2] == ["Job succeeded", "Step 1/1: loss=1"]
+    # Still a cache: the page just loaded is served again until the job is read anew.
+    with api.session() as s:
+        jobs_repo.add_event(s, job["id"], "later news")
+        s.commit()
+    assert [e["message"] for e in api.client.get(f"{path}/events").json()["data"]] == events
+
+
+def test_an_events_page_whose_load_spanned_a_job_load_is_not_served_after_it():
+    cache = PollCache(1.0, clock=lambda: 1000.0)  # nothing expires
+    release, loads = threading.Event(), []
+
+    def events() -> bytes:
+        loads.append(1)
+        if len(loads) == 1:
+            release.wait(10)  # this read of the events happened before the job's, but ends after it
+        return b"page %d" % len(loads)
+
+    async def main() -> bytes:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(cache.get, "p", "j", ("events", None, 20), events)
+            while not loads:
+                await anyio.sleep(0.01)
+            assert await cache.get("p", "j", "job", lambda: b"succeeded") == b"succeeded"
+            release.set()
+        return await cache.get("p", "j", ("events", None, 20), events)
+
+    assert anyio.run(main) == b"page 2"

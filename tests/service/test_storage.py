@@ -214,3 +214,19 @@ def test_open_store_urls(tmp_path, monkeypatch):
                        ("s3://bkt/a/../b", "invalid")]:
         with pytest.raises(ValueError, match=match):
             open_store(url)
+
+
+def test_local_deletes_leave_no_empty_directories(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    for key in ("jobs/j/checkpoints/epoch-000001/step-000002/adapter.tar",
+                "jobs/j/checkpoints/epoch-000002/step-000004/adapter.tar", "jobs/j/result.csv"):
+        store.put_bytes(key, b"x")
+    store.delete_prefix("jobs/j/checkpoints/epoch-000001/step-000002")  # a pruned checkpoint
+    assert not (store.root / "jobs/j/checkpoints/epoch-000001").exists()
+    assert (store.root / "jobs/j/checkpoints/epoch-000002/step-000004").is_dir()
+    store.delete_prefix("jobs/j/checkpoints/epoch-000002/step-000004")
+    assert not (store.root / "jobs/j/checkpoints").exists()
+    store.delete("jobs/j/result.csv")
+    assert list(store.root.iterdir()) == []  # the root itself stays
+    store.put_bytes("jobs/j/again", b"y")  # and writes make what they need again
+    assert store.list() == ["jobs/j/again"]

@@ -99,7 +99,8 @@ def test_an_object_store_outage_retries_the_job_from_its_last_checkpoint(postgre
     port = int(urlsplit(moto_endpoint).port)
     proxy = TcpProxy("127.0.0.1", port).start()
     try:
-        settings = _s3_settings(tmp_path, postgres_url, _through(proxy, s3_url))
+        # One attempt only: an outage must not spend it (it is no fault of the job's).
+        settings = _s3_settings(tmp_path, postgres_url, _through(proxy, s3_url), max_attempts=1)
         job_id = submit(settings, toy_dir, steps=4)
         out = {}
         worker = threading.Thread(target=lambda: out.setdefault("status", run_job(job_id, settings)))
@@ -107,20 +108,53 @@ def test_an_object_store_outage_retries_the_job_from_its_last_checkpoint(postgre
         _wait_for_checkpoint(settings, job_id, 2)
         proxy.kill()  # the store goes away: the step-4 upload fails (after the client's own retries)
         worker.join(180)
-        assert out["status"] == "queued"  # not failed: another attempt may well succeed
+        assert out["status"] == "queued"  # not failed: the run is tried again
         job = job_row(settings, job_id)
-        assert (job.status, job.attempts, job.error_code) == ("queued", 1, None)
+        assert (job.status, job.attempts, job.error_code) == ("queued", 0, None) and job.outage_since
 
         proxy = TcpProxy("127.0.0.1", port, port=proxy.port).start()  # the store is back
+        _wait_out_backoff(settings, job_id)
         assert run_job(job_id, settings) == "succeeded"
         job = job_row(settings, job_id)
-        assert (job.status, job.attempts, job.steps_done) == ("succeeded", 2, 4)
+        assert (job.status, job.attempts, job.steps_done, job.outage_since) == ("succeeded", 1, 4, None)
         from service.db.models import JobEvent
 
         with session_factory(postgres_url).begin() as s:
             messages = [e.message for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
-        assert any("storage_unavailable" in m and "runs again" in m for m in messages)
+        assert any(m.startswith("The object store is unavailable") and "using no attempt" in m for m in messages)
         assert "Resumed from the checkpoint at step 2" in messages
+    finally:
+        proxy.kill()
+
+
+def _wait_out_backoff(settings, job_id) -> None:
+    time.sleep(max(0.0, (job_row(settings, job_id).not_before or 0) - time.time()) + 0.05)
+
+
+@pytest.mark.slow
+def test_an_object_store_outage_spends_no_attempt_until_its_deadline(postgres_url, s3_url, moto_endpoint, toy_dir,
+                                                                     tmp_path):
+    from service.db.models import Job
+
+    proxy = TcpProxy("127.0.0.1", int(urlsplit(moto_endpoint).port)).start()
+    try:
+        settings = _s3_settings(tmp_path, postgres_url, _through(proxy, s3_url), max_attempts=1,
+                                outage_deadline_s=600)
+        job_id = submit(settings, toy_dir, steps=2)
+        proxy.kill()  # down before the job starts: its dataset cannot be fetched
+        for run in range(3):
+            assert run_job(job_id, settings) == "queued"
+            job = job_row(settings, job_id)
+            assert (job.status, job.attempts, job.error_code) == ("queued", 0, None)
+            since = job.outage_since if run == 0 else since
+            assert job.outage_since == since  # one outage, from its first sighting
+            _wait_out_backoff(settings, job_id)
+
+        with session_factory(postgres_url).begin() as s:  # the outage outlasts the deadline
+            s.execute(Job.__table__.update().where(Job.id == job_id).values(outage_since=since - 600))
+        assert run_job(job_id, settings) == "failed"  # now a failed run counts, and this was the only one
+        job = job_row(settings, job_id)
+        assert (job.attempts, job.error_code) == (1, "storage_unavailable")
     finally:
         proxy.kill()
 
@@ -171,9 +205,73 @@ def test_a_worker_frozen_past_its_lease_never_overwrites_a_committed_checkpoint(
             proxy.unstall()
             out, _ = stale.communicate(timeout=180)
             assert "run ended: None" in out, out[-3000:]  # it found its lease gone and stopped
+            assert not (tmp_path / "a" / "work" / job_id).exists()  # and left no scratch behind
             assert _stored_versions(settings, job_id) == committed  # not one committed object rewritten
             assert job_row(settings, job_id).status == "succeeded"
         finally:
             if stale.poll() is None:
                 os.kill(stale.pid, signal.SIGCONT)
                 stale.kill()
+
+
+# A worker that dies right after recording a step past its newest checkpoint (the step is in SQL, the
+# checkpoint that would cover it never is): a crash, an OOM kill, a lost lease.
+_DIE_AFTER_STEP = """
+import os, signal, sys
+from service.settings import Settings
+from worker import job_runner
+
+record = job_runner.JobReporter.on_step
+
+def on_step(self, step, metrics):
+    record(self, step, metrics)
+    if step == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+job_runner.JobReporter.on_step = on_step
+job_runner.run_job(sys.argv[1], Settings())
+"""
+
+_TIMINGS = ("seconds", "per_second")  # wall-clock metrics differ between any two runs
+
+
+def _record(settings, job_id):
+    from service.db.models import JobEvent, JobMetric
+
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        metrics = {(m.step, m.name): m.value for m in s.scalars(select(JobMetric).where(JobMetric.job_id == job_id))}
+        steps = [e for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "metrics")
+                                      .order_by(JobEvent.seq)) if e.message.startswith("Step ")]
+        return metrics, [(e.data["step"], e.data) for e in steps]
+
+
+@pytest.mark.slow
+def test_a_run_killed_past_its_checkpoint_reads_as_one_run_once_resumed(postgres_url, toy_dir, tmp_path):
+    database_url = postgres_url
+    reference = Settings(home=tmp_path / "ref", database_url=database_url, storage_url=str(tmp_path / "objects"),
+                         heartbeat_s=0.2, lease_ttl_s=30, retry_backoff_s=0)
+    ref_id = submit(reference, toy_dir, steps=5)  # checkpoints at steps 2, 4 and 5
+    assert run_job(ref_id, reference) == "succeeded"
+
+    settings = reference.model_copy(update={"home": tmp_path / "survivor"})
+    job_id = submit(settings, toy_dir, steps=5)
+    env = {**os.environ, "DATABASE_URL": database_url, "STORAGE_URL": str(tmp_path / "objects"),
+           "CISPO_HOME": str(tmp_path / "dead"), "CISPO_HEARTBEAT_S": "0.2", "CISPO_LEASE_TTL_S": "2"}
+    dead = subprocess.run([sys.executable, "-c", _DIE_AFTER_STEP, job_id, "3"], env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert dead.returncode == -signal.SIGKILL, dead.stdout[-2000:] + dead.stderr[-2000:]
+    assert job_row(settings, job_id).steps_done == 3  # step 3 was recorded; the checkpoint is at step 2
+    time.sleep(2.5)  # its lease runs out
+
+    assert run_job(job_id, settings) == "succeeded"
+    job, ref = job_row(settings, job_id), job_row(reference, ref_id)
+    assert (job.attempts, job.steps_done, job.trained_tokens) == (2, 5, ref.trained_tokens)
+    metrics, step_events = _record(settings, job_id)
+    ref_metrics, _ = _record(reference, ref_id)
+    assert [step for step, _ in step_events] == [1, 2, 3, 4, 5]  # one step event per step
+    for step, data in step_events:  # the metrics rows are those of the run the events show
+        assert {k: v for (s_, k), v in metrics.items() if s_ == step and not k.startswith("eval_")} == \
+            {k: v for k, v in data.items() if k not in ("step", "total_steps")}
+    assert metrics.keys() == ref_metrics.keys()
+    same = {key: v for key, v in metrics.items() if not key[1].endswith(_TIMINGS)}
+    assert same == pytest.approx({key: v for key, v in ref_metrics.items() if not key[1].endswith(_TIMINGS)})

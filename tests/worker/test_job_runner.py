@@ -160,9 +160,9 @@ def test_a_worker_that_lost_its_lease_cannot_write(database_url, toy_dir, tmp_pa
         assert jobs.heartbeat(s, job_id, first, 30) is None
         assert not jobs.finish(s, job_id, first, "succeeded")
         assert jobs.record_step(s, job_id, second, 1, {"loss": 1.0}, trained_tokens=0, ttl_s=30)
-        assert jobs.record_step(s, job_id, second, 1, {"loss": 2.0}, trained_tokens=0, ttl_s=30)  # repeat: no-op
+        assert jobs.record_step(s, job_id, second, 1, {"loss": 2.0}, trained_tokens=0, ttl_s=30)  # repeat: replaces
     with sessions.begin() as s:
-        assert s.scalar(select(JobMetric.value).where(JobMetric.job_id == job_id)) == 1.0
+        assert s.scalar(select(JobMetric.value).where(JobMetric.job_id == job_id)) == 2.0
         assert jobs.get_for_worker(s, job_id).status == "running"
 
 

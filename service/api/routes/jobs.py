@@ -14,9 +14,10 @@ from service import jobs as jobs_service
 from service.dry_run import dry_run as run_dry_run
 from service.api import presenters
 from service.api.deps import Enqueue, EnqueueDep, PollCacheDep, PrincipalDep, SessionDep, SettingsDep, StoreDep
-from service.api.poll_cache import PollCache
+from service.api.poll_cache import JOB, PollCache
 from service.auth import Principal
 from service.db.models import Job
+from service.repositories import job_messages
 from service.schemas.api import DryRunCheck, DryRunObject, JobObject, ListObject
 from service.schemas.job_request import JobCreate
 
@@ -27,14 +28,20 @@ _METADATA_PARAM = re.compile(r"^metadata\[(.+)\]$")
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200)]
 
 
-def _send(enqueue: Enqueue, job_id: str) -> None:
-    """Hand the id to the broker. The committed row is the truth: if the broker is down, the
-    reconciler re-enqueues stale queued jobs, so the client still gets its job (not an error
-    that would make it retry and create a second one)."""
+def _send(enqueue: Enqueue, job_id: str, session) -> None:
+    """Hand the id to the broker. The committed row is the truth: if the broker is down, the job is marked
+    as owed a message and the reconciler's next pass sends it, so the client still gets its job (not an
+    error that would make it retry and create a second one)."""
     try:
         enqueue(job_id)
     except Exception:
-        log.exception("could not enqueue job %s; it stays queued for the reconciler", job_id)
+        log.exception("could not enqueue job %s; the reconciler sends it on its next pass", job_id)
+        try:
+            job_messages.mark_unsent(session, job_id)
+            session.commit()
+        except Exception:  # the database too: the reconciler's resend of old queued jobs still finds it
+            log.exception("could not mark job %s as owed a message", job_id)
+            session.rollback()
 
 
 def _present(session, who: Principal, job: Job) -> JobObject:
@@ -67,7 +74,7 @@ def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue:
         job, created, public = earlier, False, _present(session, who, earlier)
         session.commit()
     if created:
-        _send(enqueue, job.id)  # only now: the worker must find the committed row
+        _send(enqueue, job.id, session)  # only now: the worker must find the committed row
     return public
 
 
@@ -88,7 +95,7 @@ async def get_job(fine_tuning_job_id: str, request: Request, who: PrincipalDep) 
             job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
             return _present(session, who, job).model_dump_json().encode()
 
-    body = await request.app.state.poll_cache.get(who.project_id, fine_tuning_job_id, "job", load)
+    body = await request.app.state.poll_cache.get(who.project_id, fine_tuning_job_id, JOB, load)
     return Response(body, media_type="application/json")
 
 
@@ -115,5 +122,5 @@ def pause_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, c
 def resume_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, cache: PollCacheDep,
                enqueue: EnqueueDep, settings: SettingsDep) -> JobObject:
     public = _control("resume", fine_tuning_job_id, session, who, cache, settings)
-    _send(enqueue, fine_tuning_job_id)
+    _send(enqueue, fine_tuning_job_id, session)
     return public

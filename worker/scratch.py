@@ -1,0 +1,66 @@
+"""A worker's local scratch space: one directory per run, removed when the run ends, swept when it cannot.
+
+A run works in CISPO_HOME/work/<job>/epoch-<lease epoch>/ (its dataset copy,
+its local checkpoints). The epoch is the run's own: no later run of the job,
+on this machine or another, and no stale worker of it (paused past its lease)
+ever shares the directory. Everything a run needs again is in the object store
+(the committed checkpoint) and SQL, so the run removes its directory whatever
+way it ends. A worker killed mid-run cannot; the sweep (each reconciler pass)
+removes every run directory but those of runs that hold their job's lease now.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from sqlalchemy import select
+
+from service.db.models import Job
+from service.db.session import session_factory
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def run_dir(settings: Settings, job_id: str, epoch: int) -> Path:
+    return settings.resolved_work_dir() / job_id / f"epoch-{epoch:06d}"
+
+
+def remove(path: Path) -> None:
+    """Remove a run's directory, and its job's once no other run of it is left here."""
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        path.parent.rmdir()
+    except OSError:  # another run of the job (a new lease on this machine) works beside it
+        pass
+
+
+def sweep(settings: Settings) -> list[Path]:
+    """Remove the run directories of runs that no longer hold their job's lease; returns them."""
+    root = settings.resolved_work_dir()
+    if not root.is_dir():
+        return []
+    # Listed before the database is read: a directory seen here was made after its run's claim committed, so
+    # the read below sees that claim (a run that is starting is never taken for a dead one).
+    found = {job.name: sorted(job.iterdir()) for job in root.iterdir() if job.is_dir()}
+    if not found:
+        return []
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        live = dict(s.execute(select(Job.id, Job.lease_epoch).where(Job.id.in_(list(found)),
+                                                                    Job.status == "running")).all())
+    removed = []
+    for job_id, entries in found.items():
+        for entry in entries:
+            if job_id in live and entry.name == f"epoch-{live[job_id]:06d}":
+                continue  # the run that holds the lease (here, or a stale copy of it: it stops on its own)
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+        try:
+            (root / job_id).rmdir()
+        except OSError:  # a live run's directory is in it
+            pass
+    if removed:
+        log.info("swept %d run directories of ended or moved runs from %s", len(removed), root)
+    return removed
