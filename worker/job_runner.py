@@ -40,12 +40,13 @@ from service.queue import enqueue_job
 from service.storage import ObjectStore, StorageError, open_store
 from worker.artifacts import MANIFEST, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
-from worker.progress import StepClock
+from worker.progress import StepClock, reward_trend
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import RewardErrorRateExceeded, summarize
 from worker.sandbox_channel import INTERRUPT, Interrupted
 from worker.trainer.data import DataError
+from worker.trainer.learning_signal import NoLearningSignal, no_signal_message, preflight_message
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,21 @@ class JobReporter:
                 return
             jobs.add_event(s, self.job_id, f"Evaluation at step {step}: reward {metrics.get('eval_reward_mean', float('nan')):.4f}",
                            type="metrics", data={"step": step, **metrics})
+
+    def on_preflight(self, metrics: dict[str, float]) -> None:
+        """The pre-flight's baseline: metrics at step 0 and an event (a warning when no group has a signal)."""
+        metrics = _finite(metrics)
+        with self.sessions.begin() as s:
+            if not jobs.record_step(s, self.job_id, self.epoch, 0, metrics, trained_tokens=0,
+                                    ttl_s=self.settings.lease_ttl_s):
+                self.lost = True
+                return
+            none = metrics.get("preflight_zero_variance_fraction", 0.0) >= 1.0
+            jobs.add_event(s, self.job_id, preflight_message(metrics), level="warn" if none else "info",
+                           data={"step": 0, **metrics})
+
+    def on_no_signal(self, step: int, steps: int) -> None:
+        self.event(no_signal_message(step, steps), level="warn", data={"step": step, "zero_variance_steps": steps})
 
     def on_samples(self, step: int, samples: list[dict]) -> None:
         if self.lost or not samples:
@@ -275,6 +291,8 @@ def _failure(e: Exception) -> tuple[str, str, bool]:
     """(error code, message, whether another attempt may succeed) for an exception out of a run."""
     if isinstance(e, RewardErrorRateExceeded):
         return "reward_error_rate", str(e), False
+    if isinstance(e, NoLearningSignal):
+        return "no_learning_signal", str(e), False
     if isinstance(e, (DataError, CheckpointError, ValueError)):
         return "invalid_job", str(e), False
     if isinstance(e, StorageError):
@@ -334,6 +352,18 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     return status
 
 
+def _reward_trend(s: Session, job_id: str, spec: JobSpec) -> dict:
+    """The final event's verdict on the run's rewards (worker/progress.py), from the recorded step metrics."""
+    rows = jobs.metrics(s, job_id, names=["reward_mean", "reward_std"], step_min=1, step_max=None,
+                        limit=2 * spec.training.steps)
+    by_step: dict[int, dict[str, float]] = {}
+    for row in rows:
+        by_step.setdefault(row.step, {})[row.name] = row.value
+    steps = [(v["reward_mean"], v.get("reward_std", 0.0)) for _, v in sorted(by_step.items()) if "reward_mean" in v]
+    moved, sentence = reward_trend(steps, spec.training.batch_size * spec.training.group_size)
+    return {"reward_moved": moved, "reward_trend": sentence}
+
+
 def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claimed: Claimed, settings: Settings,
          status: str, error: tuple[str, str, bool] | None) -> tuple[str | None, float]:
     """Record how the run ended (fenced); returns (the job's status now, seconds before its next run)."""
@@ -362,6 +392,9 @@ def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claim
         else:
             ended = jobs.finish(s, job_id, epoch, status)
             message = {"succeeded": "Job succeeded", "cancelled": "Job cancelled", "paused": "Job paused"}[status]
+        data = _reward_trend(s, job_id, claimed.spec) if status == "succeeded" else None
+        if data is not None:
+            message = f"{message}; {data['reward_trend']}"
         if ended:
-            jobs.add_event(s, job_id, message, level="error" if error else "info")
+            jobs.add_event(s, job_id, message, level="error" if error else "info", data=data)
     return status, delay

@@ -81,7 +81,7 @@ def test_job_runs_to_success_and_records_everything(database_url, toy_dir, tmp_p
         assert s.scalar(select(func.count()).select_from(JobMetric).where(JobMetric.name == "eval_reward_mean")) == 2
         messages = [e.message for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq))]
         ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
-    assert messages[0].startswith("Job started") and messages[-1] == "Job succeeded"
+    assert messages[0].startswith("Job started") and messages[-1].startswith("Job succeeded; reward ")
     assert any(m.startswith("Step 3/3:") for m in messages)
     assert [c.step for c in ckpts] == [2, 3]
     store = open_store(settings.resolved_storage_url())

@@ -32,11 +32,13 @@ from worker.checkpoint import CheckpointError
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import RewardErrorRateExceeded
 from worker.trainer.data import DataError
+from worker.trainer.learning_signal import NoLearningSignal
 
 CHANNEL_ENV = "CISPO_RANK0_SOCKET"
 RANKS_LOG = "ranks.log"
 # Errors that mean the same in every process; anything else arrives as RankFailed.
-KNOWN_ERRORS = {cls.__name__: cls for cls in (RewardErrorRateExceeded, CheckpointError, DataError, ValueError)}
+KNOWN_ERRORS = {cls.__name__: cls for cls in (RewardErrorRateExceeded, CheckpointError, DataError, ValueError,
+                                              NoLearningSignal)}
 
 
 class RankFailed(RuntimeError):
@@ -163,6 +165,10 @@ def _dispatch(callbacks, kind: str, m: dict) -> dict:
         record = getattr(callbacks, "on_samples", None)
         if record is not None:
             record(m["step"], m["samples"])
+    elif kind in ("preflight", "no_signal"):
+        report = getattr(callbacks, f"on_{kind}", None)
+        if report is not None:
+            report(*([m["metrics"]] if kind == "preflight" else [m["step"], m["steps"]]))
     elif kind == "event":
         _event(callbacks, m["message"])
     else:

@@ -63,6 +63,8 @@ class RankCallbacks:
     def on_checkpoint(self, step, path): self._forward("checkpoint", step=step, path=str(path))
     def on_reward_errors(self, step, errors): self._forward("reward_errors", step=step, errors=errors)
     def on_samples(self, step, samples): self._forward("samples", step=step, samples=samples)
+    def on_preflight(self, metrics): self._forward("preflight", metrics=metrics)
+    def on_no_signal(self, step, steps): self._forward("no_signal", step=step, steps=steps)
     def event(self, message): self._forward("event", message=message)
 
     def should_stop(self) -> bool:
