@@ -9,6 +9,8 @@ checks what would otherwise fail or mislead hours later:
 - prompt_lengths: prompts fit in sampling.max_model_len - max_output_tokens,
   counted with the model's tokenizer when `tokenizers` and a local
   tokenizer.json are at hand, else estimated from characters (stated);
+- engine: with rollout.engine vllm, what vLLM would refuse at engine start
+  (service/models/engine_check.py): the attention head size, the LoRA rank;
 - estimate: the run's duration from the step rate this project's earlier jobs
   on the same model measured, scaled by sampled tokens per step.
 
@@ -29,6 +31,7 @@ from service import files as files_service
 from service.db.models import Job, JobMetric
 from service.errors import InvalidRequest
 from service.models.check import ModelInfo, ModelProblem, check_model
+from service.models.engine_check import RULES, cpu_accepts, cuda_accepts, head_size, lora_rank_problem
 from service.rewards.fields import FieldUse, fields_read, has_path
 from service.schemas.dataset import row_prompt
 from service.schemas.job_request import JobCreate
@@ -137,6 +140,31 @@ def _scan(report: Report, rows: Iterator[tuple[str, int, dict]], spec: JobSpec, 
         report.add("prompt_lengths", "passed", f"the longest prompt is {longest} tokens, within {where}")
 
 
+def _engine(report: Report, spec: JobSpec, model: ModelInfo | None, param: str) -> None:
+    """What vLLM would refuse at engine start, as far as the model's config tells (the worker's device is
+    unknown here: a head size only one kind of device takes is a warning)."""
+    if spec.rollout.engine != "vllm":
+        return
+    rollout = f"{param}.rollout.engine"
+    if spec.lora is not None and (problem := lora_rank_problem(spec.lora.r)):
+        report.add("engine", "failed", f"rollout.engine vllm: {problem}", f"{param}.lora.r")
+    head = head_size(model.config) if model is not None and model.config is not None else None
+    if head is None:
+        report.add("engine", "skipped", "rollout.engine vllm: the model's config was not read, so its attention "
+                   "head size was not checked")
+        return
+    cpu, cuda = cpu_accepts(head), cuda_accepts(head)
+    if not (cpu or cuda):
+        report.add("engine", "failed", f"rollout.engine vllm cannot run attention head size {head} on any device "
+                   f"({RULES}); use rollout.engine hf", rollout)
+    elif not (cpu and cuda):
+        report.add("engine", "warning", f"rollout.engine vllm: attention head size {head} runs only on a "
+                   f"{'CUDA' if cuda else 'CPU'} worker ({RULES}); elsewhere the job fails at engine start",
+                   rollout)
+    else:
+        report.add("engine", "passed", f"rollout.engine vllm: attention head size {head} runs on CPU and CUDA")
+
+
 def _estimate(session: Session, project_id: str, body: JobCreate, spec: JobSpec) -> tuple[int | None, str]:
     """Seconds for the run, from earlier jobs' measured step_seconds per sampled token."""
     earlier = list(session.execute(
@@ -182,6 +210,7 @@ def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCrea
         report.add("reward_fields", "skipped", "an environment reads rows in its own code: not checked")
     _scan(report, _rows(session, store, project_id, spec), spec, uses, _Counter(model), reward_param)
 
+    _engine(report, spec, model, "method.cispo.hyperparameters")
     report.estimated_seconds, how = _estimate(session, project_id, body, spec)
     report.add("estimate", "passed" if report.estimated_seconds is not None else "skipped", how)
 

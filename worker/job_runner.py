@@ -30,6 +30,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.session import session_factory
+from service.models.engine_check import EngineUnsupported
 from service.repositories import job_outputs, jobs
 from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
@@ -293,6 +294,8 @@ def _failure(e: Exception) -> tuple[str, str, bool]:
         return "reward_error_rate", str(e), False
     if isinstance(e, NoLearningSignal):
         return "no_learning_signal", str(e), False
+    if isinstance(e, EngineUnsupported):
+        return "engine_unsupported", str(e), False
     if isinstance(e, (DataError, CheckpointError, ValueError)):
         return "invalid_job", str(e), False
     if isinstance(e, StorageError):

