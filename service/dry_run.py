@@ -12,7 +12,8 @@ checks what would otherwise fail or mislead hours later:
 - engine: with rollout.engine vllm, what vLLM would refuse at engine start
   (service/models/engine_check.py): the attention head size, the LoRA rank;
 - estimate: the run's duration from the step rate this project's earlier jobs
-  on the same model measured, scaled by sampled tokens per step.
+  on the same model measured, scaled by the tokens they really sampled per
+  step, plus their time outside the steps.
 
 A failed check refuses the request (400, all failures named); the answer
 lists every check with what it found, including what was not checked.
@@ -165,26 +166,59 @@ def _engine(report: Report, spec: JobSpec, model: ModelInfo | None, param: str) 
         report.add("engine", "passed", f"rollout.engine vllm: attention head size {head} runs on CPU and CUDA")
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _expected_length(max_tokens: int, earlier_length: float, earlier_max: int) -> float:
+    """Completion tokens per sample the new job should see: completions end at EOS, so their length is the
+    task's, not the cap's; only completions that ran into the earlier cap (90% of it or more) are taken to
+    grow with a larger one."""
+    if earlier_length >= 0.9 * earlier_max:
+        return max_tokens * earlier_length / earlier_max
+    return min(float(max_tokens), earlier_length)
+
+
 def _estimate(session: Session, project_id: str, body: JobCreate, spec: JobSpec) -> tuple[int | None, str]:
-    """Seconds for the run, from earlier jobs' measured step_seconds per sampled token."""
+    """Seconds for the run, from earlier jobs of this project on this model.
+
+    Per earlier job: its median step_seconds (a median, so a slow first step or a busy moment does not
+    skew it) per sampled token, where sampled tokens are what it really generated (completion_length_mean,
+    not max_output_tokens: scaling by the cap overestimated runs whose completions end early), scaled to this
+    job's sequences and expected completion lengths; plus what the job spent outside its steps (loading,
+    evaluations, checkpoints), from its wall-clock time. The median over the jobs is the estimate."""
     earlier = list(session.execute(
-        select(Job.id, Job.spec).where(Job.project_id == project_id, Job.model == body.model)
+        select(Job.id, Job.spec, Job.started_at, Job.finished_at, Job.status)
+        .where(Job.project_id == project_id, Job.model == body.model)
         .order_by(Job.seq.desc()).limit(HISTORY_JOBS)))
-    rates = []
-    for job_id, job_spec in earlier:
-        seconds = list(session.scalars(select(JobMetric.value).where(
-            JobMetric.job_id == job_id, JobMetric.name == "step_seconds")))
-        if seconds:
-            t = job_spec["training"]
-            tokens = t["batch_size"] * t["group_size"] * job_spec["sampling"]["max_output_tokens"]
-            rates.append(sum(seconds) / len(seconds) / tokens)
-    if not rates:
-        return None, "no earlier job of this project on this model has measured a step rate"
     tc = spec.training
-    per_step = sorted(rates)[len(rates) // 2] * tc.batch_size * tc.group_size * spec.sampling.max_output_tokens
-    total = round(per_step * tc.steps)
-    return total, (f"about {total} s ({tc.steps} steps of {per_step:.1f} s), from {len(rates)} earlier job(s) on this "
-                   "model, scaled by sampled tokens per step; evaluations and checkpoints add to it")
+    per_step_estimates, overheads = [], []
+    for job_id, job_spec, started, finished, status in earlier:
+        values: dict[str, list[float]] = {}
+        for name, value in session.execute(select(JobMetric.name, JobMetric.value).where(
+                JobMetric.job_id == job_id, JobMetric.name.in_(("step_seconds", "completion_length_mean")))):
+            values.setdefault(name, []).append(value)
+        if not values.get("step_seconds"):
+            continue
+        t, cap = job_spec["training"], job_spec["sampling"]["max_output_tokens"]
+        length = _median(values["completion_length_mean"]) if values.get("completion_length_mean") else cap
+        length = max(length, 1.0)
+        rate = _median(values["step_seconds"]) / (t["batch_size"] * t["group_size"] * length)
+        expected = _expected_length(spec.sampling.max_output_tokens, length, cap)
+        per_step_estimates.append(rate * tc.batch_size * tc.group_size * expected)
+        if status == "succeeded" and started and finished:
+            overheads.append(max(finished - started - sum(values["step_seconds"]), 0.0))
+    if not per_step_estimates:
+        return None, "no earlier job of this project on this model has measured a step rate"
+    per_step = _median(per_step_estimates)
+    overhead = _median(overheads) if overheads else 0.0
+    total = round(per_step * tc.steps + overhead)
+    outside = f" + {overhead:.0f} s outside the steps (loading, evaluations, checkpoints)" if overheads else \
+        "; evaluations and checkpoints add to it"
+    return total, (f"about {total} s ({tc.steps} steps of {per_step:.2f} s{outside}), from {len(per_step_estimates)} "
+                   "earlier job(s) on this model, scaled by sampled tokens per step")
 
 
 def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCreate, spec: JobSpec, *,

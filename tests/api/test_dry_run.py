@@ -175,6 +175,33 @@ def test_the_estimate_scales_earlier_jobs_step_rate(api, toy_dir):
         api.other, ROWS)}).json()["estimated_seconds"] is None  # another project's history is not used
 
 
+def test_the_estimate_uses_what_earlier_jobs_really_sampled_and_spent(api, toy_dir):
+    """Completions that end long before the cap, a slow first step and the time outside the steps: the estimate
+    follows the measured run, not max_output_tokens (scaling by the cap gave 2.3x the real run)."""
+    body = local_body(api, toy_dir)  # 3 steps, batch 2, group 4, 256 output tokens
+    r = api.client.post(JOBS, json=body)
+    assert r.status_code == 200, r.text
+    from sqlalchemy import update
+
+    from service.db.models import Job
+
+    with api.session() as s:  # measured: steps of 9 s (warm-up), 1 s, 1 s; 8-token completions; 20 s in all
+        job_id = r.json()["id"]
+        s.add_all([JobMetric(job_id=job_id, step=i + 1, name="step_seconds", value=v)
+                   for i, v in enumerate((9.0, 1.0, 1.0))])
+        s.add_all([JobMetric(job_id=job_id, step=i + 1, name="completion_length_mean", value=8.0) for i in range(3)])
+        s.execute(update(Job).where(Job.id == job_id).values(status="succeeded", started_at=1000, finished_at=1020))
+        s.commit()
+    hyper = body["method"]["cispo"]["hyperparameters"]
+    hyper["training"]["batch_size"] = 4
+    hyper["sampling"] = {"max_output_tokens": 512, "max_model_len": 1024}
+    out = dry(api, body)
+    # 1 s (median) per 2*4*8 tokens -> 4*4*8 tokens: 2 s per step; 3 steps + 9 s outside them (20 - 11)
+    assert out.json()["estimated_seconds"] == 3 * 2 + 9
+    [estimate] = checks(out)["estimate"]
+    assert "3 steps of 2.00 s + 9 s outside the steps" in estimate["message"]
+
+
 def _model_with(toy_dir, tmp_path, name: str, **config) -> str:
     copy = tmp_path / name
     shutil.copytree(toy_dir / "model", copy)
