@@ -93,7 +93,8 @@ def cmd_train(args) -> int:
 
     try:  # egress allow-list and judge endpoint from the CISPO_* settings; no project secrets locally
         trainer = Trainer(spec, output, resume=not args.no_resume,
-                          scoring=ScoringContext.from_settings(get_settings()))
+                          scoring=ScoringContext.from_settings(get_settings()),
+                          progress=lambda message: print(f"{message} ...", file=sys.stderr, flush=True))
     except ValueError as e:  # data, reward or checkpoint problems carry their own message
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -275,6 +275,7 @@ def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, 
     spec.resources.gpus processes under torchrun (the lease and heartbeat stay here); returns its TrainResult."""
     from worker.distributed.launch import run_training  # torch loads here, not at worker import
 
+    reporter.event("Fetching the dataset")
     local_spec = _materialize(claimed.spec, store, work / "data")
     run_dir = work / "run"
     # Only the committed checkpoint may be resumed from: a local one left by a failed or killed run on

@@ -83,6 +83,10 @@ def test_job_runs_to_success_and_records_everything(database_url, toy_dir, tmp_p
         ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
     assert messages[0].startswith("Job started") and messages[-1].startswith("Job succeeded; reward ")
     assert any(m.startswith("Step 3/3:") for m in messages)
+    # what the worker does before step 1 is shown, in order
+    starting = ["Fetching the dataset", f"Loading the model {toy_dir / 'model'}", "Starting the rollout engine (hf)"]
+    assert [m for m in messages if m in starting] == starting
+    assert messages.index(starting[-1]) < next(i for i, m in enumerate(messages) if m.startswith("Step 1/3"))
     assert [c.step for c in ckpts] == [2, 3]
     store = open_store(settings.resolved_storage_url())
     for c in ckpts:

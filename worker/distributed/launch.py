@@ -52,7 +52,7 @@ def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringCon
         return run_distributed(spec, run_dir, callbacks, scoring=scoring)
     from worker.trainer.loop import Trainer  # torch loads here, not at worker import
 
-    trainer = Trainer(spec, run_dir, scoring=scoring)
+    trainer = Trainer(spec, run_dir, scoring=scoring, progress=lambda message: _event(callbacks, message))
     if trainer.step:
         _event(callbacks, f"Resumed from the checkpoint at step {trainer.step}")
     return trainer.run(callbacks)

@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
 
         spec = JobSpec.model_validate_json(spec_path.read_text())
         callbacks = RankCallbacks(channel)
-        trainer = Trainer(spec, run_dir, scoring=scoring)
+        trainer = Trainer(spec, run_dir, scoring=scoring, progress=callbacks.event)
         if trainer.step:
             callbacks.event(f"Resumed from the checkpoint at step {trainer.step} with {group.world_size()} processes")
         result = trainer.run(callbacks)

@@ -138,11 +138,13 @@ class Trainer:
 
     def __init__(self, spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None, resume: bool = True,
                  scoring: ScoringContext | None = None, environment: Environment | None = None,
-                 engine: RolloutEngine | None = None):
+                 engine: RolloutEngine | None = None, progress=None):
         """`reward_fn` / `environment`: trusted in-process stand-ins for the spec's reward or environment.
 
         `engine`: a rollout engine to use instead of the spec's own (tests share one vLLM engine); the caller
-        keeps ownership of it."""
+        keeps ownership of it. `progress(message)`: told what the slow parts of starting are doing (loading the
+        model, starting the engine), so a job shows more than 0% before its first step."""
+        say = progress or (lambda message: None)
         if engine is None:
             refuse_unavailable_engine(spec)  # before any sandboxed child starts
         self.spec, self.output_dir = spec, Path(output_dir)
@@ -171,6 +173,8 @@ class Trainer:
                 raise ValueError(f"cannot resume from {resumed.path}: the spec changed in {', '.join(diffs)}")
 
         # Rank 0 reads (or initialises) the weights; the other ranks receive them (worker/distributed/state.py).
+        say(f"Loading the model {spec.model}" + (f" and the checkpoint at step {resumed.state['step']}"
+                                                 if resumed is not None else ""))
         self.policy: Policy = load_policy(spec, resume_from=resumed, warm_start=warm)
         self.rank, self.world = group.rank(), group.world_size()
         opt = spec.optimizer
@@ -187,6 +191,8 @@ class Trainer:
         if self.rank:  # other ranks sample other completions; rank 0 keeps the one-process stream
             seed_everything(spec.seed + 1_000_003 * self.rank + self.step)
         self.updater = Updater(self.policy, self.optimizer, spec)
+        if engine is None:
+            say(f"Starting the rollout engine ({spec.rollout.engine})")
         self.engine: RolloutEngine = engine or make_engine(spec, self.policy)
         self._owns_engine = engine is None
         self.last_checkpoint: Path | None = resumed.path if resumed else None
