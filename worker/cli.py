@@ -74,6 +74,17 @@ class ProgressCallbacks:
         top = "; ".join(f"{m} (x{c})" for m, c in summarize(errors, limit=3))
         self.bar.write(f"step {step}: {len(errors)} samples failed to score: {top}")
 
+    def on_preflight(self, metrics):
+        from worker.trainer.learning_signal import preflight_message
+
+        self._write("preflight", 0, metrics)
+        self.bar.write(preflight_message(metrics))
+
+    def on_no_signal(self, step, steps):
+        from worker.trainer.learning_signal import no_signal_message
+
+        self.bar.write(f"warning: {no_signal_message(step, steps)}")
+
     def should_stop(self):
         return False
 
@@ -89,6 +100,7 @@ def cmd_train(args) -> int:
     from service.settings import get_settings
     from worker.rewards.engine import ScoringContext
     from worker.rewards.errors import RewardErrorRateExceeded
+    from worker.trainer.learning_signal import NoLearningSignal
     from worker.trainer.loop import Trainer
 
     try:  # egress allow-list and judge endpoint from the CISPO_* settings; no project secrets locally
@@ -101,7 +113,7 @@ def cmd_train(args) -> int:
     callbacks = ProgressCallbacks(spec.training.steps, trainer.step, output / "metrics.jsonl")
     try:
         result = trainer.run(callbacks)
-    except RewardErrorRateExceeded as e:
+    except (RewardErrorRateExceeded, NoLearningSignal) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

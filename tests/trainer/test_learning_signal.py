@@ -100,3 +100,25 @@ def test_reward_trend_against_hand_computed_values():
     assert moved is True and "0.1000 over the first 2 step(s), 0.3000 over the last 2" in text
     assert reward_trend([(0.0, 0.0)] * 5, 16)[0] is False  # a constant reward never moved
     assert reward_trend([(0.4, 0.2)], 16)[0] is None
+
+
+def test_cispo_train_prints_the_preflight_and_fails_on_no_signal(toy_dir, tmp_path):
+    """`cispo train` as a user runs it: what it is doing before step 1, then a clear failure, not a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    raw = small_spec(toy_dir, steps=2, fail_on_no_signal=True).model_dump(mode="json")
+    raw["reward"] = {"type": "import", "path": "tests.trainer.test_learning_signal:always_zero"}
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    done = subprocess.run([sys.executable, "-m", "worker.cli", "train", str(spec)], capture_output=True, text=True,
+                          timeout=600, cwd=os.getcwd())
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert f"Loading the model {toy_dir / 'model'} ..." in done.stderr
+    assert "Starting the rollout engine (hf) ..." in done.stderr
+    assert "Pre-flight: 2 groups sampled from the starting policy; baseline reward 0.0000" in done.stdout
+    assert "error: no learning signal: all 2 pre-flight groups got one reward" in done.stderr
+    assert not (tmp_path / "job" / "checkpoints").exists() or not any((tmp_path / "job" / "checkpoints").iterdir())
