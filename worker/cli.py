@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
-from service.cli.main import add_commands
+from service.cli.main import CliError, add_commands
 
 
 def _format_validation_error(e: ValidationError) -> str:
@@ -73,6 +74,17 @@ class ProgressCallbacks:
         top = "; ".join(f"{m} (x{c})" for m, c in summarize(errors, limit=3))
         self.bar.write(f"step {step}: {len(errors)} samples failed to score: {top}")
 
+    def on_preflight(self, metrics):
+        from worker.trainer.learning_signal import preflight_message
+
+        self._write("preflight", 0, metrics)
+        self.bar.write(preflight_message(metrics))
+
+    def on_no_signal(self, step, steps):
+        from worker.trainer.learning_signal import no_signal_message
+
+        self.bar.write(f"warning: {no_signal_message(step, steps)}")
+
     def should_stop(self):
         return False
 
@@ -88,18 +100,20 @@ def cmd_train(args) -> int:
     from service.settings import get_settings
     from worker.rewards.engine import ScoringContext
     from worker.rewards.errors import RewardErrorRateExceeded
+    from worker.trainer.learning_signal import NoLearningSignal
     from worker.trainer.loop import Trainer
 
     try:  # egress allow-list and judge endpoint from the CISPO_* settings; no project secrets locally
         trainer = Trainer(spec, output, resume=not args.no_resume,
-                          scoring=ScoringContext.from_settings(get_settings()))
+                          scoring=ScoringContext.from_settings(get_settings()),
+                          progress=lambda message: print(f"{message} ...", file=sys.stderr, flush=True))
     except ValueError as e:  # data, reward or checkpoint problems carry their own message
         print(f"error: {e}", file=sys.stderr)
         return 2
     callbacks = ProgressCallbacks(spec.training.steps, trainer.step, output / "metrics.jsonl")
     try:
         result = trainer.run(callbacks)
-    except RewardErrorRateExceeded as e:
+    except (RewardErrorRateExceeded, NoLearningSignal) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
@@ -127,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run a job locally, without the service")
     p.add_argument("spec", type=Path, help="job spec (YAML)")
-    p.add_argument("--output", type=Path, help="run directory (default runs/<spec name>)")
+    p.add_argument("--output", type=Path, help="run directory (default: next to the spec, named after it: "
+                   "SPEC_DIR/<spec name without .yaml>)")
     p.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in the run directory")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("worker", help="run a Celery worker for service jobs")
@@ -140,7 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a reader that left is handled, not at interpreter exit
+        return code
+    except CliError as e:
+        print(f"cispo: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `cispo jobs list | head`: the reader left; not an error of ours
+        # Python would report the pipe again when it flushes stdout at exit: point stdout at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

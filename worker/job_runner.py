@@ -30,6 +30,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.session import session_factory
+from service.models.engine_check import EngineUnsupported
 from service.repositories import job_messages, job_outputs, jobs
 from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
@@ -42,12 +43,13 @@ from service.storage import ObjectStore, StorageError, open_store
 from worker.artifacts import MANIFEST, delete_unreferenced, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
 from worker import scratch
-from worker.progress import StepClock
+from worker.progress import StepClock, reward_trend
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import RewardErrorRateExceeded, summarize
 from worker.sandbox_channel import INTERRUPT, Interrupted
 from worker.trainer.data import DataError
+from worker.trainer.learning_signal import NoLearningSignal, no_signal_message, preflight_message
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +147,21 @@ class JobReporter:
                 return
             jobs.add_event(s, self.job_id, f"Evaluation at step {step}: reward {metrics.get('eval_reward_mean', float('nan')):.4f}",
                            type="metrics", data={"step": step, **metrics})
+
+    def on_preflight(self, metrics: dict[str, float]) -> None:
+        """The pre-flight's baseline: metrics at step 0 and an event (a warning when no group has a signal)."""
+        metrics = _finite(metrics)
+        with self.sessions.begin() as s:
+            if not jobs.record_step(s, self.job_id, self.epoch, 0, metrics, trained_tokens=0,
+                                    ttl_s=self.settings.lease_ttl_s):
+                self.lost = True
+                return
+            none = metrics.get("preflight_zero_variance_fraction", 0.0) >= 1.0
+            jobs.add_event(s, self.job_id, preflight_message(metrics), level="warn" if none else "info",
+                           data={"step": 0, **metrics})
+
+    def on_no_signal(self, step: int, steps: int) -> None:
+        self.event(no_signal_message(step, steps), level="warn", data={"step": step, "zero_variance_steps": steps})
 
     def on_samples(self, step: int, samples: list[dict]) -> None:
         if self.lost or not samples:
@@ -261,6 +278,7 @@ def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, 
     spec.resources.gpus processes under torchrun (the lease and heartbeat stay here); returns its TrainResult."""
     from worker.distributed.launch import run_training  # torch loads here, not at worker import
 
+    reporter.event("Fetching the dataset")
     local_spec = _materialize(claimed.spec, store, work / "data")
     run_dir = work / "run"
     # Only the committed checkpoint may be resumed from: a local one left by a failed or killed run on
@@ -278,6 +296,10 @@ def _failure(e: Exception) -> tuple[str, str, bool]:
     """(error code, message, whether another attempt may succeed) for an exception out of a run."""
     if isinstance(e, RewardErrorRateExceeded):
         return "reward_error_rate", str(e), False
+    if isinstance(e, NoLearningSignal):
+        return "no_learning_signal", str(e), False
+    if isinstance(e, EngineUnsupported):
+        return "engine_unsupported", str(e), False
     if isinstance(e, (DataError, CheckpointError, ValueError)):
         return "invalid_job", str(e), False
     if isinstance(e, StorageError):
@@ -377,6 +399,18 @@ def _delete_uncommitted(sessions: sessionmaker[Session], store: ObjectStore, job
         log.warning("job %s: could not delete uncommitted uploads under %s", job_id, within, exc_info=True)
 
 
+def _reward_trend(s: Session, job_id: str, spec: JobSpec) -> dict:
+    """The final event's verdict on the run's rewards (worker/progress.py), from the recorded step metrics."""
+    rows = jobs.metrics(s, job_id, names=["reward_mean", "reward_std"], step_min=1, step_max=None,
+                        limit=2 * spec.training.steps)
+    by_step: dict[int, dict[str, float]] = {}
+    for row in rows:
+        by_step.setdefault(row.step, {})[row.name] = row.value
+    steps = [(v["reward_mean"], v.get("reward_std", 0.0)) for _, v in sorted(by_step.items()) if "reward_mean" in v]
+    moved, sentence = reward_trend(steps, spec.training.batch_size * spec.training.group_size)
+    return {"reward_moved": moved, "reward_trend": sentence}
+
+
 def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claimed: Claimed, settings: Settings,
          status: str, error: tuple[str, str, bool] | None) -> tuple[str | None, float]:
     """Record how the run ended (fenced); returns (the job's status now, seconds before its next run)."""
@@ -410,6 +444,9 @@ def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claim
         else:
             ended = jobs.finish(s, job_id, epoch, status)
             message = {"succeeded": "Job succeeded", "cancelled": "Job cancelled", "paused": "Job paused"}[status]
+        data = _reward_trend(s, job_id, claimed.spec) if status == "succeeded" else None
+        if data is not None:
+            message = f"{message}; {data['reward_trend']}"
         if ended:
-            jobs.add_event(s, job_id, message, level="error" if error else "info")
+            jobs.add_event(s, job_id, message, level="error" if error else "info", data=data)
     return status, delay

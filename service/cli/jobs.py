@@ -75,7 +75,7 @@ def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2))
 
 
-def _when(seconds: int | None) -> str:
+def utc_time(seconds: int | None) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if seconds else "-"
 
 
@@ -91,7 +91,7 @@ def _progress_line(job: dict, reward: float | None) -> str:
 
 
 def _event_line(event: dict) -> str:
-    return f"{_when(event['created_at'])}  {event['level']:<5}  {event['message']}"
+    return f"{utc_time(event['created_at'])}  {event['level']:<5}  {event['message']}"
 
 
 # -- commands ------------------------------------------------------------------------------------
@@ -123,17 +123,18 @@ def build_request(args, client: Client) -> dict:
     for field in ("model", "training_file", "validation_file", "suffix", "seed"):
         if getattr(args, field) is not None:
             body[field] = getattr(args, field)
-    if args.reward or args.reward_function or args.steps:
+    # `is not None`, never truthiness: a flag the user gave (--steps 0) reaches the API, which refuses it by name.
+    if args.reward is not None or args.reward_function is not None or args.steps is not None:
         method = body.setdefault("method", {"type": "cispo"})
         if method.get("type") != "cispo":
             raise UsageError("--reward, --reward-function and --steps set a 'cispo' method; the SPEC's method is "
                              f"{method.get('type')!r}")
         cispo = method.setdefault("cispo", {})
-        if args.reward:
+        if args.reward is not None:
             cispo["reward"] = _mapping(args.reward, "--reward")
-        if args.reward_function:
+        if args.reward_function is not None:
             cispo["reward_function"] = args.reward_function
-        if args.steps:
+        if args.steps is not None:
             cispo.setdefault("hyperparameters", {}).setdefault("training", {})["steps"] = args.steps
     for field in ("training_file", "validation_file"):
         value = body.get(field)
@@ -145,7 +146,20 @@ def build_request(args, client: Client) -> dict:
     return body
 
 
+def _print_dry_run(report: dict) -> None:
+    for check in report["checks"]:
+        print(f"{check['status']:<8} {check['name']:<15} {check['message']}")
+    seconds = report["estimated_seconds"]
+    print(f"estimated duration: {f'about {seconds} s' if seconds is not None else 'unknown'}")
+
+
 def cmd_create(args, client: Client) -> int:
+    if args.dry_run:
+        if args.watch:
+            raise UsageError("--dry-run creates no job, so there is nothing to --watch")
+        report = client.post("/fine_tuning/jobs", json=build_request(args, client), params={"dry_run": "true"})
+        _print_json(report) if args.json else _print_dry_run(report)
+        return 0
     headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
     job = client.post("/fine_tuning/jobs", json=build_request(args, client), headers=headers)
     if args.json:
@@ -164,7 +178,7 @@ def cmd_list(args, client: Client) -> int:
     print(f"{'ID':<32}  {'STATUS':<16}  {'STEPS':>9}  {'CREATED (UTC)':<19}  MODEL")
     for job in page["data"]:
         steps = f"{job['steps_done']}/{job['total_steps']}"
-        print(f"{job['id']:<32}  {job['status']:<16}  {steps:>9}  {_when(job['created_at']):<19}  {job['model']}")
+        print(f"{job['id']:<32}  {job['status']:<16}  {steps:>9}  {utc_time(job['created_at']):<19}  {job['model']}")
     if page["has_more"]:
         print(f"(more: --after {page['data'][-1]['id']})", file=sys.stderr)
     return 0
@@ -288,6 +302,20 @@ def _run(args) -> int:
         return EXIT_UNREACHABLE
 
 
+def _positive(kind):
+    """An argparse type: a number above zero (client-side flags; the API validates the rest by name)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def add_jobs_command(sub: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--api-url", help=f"the API's base URL (default: $CISPO_API_URL or {DEFAULT_API_URL})")
@@ -316,19 +344,22 @@ def add_jobs_command(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--suffix")
     create.add_argument("--seed", type=int)
     create.add_argument("--idempotency-key", help="retrying with the same key never creates a second job")
+    create.add_argument("--dry-run", action="store_true", help="check the job (model, reward fields, prompt "
+                        "lengths, engine) and estimate its duration; creates nothing")
     create.add_argument("--watch", action="store_true", help="then watch it until it ends")
-    create.add_argument("--interval", type=float, default=2.0, help="seconds between polls with --watch")
+    create.add_argument("--interval", type=_positive(float), default=2.0, help="seconds between polls with --watch")
 
     listing = command("list", cmd_list, "list the project's jobs, newest first", job=False)
     listing.add_argument("--limit", type=int, default=20)
     listing.add_argument("--after", help="a job id: list the jobs older than it")
     command("get", cmd_get, "print a job as JSON")
     command("watch", cmd_watch, "a progress bar (steps, latest reward) until the job ends; exit 0 if it "
-            "succeeded").add_argument("--interval", type=float, default=2.0, help="seconds between polls")
+            "succeeded").add_argument("--interval", type=_positive(float), default=2.0, help="seconds between polls")
     events = command("events", cmd_events, "the job's events, oldest first", aliases=["logs"])
     events.add_argument("--follow", "-f", action="store_true", help="keep printing new events until the job ends")
     events.add_argument("--limit", type=int, default=100)
-    events.add_argument("--interval", type=float, default=2.0, help="seconds between polls with --follow")
+    events.add_argument("--interval", type=_positive(float), default=2.0,
+                        help="seconds between polls with --follow")
     for action in ("cancel", "pause", "resume"):
         command(action, cmd_control, f"{action} the job").set_defaults(action=action)
     download = command("download", cmd_download, "download a checkpoint's adapter tar, verified by sha256")

@@ -10,8 +10,53 @@ import argparse
 import os
 import sys
 
-from service.cli.jobs import add_jobs_command
+from service.cli.jobs import utc_time, add_jobs_command
 from service.settings import get_settings
+
+
+class CliError(Exception):
+    """A problem the user can fix; `cispo` prints the message (no traceback) and exits 2."""
+
+
+HOW_TO_POINT = ("run it in the directory where `cispo up` runs (its state is ./.cispo there), or point at that "
+                "state with CISPO_HOME=/path/to/.cispo, or at a server database with DATABASE_URL=postgresql://...")
+
+
+def _key_database() -> str:
+    """The URL of the database that holds the keys; CliError when it plainly is not there.
+
+    A missing SQLite file is refused rather than created: a key in a new, empty database is one the API
+    (which reads its own) never accepts."""
+    settings = get_settings()
+    if not settings.database_url:
+        path = (settings.home / "cispo.db").resolve()
+        if not path.is_file():
+            raise CliError(f"no cispo database at {path} (CISPO_HOME is {settings.home}): {HOW_TO_POINT}")
+    return settings.resolved_database_url()
+
+
+def _sessions():
+    from sqlalchemy.engine import make_url
+
+    from service.db.session import session_factory
+
+    url = _key_database()
+    return session_factory(url), make_url(url).render_as_string(hide_password=True)
+
+
+def _database_errors(func):
+    """Key commands: a database that cannot be opened or has no schema is a message naming it, not a traceback."""
+    def run(args) -> int:
+        from sqlalchemy.exc import OperationalError, ProgrammingError
+
+        try:
+            return func(args)
+        except (OperationalError, ProgrammingError) as e:
+            url = _sessions()[1]
+            reason = str(getattr(e, "orig", e)).strip().splitlines()[0]
+            raise CliError(f"cannot use the database at {url} ({reason}); `cispo db upgrade` creates the schema; "
+                           f"{HOW_TO_POINT}") from None
+    return run
 
 
 def cmd_db_upgrade(args) -> int:
@@ -23,32 +68,33 @@ def cmd_db_upgrade(args) -> int:
     return 0
 
 
+@_database_errors
 def cmd_keys_create(args) -> int:
-    from service.db.session import session_factory
     from service.repositories import projects
 
-    with session_factory(get_settings().resolved_database_url()).begin() as s:
+    with _sessions()[0].begin() as s:
         key = projects.create_key(s, projects.get_or_create_project(s, args.project))
     print(key)
     return 0
 
 
+@_database_errors
 def cmd_keys_list(args) -> int:
-    from service.db.session import session_factory
     from service.repositories import projects
 
-    with session_factory(get_settings().resolved_database_url())() as s:
+    with _sessions()[0]() as s:
         for key, project in projects.keys(s, args.project):
-            state = "active" if key.revoked_at is None else f"revoked@{key.revoked_at}"
-            print(f"{key.id}  {key.prefix}…  {project}  {state}  last_used={key.last_used_at or '-'}")
+            state = "active" if key.revoked_at is None else f"revoked {utc_time(key.revoked_at)} UTC"
+            used = f"{utc_time(key.last_used_at)} UTC" if key.last_used_at else "never"
+            print(f"{key.id}  {key.prefix}…  {project}  {state}  last used: {used}")
     return 0
 
 
+@_database_errors
 def cmd_keys_revoke(args) -> int:
-    from service.db.session import session_factory
     from service.repositories import projects
 
-    with session_factory(get_settings().resolved_database_url()).begin() as s:
+    with _sessions()[0].begin() as s:
         key = projects.revoke(s, args.key_id)
     if key is None:
         print(f"cispo: no such key: {args.key_id} (see `cispo keys list`)", file=sys.stderr)

@@ -33,6 +33,7 @@ class ModelInfo:
     checked: bool  # False: only the id's format was checked
     detail: str
     tokenizer_json: Path | None = None  # a local tokenizer.json, to count prompt tokens with
+    config: dict | None = None  # its config.json, when it was read (engine checks)
 
 
 def _looks_local(model: str) -> bool:
@@ -69,7 +70,7 @@ def _local(model: str) -> ModelInfo:
         if not ((root / "tokenizer_config.json").is_file() and any((root / v).is_file() for v in TOKENIZER_VOCABS)):
             raise ModelProblem(f"{model!r} has no tokenizer (tokenizer.json, or tokenizer_config.json with "
                                f"one of {', '.join(TOKENIZER_VOCABS)})")
-    return ModelInfo("local", True, f"local directory: {arch} with a tokenizer", tokenizer_json)
+    return ModelInfo("local", True, f"local directory: {arch} with a tokenizer", tokenizer_json, config)
 
 
 def _hub(model: str, hub_url: str) -> ModelInfo:
@@ -94,7 +95,7 @@ def _hub(model: str, hub_url: str) -> ModelInfo:
         config = response.json()
     except ValueError:
         raise ModelProblem(f"{model!r}: the hub's config.json is not valid JSON") from None
-    return ModelInfo("hub", True, f"hub model: {_causal_lm(config, model)}")
+    return ModelInfo("hub", True, f"hub model: {_causal_lm(config, model)}", config=config)
 
 
 def check_model(model: str, *, hub_url: str) -> ModelInfo:

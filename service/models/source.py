@@ -22,8 +22,10 @@ _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0
 
 
 def _refused(settings: Settings) -> InvalidRequest:
-    rule = "or an absolute path under one of the operator's model directories" if settings.resolved_model_dirs() \
-        else "(this service accepts no local paths)"
+    # One message for every refused name, relative paths included: it names the setting, never the filesystem.
+    rule = ("or an absolute path under one of the operator's model directories (CISPO_MODEL_DIRS); relative paths "
+            "are not accepted" if settings.resolved_model_dirs() else
+            "(this service accepts no local paths: the operator allows directories with CISPO_MODEL_DIRS)")
     return InvalidRequest(f"model: must be a hub id such as 'org/name' {rule}", param="model", code="invalid_model")
 
 

@@ -188,7 +188,7 @@ class JobObject(BaseModel):
 
 
 class DryRunCheck(BaseModel):
-    name: Literal["model", "reward_fields", "prompt_lengths", "estimate"]
+    name: Literal["model", "reward_fields", "prompt_lengths", "engine", "estimate"]
     status: Literal["passed", "warning", "skipped"] = Field(
         description="skipped: not checked, and the message says why (a failed check refuses the request).")
     message: str

@@ -238,6 +238,21 @@ class TrainingSpec(Strict):
         "GPU, while failures on fewer samples are usually sample-specific (odd completions early in training) "
         "and still leave a learning signal; they are counted and shown in events. 1 never fails.",
     )
+    preflight_groups: int = Field(
+        2, ge=0, le=64,
+        description="Before step 1, sample this many groups from the starting policy and score them: the baseline "
+        "reward and the share of groups with zero reward variance (nothing to learn from) go to the job's events. "
+        "0 skips it. The training run draws the same prompts and samples as without it.",
+    )
+    no_signal_steps: int = Field(
+        5, ge=1, le=100_000,
+        description="Warn (an event) when every group had zero reward variance for this many consecutive steps.",
+    )
+    fail_on_no_signal: bool = Field(
+        False,
+        description="Fail the job (error code no_learning_signal) when the pre-flight finds zero variance in every "
+        "group, or when no_signal_steps consecutive steps do, instead of only warning.",
+    )
     max_turns: int = Field(
         1, ge=1, le=64, description="Assistant turns per episode (environments; a reward function scores one turn)."
     )

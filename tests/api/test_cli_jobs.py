@@ -182,3 +182,56 @@ def test_follow_prints_the_last_events_of_a_job_that_ends_between_two_polls(api,
     assert cli.cmd_events(args, client) == 0
     printed = capsys.readouterr().out
     assert "Step 2/2: loss=0.5" in printed and printed.rstrip().endswith("Job succeeded")
+
+
+def test_every_flag_reaches_the_api_and_bad_values_fail_naming_the_field(live, tmp_path):
+    (tmp_path / "train.jsonl").write_bytes(jsonl(TRAIN_ROWS))
+    base = ["create", "--model", "tiny-model", "--training-file", "train.jsonl", "--reward", REWARD]
+    zero = cispo(live, *base, "--steps", "0", cwd=tmp_path)
+    assert zero.returncode == 3, zero.stdout  # was: exit 0 and a 100-step job
+    assert "param: method.cispo.hyperparameters.training.steps" in zero.stderr and "Traceback" not in zero.stderr
+    negative_seed = cispo(live, *base, "--seed", "-1", cwd=tmp_path)
+    assert negative_seed.returncode == 3 and "param: seed" in negative_seed.stderr
+    empty_reward_function = cispo(live, "create", "--model", "tiny-model", "--training-file", "train.jsonl",
+                                  "--reward-function", "", cwd=tmp_path)
+    assert empty_reward_function.returncode == 3 and "reward_function" in empty_reward_function.stderr
+    assert cispo(live, "list", "--limit", "0").returncode == 3  # the API's bounds, named by it
+    for flags in (["watch", "ftjob-x", "--interval", "0"], ["events", "ftjob-x", "--interval", "-1"]):
+        local = cispo(live, *flags)
+        assert local.returncode == 2 and "--interval: must be above 0" in local.stderr
+    with live.client() as http:
+        assert http.get("/v1/fine_tuning/jobs").json()["data"] == []  # not one job was created
+
+
+def test_create_dry_run_checks_and_creates_nothing(live, tmp_path):
+    (tmp_path / "train.jsonl").write_bytes(jsonl(TRAIN_ROWS))
+    dry = cispo(live, "create", "--model", "tiny-model", "--training-file", "train.jsonl", "--reward", REWARD,
+                "--steps", "3", "--dry-run", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    assert any(line.split()[:2] == ["passed", "reward_fields"] for line in lines)
+    assert lines[-1] == "estimated duration: unknown"  # no earlier job measured a step rate
+    as_json = json.loads(cispo(live, "create", "--model", "tiny-model", "--training-file", "train.jsonl",
+                               "--reward", REWARD, "--dry-run", "--json", cwd=tmp_path).stdout)
+    assert as_json["object"] == "fine_tuning.job.dry_run"
+    refused = cispo(live, "create", "--model", "tiny-model", "--training-file", "train.jsonl", "--reward",
+                    '{"type": "exact_match", "field": "missing"}', "--dry-run", cwd=tmp_path)
+    assert refused.returncode == 3 and "dry run: 1 check(s) failed" in refused.stderr
+    with live.client() as http:
+        assert http.get("/v1/fine_tuning/jobs").json()["data"] == []
+
+
+def test_a_reader_that_leaves_early_is_no_error(live, tmp_path):
+    """`cispo jobs list | head`: the pipe's reader is gone before the output is written."""
+    (tmp_path / "train.jsonl").write_bytes(jsonl(TRAIN_ROWS))
+    for _ in range(2):
+        assert cispo(live, "create", "--model", "tiny-model", "--training-file", "train.jsonl", "--reward", REWARD,
+                     cwd=tmp_path).returncode == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "worker.cli", "jobs", "list"], env=cli_env(live),
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0 and done.stderr == ""

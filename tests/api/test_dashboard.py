@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from service.db.models import JobMetric
 from service.repositories import jobs as jobs_repo
 from service.db.session import session_factory
 from tests.api.browser import Browser, chromium_path
@@ -62,6 +63,15 @@ def test_dashboard_renders_a_jobs_curves_samples_events_and_checkpoints(populate
     csp = page.headers["content-security-policy"]
     assert page.status_code == 200 and "script-src 'self'" in csp and "unsafe-inline" not in csp
 
+    long_model = "anorganisationwithalongname/" + "amodelwithaverylongnamethatnobrowserbreaks" * 2  # no hyphens
+    with live.client() as client:  # a long id in the jobs table must not push it sideways
+        upload = client.post("/v1/files", files={"file": ("train.jsonl", jsonl(TRAIN_ROWS))},
+                             data={"purpose": "fine-tune"}).json()
+        wide = client.post("/v1/fine_tuning/jobs", json=cispo_body(upload["id"], model=long_model)).json()
+        assert wide["model"] == long_model, wide
+    with session_factory(live.database_url).begin() as s:  # the evaluations a worker records (steps 0 and 3)
+        s.add_all([JobMetric(job_id=done, step=step, name="eval_reward_mean", value=v) for step, v in ((0, 0.25), (3, 0.5))])
+
     browser = Browser(tmp_path / "profile")
     try:
         downloads = tmp_path / "downloads"
@@ -78,13 +88,17 @@ def test_dashboard_renders_a_jobs_curves_samples_events_and_checkpoints(populate
 
         rows = browser.evaluate("[...document.querySelectorAll('#jobs tbody tr')].map(r => [r.dataset.job, "
                                 "r.querySelector('.status').textContent, r.querySelector('.progress').textContent])")
-        assert rows == [[running, "running", " 2/3"], [done, "succeeded", " 3/3"]]
+        assert rows[1:] == [[running, "running", " 2/3"], [done, "succeeded", " 3/3"]]
+        assert browser.evaluate("(p => p.scrollWidth <= p.clientWidth)(document.getElementById('jobs-panel'))")
 
         charts = browser.evaluate("[...document.querySelectorAll('#charts figure')].map(f => ({metric: "
                                   "f.dataset.metric, d: f.querySelector('path').getAttribute('d'), points: "
                                   "[...f.querySelectorAll('circle title')].map(t => t.textContent)}))")
-        assert [c["metric"] for c in charts] == ["reward_mean", "kl_old", "clip_fraction", "loss"]
-        for chart in charts:
+        assert [c["metric"] for c in charts] == ["reward_mean", "eval_reward_mean", "kl_old", "clip_fraction", "loss"]
+        assert charts[1]["points"] == ["step 0: 0.25", "step 3: 0.5"]
+        titles = browser.evaluate("[...document.querySelectorAll('#charts figcaption')].map(c => c.textContent)")
+        assert titles[2].startswith("KL to the rollout policy (kl_old)")  # not "to reference": kl_old is not that
+        for chart in (c for c in charts if c["metric"] != "eval_reward_mean"):
             values = CURVES[chart["metric"]]
             assert chart["points"] == [f"step {i + 1}: {v:g}" for i, v in enumerate(values)]
             xs, ys = zip(*_vertices(chart["d"]))
@@ -119,8 +133,9 @@ def test_dashboard_renders_a_jobs_curves_samples_events_and_checkpoints(populate
             time.sleep(0.1)
         assert saved.read_bytes() == ckpt["tar"]
 
-        # Another job: no samples (the endpoint 404s for it) and live controls that act through the API.
-        browser.evaluate(f"document.querySelector('tr[data-job=\"{running}\"]').click()")
+        # Another job, chosen by editing the #job-id: no samples (the endpoint 404s for it) and live controls
+        # that act through the API.
+        browser.evaluate(f"location.hash = '#{running}'")
         browser.wait_for(f"document.getElementById('job-title').textContent.includes('{running}') && "
                          "document.getElementById('samples').textContent === 'No samples yet.'")
         browser.evaluate("document.getElementById('pause').click()")

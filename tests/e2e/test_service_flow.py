@@ -71,7 +71,7 @@ def test_job_end_to_end_over_http(stack, toy_dir):
     assert all(0.0 <= m["value"] <= 1.0 for m in metrics)
     events = client.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
     messages = [e["message"] for e in events]
-    assert messages[0] == "Job succeeded"  # newest first
+    assert messages[0].startswith("Job succeeded; reward ")  # newest first, with the verdict on the reward
     assert any(e["type"] == "metrics" and e["data"]["step"] == 4 for e in events)
 
     ckpts = client.get(f"/fine_tuning/jobs/{job_id}/checkpoints").json()

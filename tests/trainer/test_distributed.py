@@ -297,12 +297,13 @@ def assert_same_checkpoint(a: Path, b: Path) -> None:
 
 class Recorder:
     def __init__(self):
-        self.steps, self.evals, self.checkpoints, self.events = [], [], [], []
+        self.steps, self.evals, self.checkpoints, self.events, self.preflights = [], [], [], [], []
 
     def on_step(self, step, metrics): self.steps.append((step, metrics))
     def on_eval(self, step, metrics): self.evals.append((step, metrics))
     def on_checkpoint(self, step, path): self.checkpoints.append((step, path))
     def event(self, message): self.events.append(message)
+    def on_preflight(self, metrics): self.preflights.append(metrics)
     def should_stop(self): return False
 
 
@@ -341,6 +342,9 @@ def test_torchrun_job_reports_and_resumes_at_one(toy_dir, tmp_path):
     assert result.steps_done == 2 and not result.stopped
     assert [s for s, _ in calls.steps] == [1, 2] and [s for s, _ in calls.checkpoints] == [1, 2]
     assert [s for s, _ in calls.evals] == [0, 2]
+    # the pre-flight's groups come from both ranks (one each), relayed once; rank 0 says what it loads
+    assert [p["preflight_groups"] for p in calls.preflights] == [2.0]
+    assert calls.events[:2] == [f"Loading the model {spec.model}", "Starting the rollout engine (hf)"]
     metrics = calls.steps[0][1]
     # The whole batch's figures, not rank 0's half: 2 prompts x 4 completions.
     assert metrics["optimizer_steps"] == 1 and 0 <= metrics["reward_mean"] <= 1

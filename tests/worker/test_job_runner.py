@@ -81,8 +81,12 @@ def test_job_runs_to_success_and_records_everything(database_url, toy_dir, tmp_p
         assert s.scalar(select(func.count()).select_from(JobMetric).where(JobMetric.name == "eval_reward_mean")) == 2
         messages = [e.message for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq))]
         ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
-    assert messages[0].startswith("Job started") and messages[-1] == "Job succeeded"
+    assert messages[0].startswith("Job started") and messages[-1].startswith("Job succeeded; reward ")
     assert any(m.startswith("Step 3/3:") for m in messages)
+    # what the worker does before step 1 is shown, in order
+    starting = ["Fetching the dataset", f"Loading the model {toy_dir / 'model'}", "Starting the rollout engine (hf)"]
+    assert [m for m in messages if m in starting] == starting
+    assert messages.index(starting[-1]) < next(i for i, m in enumerate(messages) if m.startswith("Step 1/3"))
     assert [c.step for c in ckpts] == [2, 3]
     store = open_store(settings.resolved_storage_url())
     for c in ckpts:
@@ -277,3 +281,51 @@ def test_repeated_reward_errors_are_throttled_but_new_ones_are_shown(tmp_path):
     assert "(x1)" in fifth and len(fifth) < 400  # each message is truncated
     reporter.on_reward_errors(26, [f"E{i}: boom" for i in range(8)])
     assert shown[-1][1].endswith("; and 3 other distinct errors")
+
+
+ALWAYS_ZERO = {"type": "import", "path": "tests.trainer.test_learning_signal:always_zero"}
+
+
+def test_a_job_that_cannot_learn_says_so_in_its_events(database_url, toy_dir, tmp_path):
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=2, reward=ALWAYS_ZERO, no_signal_steps=2)
+    assert run_job(job_id, settings) == "succeeded"
+    events = _events(database_url, job_id)
+    preflight = next(e for e in events if e.message.startswith("Pre-flight:"))
+    assert preflight.level == "warn" and "100% of groups have zero reward variance" in preflight.message
+    assert preflight.data["preflight_reward_mean"] == 0.0 and preflight.data["preflight_groups"] == 2
+    assert preflight.seq < next(e.seq for e in events if e.message.startswith("Step 1/2"))
+    warn = next(e for e in events if e.message.startswith("No learning signal"))
+    assert warn.level == "warn" and warn.data == {"step": 2, "zero_variance_steps": 2}
+    assert events[-1].message.startswith("Job succeeded; reward did not move beyond noise: 0.0000")
+    assert events[-1].data["reward_moved"] is False
+    with session_factory(database_url).begin() as s:
+        names = set(s.scalars(select(JobMetric.name).where(JobMetric.job_id == job_id, JobMetric.step == 0)))
+    assert {"preflight_reward_mean", "preflight_zero_variance_fraction"} <= names
+
+
+def test_fail_on_no_signal_fails_at_once_with_no_learning_signal(database_url, toy_dir, tmp_path):
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=3, reward=ALWAYS_ZERO, fail_on_no_signal=True)
+    assert run_job(job_id, settings) == "failed"  # not queued again: the next attempt would find the same
+    job = job_row(settings, job_id)
+    assert (job.error_code, job.attempts, job.steps_done) == ("no_learning_signal", 1, 0)
+    assert "all 2 pre-flight groups got one reward" in job.error_message
+
+
+def test_an_engine_that_cannot_run_the_model_fails_without_a_retry(database_url, toy_dir, tmp_path):
+    """The toy model's head size 16 on a CPU worker: refused before vLLM starts, and not retried."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA takes head size 16")
+    pytest.importorskip("vllm")
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=2)
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        job = jobs.get_for_worker(s, job_id)
+        job.spec = {**job.spec, "rollout": {**job.spec["rollout"], "engine": "vllm"}}
+    assert run_job(job_id, settings) == "failed"
+    job = job_row(settings, job_id)
+    assert (job.error_code, job.attempts) == ("engine_unsupported", 1)
+    assert "vLLM on CPU cannot run attention head size 16" in job.error_message

@@ -27,16 +27,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from service.models.engine_check import EngineUnsupported
 from service.schemas.job_spec import JobSpec
 from worker.checkpoint import CheckpointError
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import RewardErrorRateExceeded
 from worker.trainer.data import DataError
+from worker.trainer.learning_signal import NoLearningSignal
 
 CHANNEL_ENV = "CISPO_RANK0_SOCKET"
 RANKS_LOG = "ranks.log"
 # Errors that mean the same in every process; anything else arrives as RankFailed.
-KNOWN_ERRORS = {cls.__name__: cls for cls in (RewardErrorRateExceeded, CheckpointError, DataError, ValueError)}
+KNOWN_ERRORS = {cls.__name__: cls for cls in (RewardErrorRateExceeded, CheckpointError, DataError, ValueError,
+                                              NoLearningSignal, EngineUnsupported)}
 
 
 class RankFailed(RuntimeError):
@@ -49,7 +52,7 @@ def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringCon
         return run_distributed(spec, run_dir, callbacks, scoring=scoring)
     from worker.trainer.loop import Trainer  # torch loads here, not at worker import
 
-    trainer = Trainer(spec, run_dir, scoring=scoring)
+    trainer = Trainer(spec, run_dir, scoring=scoring, progress=lambda message: _event(callbacks, message))
     if trainer.step:
         _event(callbacks, f"Resumed from the checkpoint at step {trainer.step}")
     return trainer.run(callbacks)
@@ -163,6 +166,10 @@ def _dispatch(callbacks, kind: str, m: dict) -> dict:
         record = getattr(callbacks, "on_samples", None)
         if record is not None:
             record(m["step"], m["samples"])
+    elif kind in ("preflight", "no_signal"):
+        report = getattr(callbacks, f"on_{kind}", None)
+        if report is not None:
+            report(*([m["metrics"]] if kind == "preflight" else [m["step"], m["steps"]]))
     elif kind == "event":
         _event(callbacks, m["message"])
     else:

@@ -63,6 +63,8 @@ class RankCallbacks:
     def on_checkpoint(self, step, path): self._forward("checkpoint", step=step, path=str(path))
     def on_reward_errors(self, step, errors): self._forward("reward_errors", step=step, errors=errors)
     def on_samples(self, step, samples): self._forward("samples", step=step, samples=samples)
+    def on_preflight(self, metrics): self._forward("preflight", metrics=metrics)
+    def on_no_signal(self, step, steps): self._forward("no_signal", step=step, steps=steps)
     def event(self, message): self._forward("event", message=message)
 
     def should_stop(self) -> bool:
@@ -86,7 +88,7 @@ def main(argv: list[str]) -> int:
 
         spec = JobSpec.model_validate_json(spec_path.read_text())
         callbacks = RankCallbacks(channel)
-        trainer = Trainer(spec, run_dir, scoring=scoring)
+        trainer = Trainer(spec, run_dir, scoring=scoring, progress=callbacks.event)
         if trainer.step:
             callbacks.event(f"Resumed from the checkpoint at step {trainer.step} with {group.world_size()} processes")
         result = trainer.run(callbacks)

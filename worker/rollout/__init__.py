@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 from peft import PeftModel
 
+from service.models.engine_check import EngineUnsupported, head_size, head_size_refusal
 from service.schemas.job_spec import JobSpec, SamplingSpec
 from worker.envs.protocol import Environment
 from worker.rollout.hf import HFEngine
@@ -69,6 +70,16 @@ def make_engine(spec: JobSpec, policy: Policy) -> RolloutEngine:
         # Rounded copies of the trained weights sample a little differently than the trainer scores: report it.
         rounded = any(p.dtype != dtype for p in policy.trainable_parameters())
         return HFEngine(dtype=dtype, report_logprobs=rounded)
+    refuse_unsupported_model(policy.model.config.to_dict(), cuda=torch.cuda.is_available())
     from worker.rollout.vllm_engine import VLLMEngine  # imports vllm: only for jobs that ask for it
 
     return VLLMEngine(spec, lora=isinstance(policy.model, PeftModel))  # full fine-tuning syncs all weights
+
+
+def refuse_unsupported_model(config: dict, *, cuda: bool) -> None:
+    """Before vLLM starts (it would fail only after loading everything): EngineUnsupported, which the job
+    runner does not retry, for a model vLLM cannot run on this device."""
+    head = head_size(config)
+    problem = head_size_refusal(head, cuda=cuda) if head is not None else None
+    if problem:
+        raise EngineUnsupported(f"rollout.engine is 'vllm', but {problem}; use rollout.engine 'hf' for this model")

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
+from service.models.engine_check import EngineUnsupported
 from service.schemas.job_spec import JobSpec, SamplingSpec
 from worker.envs.protocol import Environment
 from worker.trainer.policy import Policy
@@ -60,7 +61,7 @@ def vllm_lora_rank(r: int) -> int:
     for rank in allowed:
         if rank >= r:
             return rank
-    raise ValueError(f"lora.r is {r}, but the vllm rollout engine serves LoRA ranks up to {allowed[-1]}")
+    raise EngineUnsupported(f"lora.r is {r}, but the vllm rollout engine serves LoRA ranks up to {allowed[-1]}")
 
 
 class VLLMEngine:
@@ -85,7 +86,11 @@ class VLLMEngine:
         if lora:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(spec.lora.r))
         threads = torch.get_num_threads()
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except (ValueError, NotImplementedError) as e:  # vLLM's refusals of a configuration: they would repeat
+            raise EngineUnsupported(f"rollout.engine 'vllm' refused this job's model or settings: "
+                                    f"{type(e).__name__}: {e}") from e
         torch.set_num_threads(threads)  # vLLM drops the process to one thread for serving; the trainer needs them
         self._adapters = Path(tempfile.mkdtemp(prefix="cispo-vllm-adapters-"))
         self._lora = None  # the LoRARequest now served

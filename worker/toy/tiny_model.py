@@ -1,6 +1,6 @@
 """Build a tiny character-level causal LM and tokenizer, saved with save_pretrained.
 
-    python -m worker.toy.tiny_model OUT_DIR
+    python -m worker.toy.tiny_model OUT_DIR [--heads N]
 
 The model is a 2-layer Llama (about 0.1M parameters) pre-trained for a few
 seconds on 'letters=X</s>' where X is the last letter a third of the time and
@@ -99,8 +99,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heads", type=int, default=4, choices=(1, 2, 4, 8),
+                        help="attention heads (hidden size 64): 4 gives head size 16, which vLLM on CPU refuses; "
+                        "2 gives 32, which vLLM runs on CPU and CUDA")
     args = parser.parse_args()
-    print(build_tiny_model(args.out_dir, seed=args.seed))
+    print(build_tiny_model(args.out_dir, seed=args.seed, attention_heads=args.heads))
 
 
 if __name__ == "__main__":

@@ -57,12 +57,14 @@ from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, Scores, co
 from worker.envs import Environment, make_environment
 from worker.trainer.feedback import Feedback, assign_advantages, collect_feedback
 from worker.rollout import RolloutEngine, make_engine, refuse_unavailable_engine
+from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message, preflight_rows
 from worker.trainer.samples import pick_samples
 from worker.trainer.schedule import lr_multiplier
 from worker.trainer.update import Updater
 
 # Spec sections that may change between a run and its resumption.
-RESUMABLE_CHANGES = {"steps", "eval_interval", "eval_max_rows", "checkpoint_interval"}
+RESUMABLE_CHANGES = {"steps", "eval_interval", "eval_max_rows", "checkpoint_interval", "preflight_groups",
+                     "no_signal_steps", "fail_on_no_signal"}
 
 
 class Callbacks(Protocol):
@@ -72,7 +74,9 @@ class Callbacks(Protocol):
     def should_stop(self) -> bool: ...
     # Optional: on_reward_errors(step, errors: list[str]), the messages of a step's samples that failed to
     # score (callbacks without it are skipped, see _report_reward_errors); on_samples(step, samples: list[dict]),
-    # a few of the step's completions (worker/trainer/samples.py).
+    # a few of the step's completions (worker/trainer/samples.py); on_preflight(metrics), the pre-flight's
+    # baseline before step 1; on_no_signal(step, steps), every group had zero variance for `steps` steps
+    # (worker/trainer/learning_signal.py).
 
 
 class NoCallbacks:
@@ -134,11 +138,13 @@ class Trainer:
 
     def __init__(self, spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None, resume: bool = True,
                  scoring: ScoringContext | None = None, environment: Environment | None = None,
-                 engine: RolloutEngine | None = None):
+                 engine: RolloutEngine | None = None, progress=None):
         """`reward_fn` / `environment`: trusted in-process stand-ins for the spec's reward or environment.
 
         `engine`: a rollout engine to use instead of the spec's own (tests share one vLLM engine); the caller
-        keeps ownership of it."""
+        keeps ownership of it. `progress(message)`: told what the slow parts of starting are doing (loading the
+        model, starting the engine), so a job shows more than 0% before its first step."""
+        say = progress or (lambda message: None)
         if engine is None:
             refuse_unavailable_engine(spec)  # before any sandboxed child starts
         self.spec, self.output_dir = spec, Path(output_dir)
@@ -167,6 +173,8 @@ class Trainer:
                 raise ValueError(f"cannot resume from {resumed.path}: the spec changed in {', '.join(diffs)}")
 
         # Rank 0 reads (or initialises) the weights; the other ranks receive them (worker/distributed/state.py).
+        say(f"Loading the model {spec.model}" + (f" and the checkpoint at step {resumed.state['step']}"
+                                                 if resumed is not None else ""))
         self.policy: Policy = load_policy(spec, resume_from=resumed, warm_start=warm)
         self.rank, self.world = group.rank(), group.world_size()
         opt = spec.optimizer
@@ -183,6 +191,8 @@ class Trainer:
         if self.rank:  # other ranks sample other completions; rank 0 keeps the one-process stream
             seed_everything(spec.seed + 1_000_003 * self.rank + self.step)
         self.updater = Updater(self.policy, self.optimizer, spec)
+        if engine is None:
+            say(f"Starting the rollout engine ({spec.rollout.engine})")
         self.engine: RolloutEngine = engine or make_engine(spec, self.policy)
         self._owns_engine = engine is None
         self.last_checkpoint: Path | None = resumed.path if resumed else None
@@ -216,6 +226,45 @@ class Trainer:
             "eval_turns_mean": sum(every["turns"]) / len(rows),
             "eval_rows": float(len(rows)),
         }
+
+    def preflight(self) -> dict[str, float]:
+        """Sample `preflight_groups` groups from the starting policy and score them; nothing is trained.
+
+        Its own prompts (worker/trainer/learning_signal.py) and a forked RNG, so the training run that follows
+        draws exactly the prompts and samples it would without it."""
+        tc = self.spec.training
+        rows = preflight_rows(self.train_rows, tc.preflight_groups, self.spec.seed)
+        seeds = [(self.spec.seed + 7919 * i) % 2**31 for i in range(len(rows))]
+        mine = list(range(self.rank, len(rows), self.world))
+        local = {"rewards": [], "zero": [], "errors": []}
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices), unsharded(self.policy.model):
+            if mine:
+                rollout = self.engine.generate(self.policy, [rows[i] for i in mine], self.spec.sampling,
+                                               group_size=tc.group_size, **self._episodes([seeds[i] for i in mine]))
+                feedback = collect_feedback(rollout, self.scorer, failure_score=tc.reward_failure_score)
+                advantages = assign_advantages(rollout, feedback, self.spec.advantages, tc.group_size)
+                local = {"rewards": feedback.rewards.tolist(), "zero": advantages.zero_P.float().tolist(),
+                         "errors": feedback.errors}
+        every = _concat_ranks(local)
+        rewards = torch.tensor(every["rewards"])
+        return {
+            "preflight_groups": float(len(every["zero"])),
+            "preflight_reward_mean": float(rewards.mean()),
+            "preflight_reward_std": float(rewards.std(unbiased=False)),
+            "preflight_zero_variance_fraction": sum(every["zero"]) / len(every["zero"]),
+            "preflight_reward_errors": float(len(every["errors"])),
+        }
+
+    def _check_preflight(self, cb: Callbacks) -> None:
+        metrics = self.preflight()
+        if (report := getattr(cb, "on_preflight", None)) is not None:
+            report(metrics)
+        if self.spec.training.fail_on_no_signal and metrics["preflight_zero_variance_fraction"] >= 1.0:
+            raise NoLearningSignal(
+                f"no learning signal: all {int(metrics['preflight_groups'])} pre-flight groups got one reward for "
+                f"every completion (baseline reward {metrics['preflight_reward_mean']:.4f}), so every advantage is "
+                "zero (training.fail_on_no_signal is set)")
 
     def train_step(self) -> dict[str, float]:
         spec, tc = self.spec, self.spec.training
@@ -352,12 +401,21 @@ class Trainer:
         tc = self.spec.training
         first_eval = last_eval = None
         if self.step == 0:
+            if tc.preflight_groups:
+                self._check_preflight(cb)
             first_eval = last_eval = self.evaluate()
             cb.on_eval(0, first_eval)
         stopped = False
+        watch = ZeroVarianceWatch(tc.no_signal_steps)
         while self.step < tc.steps:
             metrics = self.train_step()
             cb.on_step(self.step, metrics)
+            if watch.update(metrics["zero_advantage_group_fraction"]):
+                if tc.fail_on_no_signal:
+                    raise NoLearningSignal(f"{no_signal_message(self.step, watch.streak)} "
+                                           "(training.fail_on_no_signal is set)")
+                if (warn := getattr(cb, "on_no_signal", None)) is not None:
+                    warn(self.step, watch.streak)
             final = self.step == tc.steps
             if final or (tc.eval_interval and self.step % tc.eval_interval == 0):
                 last_eval = self.evaluate()

@@ -46,6 +46,13 @@ def pick_indices(rewards: list[float], group_size: int, limit: int) -> list[int]
     return picked
 
 
+def _prompt_text(tokenizer, ids: list[int]) -> str:
+    """The prompt as a person reads it: without the BOS and padding tokens the tokenizer adds (raw `<s>` in
+    the dashboard), but with a chat template's role markers, which are what the model saw."""
+    added = {tokenizer.bos_token_id, tokenizer.pad_token_id} - {None}
+    return tokenizer.decode([t for t in ids if t not in added])
+
+
 def pick_samples(tokenizer, rollout: Rollout, feedback: Feedback, advantages_PG: Tensor, group_size: int, *,
                  multi_turn: bool, limit: int = SAMPLES_PER_STEP, max_chars: int = MAX_SAMPLE_CHARS) -> list[dict]:
     rewards = feedback.rewards.tolist()
@@ -62,7 +69,7 @@ def pick_samples(tokenizer, rollout: Rollout, feedback: Feedback, advantages_PG:
         else:
             parts = {}
         samples.append({
-            "prompt": _cut(tokenizer.decode(ids[:start]), max_chars),
+            "prompt": _cut(_prompt_text(tokenizer, ids[:start]), max_chars),
             "completion": _cut(completion, max_chars),
             "reward": _number(rewards[i]),
             "advantage": _number(advantages[i]),

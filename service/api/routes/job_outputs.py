@@ -31,8 +31,10 @@ async def list_events(fine_tuning_job_id: str, request: Request, who: PrincipalD
                       limit: Annotated[int, Query(ge=1, le=100)] = 20,
                       stream: Annotated[bool, Query(description="Stream events, oldest first, until the job ends "
                                                                 "(text/event-stream; resume with Last-Event-ID).")] = False,
-                      include_metrics: Annotated[bool, Query(description="Streams: also the per-step metrics "
-                                                                         "events.")] = False,
+                      include_metrics: Annotated[bool, Query(description="Streams: the per-step progress "
+                                                                         "events (type 'metrics', one per training "
+                                                                         "step and evaluation); false leaves them "
+                                                                         "out.")] = True,
                       last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None
                       ) -> Response:
     if stream:

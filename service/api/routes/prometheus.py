@@ -57,6 +57,9 @@ def metrics(request: Request, session: SessionDep, settings: SettingsDep,
                     [(f'{{job_id="{j.id}"}}', j.steps_done) for j in running])
     lines += _gauge("cispo_job_total_steps", "Steps each running job will take.",
                     [(f'{{job_id="{j.id}"}}', j.total_steps) for j in running])
-    lines += _gauge("cispo_job_reward_mean", "Each running job's mean reward at its latest step (NaN: none yet).",
-                    [(f'{{job_id="{j.id}"}}', _number(j.reward_mean)) for j in running])
+    for metric, help_ in (("reward_mean", "mean reward"), ("tokens_per_second", "tokens (prompt and completion) "
+                          "per second of step time"), ("sampled_tokens_per_second", "completion tokens sampled per "
+                          "second of rollout time")):
+        lines += _gauge(f"cispo_job_{metric}", f"Each running job's {help_} at its latest step (NaN: none yet).",
+                        [(f'{{job_id="{j.id}"}}', _number(j.latest.get(metric))) for j in running])
     return PlainTextResponse("\n".join(lines) + "\n", media_type=CONTENT_TYPE)

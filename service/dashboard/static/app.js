@@ -6,10 +6,13 @@
 const KEY_STORAGE = "cispo.apiKey";
 const LIVE = new Set(["validating_files", "queued", "running", "paused"]);
 const REFRESH_MS = 3000;
-// Curves to draw: a title and the metric names worker/trainer/loop.py and metrics.py write, first found wins.
+// Curves to draw: a title and the metric names worker/trainer/loop.py and metrics.py write, first found wins;
+// `titles` names the curve after the metric found (kl_old is the KL to the rollout policy, not the reference).
 const CHARTS = [
   { title: "Reward (mean)", names: ["reward_mean"] },
-  { title: "KL to reference", names: ["kl_ref", "kl_old"] },
+  { title: "Eval reward (greedy, held-out rows)", names: ["eval_reward_mean"] },
+  { title: "KL", names: ["kl_ref", "kl_old"],
+    titles: { kl_ref: "KL to the reference (kl_ref)", kl_old: "KL to the rollout policy (kl_old)" } },
   { title: "Clip fraction", names: ["clip_fraction"] },
   { title: "Loss", names: ["loss"] },
 ];
@@ -158,9 +161,9 @@ async function loadCharts(jobId) {
   const page = await api(`/fine_tuning/jobs/${encodeURIComponent(jobId)}/metrics?${query}&limit=10000`);
   const series = {};
   for (const point of page.data) (series[point.name] ||= []).push(point);
-  $("charts").replaceChildren(...CHARTS.map(({ title, names: candidates }) => {
+  $("charts").replaceChildren(...CHARTS.map(({ title, names: candidates, titles }) => {
     const name = candidates.find((n) => series[n]);
-    return chart(title, name, name ? series[name] : []);
+    return chart((titles && titles[name]) || title, name, name ? series[name] : []);
   }));
 }
 
@@ -278,6 +281,11 @@ document.addEventListener("DOMContentLoaded", () => {
     localStorage.removeItem(KEY_STORAGE);
     location.hash = "";
     location.reload();
+  });
+  // Editing the #job-id in the address bar (or going back) shows that job.
+  window.addEventListener("hashchange", () => {
+    const jobId = location.hash.slice(1);
+    if (jobId && jobId !== state.jobId) select(jobId);
   });
   showKeyState();
   for (const action of ["pause", "resume", "cancel"]) $(action).addEventListener("click", () => control(action));
