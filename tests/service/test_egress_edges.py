@@ -39,6 +39,9 @@ def test_bearer_of_a_plain_value_and_of_a_bound_secret():
     assert bearer("tok") == "Bearer tok" and not isinstance(bearer("tok"), BoundSecret)
     bound = bearer(BoundSecret("tok", ["a.example"]))
     assert bound == "Bearer tok" and isinstance(bound, BoundSecret) and bound.hosts == ("a.example",)
+    target = check_url("https://8.8.8.8/x", EgressPolicy())  # refused before anything is sent
+    with pytest.raises(EgressRefused, match="header 'X-Auth' may only be sent to a.example, b.example, not to 8.8.8.8"):
+        post_json(target, {}, EgressPolicy(), headers={"X-Auth": BoundSecret("tok", ["a.example", "b.example"])})
 
 
 def test_allow_list_entries_are_trimmed_case_blind_and_bad_ones_skipped():
@@ -54,6 +57,16 @@ def test_default_ports_fragments_and_ipv6_pinning():
     assert check_url("https://8.8.8.8:8443/a", EgressPolicy()).pinned_url == "https://8.8.8.8:8443/a"
     target = check_url("https://[2001:4860:4860::8888]/x", EgressPolicy())
     assert target.pinned_url == "https://[2001:4860:4860::8888]:443/x" and target.host == "2001:4860:4860::8888"
+
+
+def test_a_user_name_or_a_password_alone_is_refused_and_the_refusal_says_why():
+    for url in ("https://user@8.8.8.8/", "https://:pw@8.8.8.8/"):
+        with pytest.raises(EgressRefused, match="credentials in the URL"):
+            check_url(url, EgressPolicy())
+    with pytest.raises(EgressRefused, match=r"resolves to 10.1.2.3, a non-public address \(loopback, private, "
+                                            r"link-local or reserved\); an operator can allow-list it"):
+        check_url("https://10.1.2.3/", EgressPolicy())
+    assert check_url("https://8.8.8.8/a", EgressPolicy()).url == "https://8.8.8.8/a"
 
 
 def test_global_multicast_and_unresolvable_hosts_are_refused():
