@@ -46,8 +46,7 @@ test: install
 	$(PY) -m pytest
 
 # Mutation testing (mutmut) of the modules where a bug costs most; slow, so never part of `test` or CI.
-# MODULES picks some (cispo egress access update scoring checkpoint repositories sandbox); the scores go
-# in README's table.
+# MODULES picks some (names in bench/mutate.py, e.g. cispo-loss egress access); the scores go in README's table.
 MODULES ?=
 mutate: install
 	$(PY) -m pip install -q -e ".[mutate]"
