@@ -138,8 +138,17 @@ def test_post_json_reads_exactly_up_to_the_cap_and_refuses_3xx(server):
     with pytest.raises(EgressRefused, match="larger than 10 bytes"):
         post_json(target, {}, policy)
     server.answer = (300, b"{}")
-    with pytest.raises(httpx.HTTPStatusError, match="HTTP 300"):
+    with pytest.raises(httpx.HTTPStatusError, match="HTTP 300") as info:
         post_json(target, {}, policy)
+    # the retry rules (worker/rewards/remote.py, worker/envs/http_env.py) read the status from the error
+    assert info.value.response.status_code == 300 and info.value.request.url.path == "/score"
+
+
+def test_post_json_joins_an_answer_that_arrives_in_many_chunks(server):
+    target, _ = _target(server)
+    big = list(range(100_000))  # about 600 KB: many reads
+    server.answer = (200, json.dumps(big).encode())
+    assert post_json(target, {}, EgressPolicy.from_setting("127.0.0.1")) == big
 
 
 def test_post_json_uses_the_policys_timeouts_and_sni_and_leaves_a_given_client_open():
