@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 DEMO   := runs/demo
 
-.PHONY: demo demo-local test install vllm clean
+.PHONY: demo demo-local test mutate install vllm clean
 
 # pip shows what it collects and installs (no -q: a silent first install looked hung); no progress bars,
 # so a log stays readable.
@@ -54,5 +54,12 @@ demo-local: install
 test: install
 	$(PY) -m pytest
 
+# Mutation testing (mutmut) of the modules where a bug costs most; slow, so never part of `test` or CI.
+# MODULES picks some (names in bench/mutate.py, e.g. cispo-loss egress access); the scores go in README's table.
+MODULES ?=
+mutate: install
+	$(PY) -m pip install -q -e ".[mutate]"
+	nice -n 19 $(PY) bench/mutate.py --survivors $(MODULES)
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs .mutants

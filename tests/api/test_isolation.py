@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from service.repositories import job_outputs as outputs_repo
 from service.repositories import jobs as jobs_repo
 from tests.api.conftest import assert_error, cispo_body, uploaded
 
@@ -54,3 +55,38 @@ def test_every_resource_of_another_project_is_404(api):
     assert owner.get(f"/v1/files/{file_id}").status_code == 200
     assert owner.get(f"/v1/reward_functions/{fn['id']}").status_code == 200
     assert owner.get(f"{JOBS}/{j}/checkpoints/{c}/content").content == b"tar"
+
+
+def test_own_job_id_with_another_projects_nested_ids(api):
+    """A nested lookup that forgot its job filter would serve the owner's rows through the stranger's own job."""
+    owner, stranger = api.client, api.other
+    owner_job = owner.post(JOBS, json=cispo_body(uploaded(owner))).json()["id"]
+    own_job = stranger.post(JOBS, json=cispo_body(uploaded(stranger))).json()["id"]
+    with api.session() as s:
+        epoch = jobs_repo.claim(s, owner_job, "w", ttl_s=60)
+        jobs_repo.record_step(s, owner_job, epoch, 1, {"loss": 1.0}, trained_tokens=1, ttl_s=60)
+        outputs_repo.add_samples(s, owner_job, epoch, 1, [{"prompt": "secret prompt", "completion": "secret",
+                                                           "reward": 1.0, "advantage": 0.0, "rewards": {}}])
+        sha = api.store.put_bytes(f"jobs/{owner_job}/ck/adapter.tar", b"tar")
+        ckpt = jobs_repo.add_checkpoint(s, owner_job, epoch, step=1, storage_prefix=f"jobs/{owner_job}/ck",
+                                        files={"adapter.tar": {"sha256": sha, "bytes": 3},
+                                               "manifest.json": {"sha256": sha, "bytes": 3}}, metrics={})
+        s.commit()
+        c = ckpt.id
+    owner_events = owner.get(f"{JOBS}/{owner_job}/events").json()["data"]
+    assert owner_events and owner.get(f"{JOBS}/{owner_job}/samples").json()["data"]  # there is something to leak
+
+    mine = f"{JOBS}/{own_job}"
+    assert stranger.post(f"{mine}/cancel").status_code == 200  # ended, so a wrongly opened stream would end too
+    assert_error(stranger.get(f"{mine}/checkpoints/{c}/content"), 404, c)
+    assert_error(stranger.get(f"{mine}/checkpoints/{c}/files/manifest.json"), 404, c)
+    assert_error(stranger.get(f"{mine}/checkpoints", params={"after": c}), 400, "after")
+    assert_error(stranger.get(f"{mine}/events", params={"after": owner_events[0]["id"]}), 400, "after")
+    assert_error(stranger.get(f"{mine}/events", params={"stream": "true"},
+                              headers={"Last-Event-ID": owner_events[0]["id"]}), 400, "Last-Event-ID")
+    assert stranger.get(f"{mine}/checkpoints").json()["data"] == []
+    assert stranger.get(f"{mine}/metrics").json()["data"] == []
+    assert stranger.get(f"{mine}/samples").json()["data"] == []
+    assert stranger.get(f"{mine}/samples", params={"step": 1}).json()["data"] == []
+    own_events = stranger.get(f"{mine}/events", params={"limit": 100}).json()["data"]
+    assert not {e["id"] for e in own_events} & {e["id"] for e in owner_events}

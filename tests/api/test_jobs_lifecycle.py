@@ -205,3 +205,49 @@ def test_a_project_over_its_active_job_quota_gets_429_and_others_do_not(database
         assert_error(api.client.post(f"{JOBS}/{first['id']}/resume"), 429, "queued or running")
         assert api.client.post(f"{JOBS}/{second['id']}/cancel").status_code == 200
         assert api.client.post(f"{JOBS}/{first['id']}/resume").status_code == 200
+
+
+LEGAL = {"cancel": {"validating_files", "queued", "running", "paused"}, "pause": {"queued", "running"},
+         "resume": {"paused"}}
+
+
+def _job_in(api, status: str) -> str:
+    """A job brought to `status` the way it gets there: the worker's lease for running and the terminal
+    ends, the API for paused and cancelled (validating_files is set directly: it lasts only a request)."""
+    from sqlalchemy import update
+
+    from service.db.models import Job
+
+    job_id = created_job(api)["id"]
+    if status in ("running", "succeeded", "failed"):
+        epoch = _claim(api, job_id)
+        if status != "running":
+            with api.session() as s:
+                assert jobs_repo.finish(s, job_id, epoch, status)
+                s.commit()
+    elif status in ("paused", "cancelled"):
+        assert _control(api, job_id, {"paused": "pause", "cancelled": "cancel"}[status]).status_code == 200
+    elif status == "validating_files":
+        with api.session() as s:
+            s.execute(update(Job).where(Job.id == job_id).values(status=status))
+            s.commit()
+    return job_id
+
+
+@pytest.mark.parametrize("status", ["validating_files", "queued", "running", "paused", "succeeded", "failed",
+                                    "cancelled"])
+def test_every_illegal_transition_is_409_without_retry_and_changes_nothing(api, status):
+    job_id = _job_in(api, status)
+    before = api.client.get(f"{JOBS}/{job_id}").json()
+    assert before["status"] == status
+    sent = len(api.enqueued.ids)
+    for action in sorted(set(LEGAL) - {a for a, legal in LEGAL.items() if status in legal}):
+        r = _control(api, job_id, action)
+        error = assert_error(r, 409, status)
+        assert r.headers["x-should-retry"] == "false" and error["code"] == "invalid_job_state", action
+        after = api.client.get(f"{JOBS}/{job_id}").json()
+        assert (after["status"], after["finished_at"]) == (before["status"], before["finished_at"]), action
+    assert len(api.enqueued.ids) == sent  # an illegal resume sends nothing
+    with api.session() as s:
+        job = jobs_repo.get_for_worker(s, job_id)
+        assert not job.cancel_requested and not job.pause_requested

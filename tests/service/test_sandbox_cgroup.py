@@ -1,10 +1,13 @@
-"""Where sandbox cgroups go: the choice between cgroup v2 and v1, on a stand-in cgroup tree.
+"""Where sandbox cgroups go and what limits they get: v2 or v1, on a stand-in cgroup tree.
 
 The kernel is the outer edge here: a directory of plain files stands for the
 cgroup file system (this machine's v2 hierarchy has no memory controller, so
 the v2 path cannot run for real; the v1 path does, in
 tests/worker/test_sandbox_kernel.py). What is checked is the decision: which
-directory, and the delegation step a non-root v2 cgroup needs.
+directory, the delegation step a non-root v2 cgroup needs, and the limit
+files new_cgroup writes. The real OOM runs in test_sandbox_kernel.py
+(test_memory_limit_covers_all_its_processes_together) on whichever version
+the host offers: v2 where its hierarchy has the memory controller.
 """
 
 from __future__ import annotations
@@ -78,3 +81,62 @@ def test_v1_needs_both_memory_and_pids(monkeypatch, tmp_path):
     assert sandbox_cgroup.parents() == ("v1", [tmp_path / "memory" / "job", tmp_path / "pids" / "job"])
     monkeypatch.setattr(sandbox_cgroup, "_mounts", lambda: mounts[:1])
     assert sandbox_cgroup.parents() == ("", [])
+
+
+# -- what new_cgroup writes --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kernel_files(monkeypatch):
+    """mkdir of a sandbox cgroup makes its interface files, as the kernel does (each reads "max" at first);
+    `swap` says whether swap accounting is on (memory.swap.max / memory.memsw.* exist)."""
+    made = {"swap": True}
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        if self.name.startswith(sandbox_cgroup.PREFIX):
+            v1_memory = self.parent.parent.name == "memory"
+            names = {"v2": ["memory.max", "pids.max", "memory.swap.max", "memory.peak"],
+                     "memory": ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "memory.swappiness"],
+                     "pids": ["pids.max"]}
+            kind = "memory" if v1_memory else "pids" if self.parent.parent.name == "pids" else "v2"
+            for name in names[kind]:
+                if made["swap"] or not sandbox_cgroup._is_swap(name):
+                    (self / name).write_text("max\n")
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    return made
+
+
+def _limits(path: Path) -> dict[str, str]:
+    return {f.name: f.read_text().strip() for f in sorted(path.iterdir())}
+
+
+def test_v2_cgroup_gets_its_memory_swap_and_pids_limits(v2_only, kernel_files, tmp_path):
+    base = _v2_tree(tmp_path, "/kubepods/pod1", "memory pids", "memory pids")
+    cgroup = sandbox_cgroup.new_cgroup(256 << 20, 32)
+    assert cgroup.version == "v2" and len(cgroup.paths) == 1 and cgroup.paths[0].parent == base
+    assert _limits(cgroup.paths[0]) == {"memory.max": str(256 << 20), "memory.peak": "max",
+                                        "memory.swap.max": "0", "pids.max": "32"}
+
+
+def test_v2_without_swap_accounting_still_bounds_memory_and_pids(v2_only, kernel_files, tmp_path):
+    kernel_files["swap"] = False
+    _v2_tree(tmp_path, "/kubepods/pod1", "memory pids", "memory pids")
+    cgroup = sandbox_cgroup.new_cgroup(64 << 20, 8)
+    assert _limits(cgroup.paths[0]) == {"memory.max": str(64 << 20), "memory.peak": "max", "pids.max": "8"}
+
+
+def test_v1_cgroups_get_memory_memsw_swappiness_and_pids(monkeypatch, kernel_files, tmp_path):
+    for c in ("memory", "pids"):
+        (tmp_path / c / "job").mkdir(parents=True)
+    monkeypatch.setattr(sandbox_cgroup, "_mounts", lambda: [(str(tmp_path / "memory"), "cgroup", ["rw", "memory"]),
+                                                            (str(tmp_path / "pids"), "cgroup", ["rw", "pids"])])
+    monkeypatch.setattr(sandbox_cgroup, "_own_paths", lambda: {"memory": "/job", "pids": "/job"})
+    cgroup = sandbox_cgroup.new_cgroup(128 << 20, 16)
+    memory, pids = cgroup.paths
+    assert cgroup.version == "v1" and memory.parent == tmp_path / "memory" / "job"
+    assert _limits(memory) == {"memory.limit_in_bytes": str(128 << 20),
+                               "memory.memsw.limit_in_bytes": str(128 << 20), "memory.swappiness": "0"}
+    assert _limits(pids) == {"pids.max": "16"}

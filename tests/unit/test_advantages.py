@@ -83,7 +83,7 @@ def test_all_equal_group_is_exactly_zero(scale):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_rewards_raise(bad):
     """NaN or infinite rewards are refused."""
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(ValueError, match="^rewards must be finite$"):
         group_advantages(_t([[1.0, 0.0], [0.0, bad]]))
 
 

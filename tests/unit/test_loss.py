@@ -303,3 +303,70 @@ def test_tis_micro_batches_sum_to_whole_batch():
     _close(grad_parts, grad_whole)
     for key in ("tis_weight", "tis_capped", "sampler_abs_diff", "sampler_kl"):
         _close(sum(o.sums[key] for o in outs), whole.sums[key])
+
+
+# -- edges found by mutation testing (bench/mutate.py) ---------------------------------------------------
+
+
+def _one_row(logp, old, adv=1.0, mask=None, **sampler):
+    logp_t = torch.tensor([logp], dtype=torch.float32)
+    return LossInputs(logprobs_BT=logp_t, old_logprobs_BT=torch.tensor([old], dtype=torch.float32),
+                      advantages_B=torch.tensor([adv], dtype=torch.float32),
+                      action_mask_BT=torch.ones_like(logp_t) if mask is None else torch.tensor([mask]), **sampler)
+
+
+def test_log_ratios_are_clamped_to_plus_minus_20_in_the_reported_ratios():
+    out = cispo_loss(_one_row([0.0, 0.0, 0.0], [-30.0, 30.0, -20.0]), normalizer=1.0)
+    expected = torch.tensor([math.exp(20.0), math.exp(-20.0), math.exp(20.0)], dtype=torch.float32)
+    torch.testing.assert_close(out.ratio_N, expected, rtol=1e-6, atol=0.0)
+
+
+def test_the_tis_weight_floor_is_exp_minus_20():
+    sampler = torch.tensor([[30.0]])  # old - sampler = -30: the weight is exp(-20), not exp(-30)
+    out = cispo_loss(_one_row([0.0], [0.0], sampler_logprobs_BT=sampler), normalizer=1.0, tis_cap=2.0)
+    torch.testing.assert_close(out.sums["tis_weight"], torch.tensor(math.exp(-20.0)), rtol=1e-6, atol=0.0)
+
+
+def test_tis_cap_of_exactly_one_is_allowed_and_a_weight_at_the_cap_is_not_counted_as_capped():
+    same = torch.tensor([[-1.0, -2.0]])
+    out = cispo_loss(_one_row([-1.0, -2.0], [-1.0, -2.0], sampler_logprobs_BT=same), normalizer=1.0, tis_cap=1.0)
+    assert out.sums["tis_capped"].item() == 0.0 and out.sums["tis_weight"].item() == 2.0
+
+
+def test_default_kl_clamp_is_10_per_token():
+    inputs = _one_row([0.0], [0.0], mask=[1.0])
+    inputs = LossInputs(**{**inputs.__dict__, "ref_logprobs_BT": torch.tensor([[20.0]])})  # k3 ~ e^20
+    assert cispo_loss(inputs, normalizer=1.0).sums["kl_ref"].item() == 10.0
+
+
+def test_sums_are_floats_of_the_policys_dtype_whatever_the_mask_and_advantages_dtypes():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    inputs = LossInputs(logprobs_BT=logp, old_logprobs_BT=torch.tensor([[-5.0, -2.0]]),
+                        advantages_B=torch.tensor([1.0], dtype=torch.float64),
+                        action_mask_BT=torch.tensor([[True, True]]),
+                        sampler_logprobs_BT=torch.tensor([[-9.0, -2.0]]))
+    out = cispo_loss(inputs, normalizer=1.0, tis_cap=2.0)
+    assert out.loss.dtype == torch.float32
+    for name in ("tokens", "clipped", "tis_capped", "pg_loss"):
+        assert out.sums[name].dtype == torch.float32, name
+    assert (out.sums["tokens"].item(), out.sums["clipped"].item(), out.sums["tis_capped"].item()) == (2.0, 1.0, 1.0)
+
+
+def test_per_token_advantages_weight_each_token():
+    logp = _t([[-1.0, -2.0], [-0.5, -1.0]])
+    inputs = LossInputs(logprobs_BT=logp, old_logprobs_BT=logp.clone(), advantages_B=_t([[1.0, 2.0], [-1.0, 3.0]]),
+                        action_mask_BT=torch.ones_like(logp))
+    # ratio 1 everywhere: loss = -sum(A * logp) = -(-1 - 4 + 0.5 - 3)
+    _close(cispo_loss(inputs, normalizer=1.0).loss, 7.5)
+
+
+def test_per_sequence_mean_of_a_one_token_sequence_divides_by_one():
+    logp = _t([[-2.0, -1.0]])
+    inputs = LossInputs(logprobs_BT=logp, old_logprobs_BT=logp.clone(), advantages_B=_t([1.0]),
+                        action_mask_BT=_t([[1.0, 0.0]]))
+    _close(cispo_loss(inputs, normalizer=1.0, per_sequence=True).loss, 2.0)
+
+
+def test_kl_beta_without_ref_names_the_missing_input():
+    with pytest.raises(ValueError, match="^kl_beta > 0 needs ref_logprobs_BT$"):
+        cispo_loss(_one_row([0.0], [0.0]), normalizer=1.0, kl_beta=0.1)

@@ -45,6 +45,48 @@ def test_exact_match_options():
 # -- contains -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("options, completion, expected", [
+    ({}, "paris", "  Paris\n"),  # strip and case folding: the expected answer too
+    ({}, "\tParis ", " PARIS\n"),
+    ({"strip_punctuation": True}, "paris", "Paris!"),
+    ({"strip_punctuation": True}, "Paris!", "¿paris?"),
+    ({"collapse_whitespace": True}, "new york", "New \t York"),
+    ({"collapse_whitespace": True}, "New   york", "new\nyork"),
+    ({"collapse_whitespace": True, "strip_punctuation": True}, "new york", " New, York. "),
+])
+def test_exact_match_normalises_both_sides(options, completion, expected):
+    spec = ExactMatchReward(**options)
+    assert exact_match(completion, {"answer": expected}, spec) == 1.0
+    assert exact_match(expected, {"answer": completion}, spec) == 1.0
+
+
+def test_exact_match_keeps_what_its_options_keep_on_both_sides():
+    assert exact_match("paris", {"answer": " paris"}, ExactMatchReward(strip=False)) == 0.0
+    assert exact_match("paris", {"answer": "Paris"}, ExactMatchReward(case_sensitive=True)) == 0.0
+    assert exact_match("paris", {"answer": "paris!"}, ExactMatchReward()) == 0.0
+    assert exact_match("new york", {"answer": "new  york"}, ExactMatchReward()) == 0.0
+
+
+def test_contains_folds_case_on_both_sides():
+    assert contains("It is PARIS.", {"answer": "paris"}, ContainsReward()) == 1.0
+    assert contains("it is paris.", {"answer": "Paris"}, ContainsReward()) == 1.0
+    assert contains("it is paris.", {"answer": "Paris"}, ContainsReward(case_sensitive=True)) == 0.0
+
+
+def test_string_check_ilike_folds_case_on_both_sides_and_eq_like_do_not():
+    from service.schemas.reward_checks import StringCheckReward
+    from worker.rewards.graders import string_check
+
+    def check(operation: str, completion: str, reference: str) -> float:
+        spec = StringCheckReward(reference="{{ item.answer }}", operation=operation)
+        return string_check(completion, {"answer": reference}, spec)
+
+    assert check("ilike", "It is PARIS", "paris") == check("ilike", "it is paris", "PARIS") == 1.0
+    assert check("like", "It is PARIS", "paris") == check("like", "it is paris", "PARIS") == 0.0
+    assert check("eq", "paris", "paris") == check("ne", "paris", " paris") == 1.0
+    assert check("eq", "paris", " paris") == check("eq", " paris", "paris") == 0.0  # eq does not strip
+
+
 def test_contains():
     spec = ContainsReward()
     assert contains("The capital is PARIS.", {"answer": "paris"}, spec) == 1.0

@@ -77,3 +77,33 @@ def test_a_failed_episode_gets_the_failure_score():
     feedback = collect_feedback(rollout, None, failure_score=-1.0)
     assert feedback.turn_rewards == [[0.0, -1.0], [-1.0], [1.0]]
     assert feedback.rewards.tolist() == [-1.0, -1.0, 1.0] and feedback.errors == ["step 2: boom", "reset: no"]
+
+
+# -- edges found by mutation testing (bench/mutate.py) ---------------------------------------------------
+
+
+def test_ragged_episodes_compare_each_turn_among_the_episodes_that_reached_it():
+    # turn 0: 1, 0, 2 (mean 1); turn 1: only episodes 0 and 1 got there: 1, 3 (mean 2)
+    out = turn_advantages([[1.0, 1.0], [0.0, 3.0], [2.0]], 3)
+    assert [t.tolist() for t in out] == [[0.0, -1.0], [-1.0, 1.0], [1.0]]
+    scaled = turn_advantages([[1.0, 1.0], [0.0, 3.0], [2.0]], 3, scale="group_std")
+    std0 = (2 / 3) ** 0.5
+    expected = [[0.0, -1.0 / (1 + 1e-6)], [-1 / (std0 + 1e-6), 1.0 / (1 + 1e-6)], [1 / (std0 + 1e-6)]]
+    for got, want in zip(scaled, expected):
+        torch.testing.assert_close(got, torch.tensor(want), atol=1e-7, rtol=0.0)
+
+
+def test_a_group_of_equal_returns_is_exactly_zero_even_when_its_mean_rounds():
+    # three 0.1s average to 0.10000000000000002: only the all-equal rule makes their advantages exactly 0
+    out = turn_advantages([[0.1], [0.1], [0.1], [0.0], [1.0], [2.0]], 3)
+    assert [t.tolist() for t in out[:3]] == [[0.0], [0.0], [0.0]]
+    assert [t.item() for t in out[3:]] == [-1.0, 0.0, 1.0]
+
+
+def test_turn_advantage_errors_say_what_is_wrong():
+    with pytest.raises(ValueError, match="^every episode needs the reward-to-go of at least turn 0$"):
+        turn_advantages([[1.0], []], 2)
+    with pytest.raises(ValueError, match="^rewards must be finite$"):
+        turn_advantages([[1.0], [float("nan")]], 2)
+    with pytest.raises(ValueError, match="^unknown advantage scale 'rank'$"):
+        turn_advantages([[1.0], [0.0]], 2, scale="rank")

@@ -13,6 +13,7 @@ import os
 import signal
 import struct
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,21 @@ from worker.sandbox import SandboxUnavailable, sandbox_level
 from tests.worker.sandbox_attacks import SANDBOX_UIDS, Run, fresh_settings, needs_sandbox, trainer  # noqa: F401
 
 SYSCALLS = launcher.SYSCALLS.get(os.uname().machine, (0, {}, None))[1]
+
+# Every syscall the filter must deny, with arguments for which the kernel itself answers something other
+# than EPERM when the caller holds the capability (bad pointers, fds, flags): so EPERM means the filter.
+# Written out here, not read from launcher.DENIED, so dropping a rule there fails these tests.
+ATTACKS = {
+    "unshare": [0x10000000], "setns": [-1, 0], "mount": [0, 0, 0, 0, 0], "umount2": [0, 0], "pivot_root": [0, 0],
+    "open_tree": [-1, 0, 0xFFFFFFFF], "move_mount": [-1, 0, -1, 0, 0], "fsopen": [0, 0], "fsconfig": [-1, 0, 0, 0, 0],
+    "fsmount": [-1, 0, 0], "fspick": [-1, 0, 0], "mount_setattr": [-1, 0, 0xFFFFFFFF, 0, 0],
+    "io_uring_setup": [1, 0], "io_uring_enter": [-1, 0, 0, 0, 0], "io_uring_register": [-1, 0, 0, 0],
+    "keyctl": [-1, 0, 0], "add_key": [0, 0, 0, 0, -3], "request_key": [0, 0, 0, 0], "ptrace": [-1, 0, 0, 0],
+    "process_vm_readv": [1, 0, 0, 0, 0, 1], "process_vm_writev": [1, 0, 0, 0, 0, 1], "bpf": [-1, 0, 0],
+    "perf_event_open": [0, 0, -1, -1, 0], "userfaultfd": [-1], "kexec_load": [0, 0, 0, 0],
+    "kexec_file_load": [-1, -1, 0, 0, 0], "init_module": [0, 0, 0], "finit_module": [-1, 0, 0],
+    "delete_module": [0, 0],
+}
 
 
 @needs_sandbox
@@ -99,12 +115,7 @@ def reward(completion, nr, args, **row):
     raise RuntimeError(str(call(nr, *args)))
 """
         clone_newuser = 0x10000000 | signal.SIGCHLD
-        calls = {"unshare": [0x10000000], "setns": [0, 0], "io_uring_setup": [1, 0], "io_uring_enter": [0, 0, 0, 0, 0],
-                 "io_uring_register": [0, 0, 0, 0], "keyctl": [0, -3, 0], "add_key": [0, 0, 0, 0, -3],
-                 "request_key": [0, 0, 0, 0], "ptrace": [0, 0, 0, 0], "process_vm_readv": [1, 0, 0, 0, 0, 0],
-                 "mount": [0, 0, 0, 0, 0], "umount2": [0, 0], "bpf": [0, 0, 0], "perf_event_open": [0, 0, -1, -1, 0],
-                 "userfaultfd": [0], "kexec_load": [0, 0, 0, 0], "init_module": [0, 0, 0],
-                 "finit_module": [-1, 0, 0], "delete_module": [0, 0], "clone": [clone_newuser, 0, 0, 0, 0]}
+        calls = {**ATTACKS, "clone": [clone_newuser, 0, 0, 0, 0]}
         rows = [{"nr": numbers[name], "args": args} for name, args in calls.items()]
         rows.append({"nr": numbers["clone3"], "args": [0, 0]})
         source = source.replace("CLONE", str(numbers["clone"]))
@@ -178,6 +189,49 @@ def test_no_writable_cgroup_fails_closed(monkeypatch, fresh_settings):
             PythonRewardProcess("def reward(c, **r):\n    return 1.0\n")
     finally:
         sandbox_probe.forget_probes()
+
+
+_FILTERED_CALLS = """
+import ctypes, json, os, sys
+import service.sandbox.launch as launcher
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+numbers = launcher.SYSCALLS[os.uname().machine][1]
+if sys.argv[2] == "filtered":
+    assert libc.prctl(launcher.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+    launcher._install_seccomp(os.uname().machine)
+answers = {}
+for name, args in json.loads(sys.argv[1]).items():
+    pid = os.fork()
+    if pid == 0:  # each call in a child of its own: a successful unshare or ptrace changes nothing here
+        ctypes.set_errno(0)
+        result = libc.syscall(ctypes.c_long(numbers[name]), *[ctypes.c_long(a) for a in args])
+        os._exit(min(ctypes.get_errno(), 255) if result < 0 else 0)
+    answers[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(json.dumps(answers))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not SYSCALLS, reason="needs root (the capabilities the filter must "
+                                                               "stand in for) and a syscall table")
+def test_the_filter_itself_denies_each_syscall_a_privileged_caller_could_make():
+    """Inside the sandbox the uid has no capabilities, so the kernel alone already answers EPERM to pivot_root,
+    move_mount, fsopen, fsmount and fspick: there a dropped rule would go unseen. Here the same filter is
+    installed in a root process, where each call gets past the kernel's own checks to an argument error."""
+    import json
+    import subprocess
+    import sys
+
+    def answers(mode: str) -> dict[str, int]:
+        done = subprocess.run([sys.executable, "-c", _FILTERED_CALLS, json.dumps(ATTACKS), mode],
+                              capture_output=True, text=True, timeout=60, cwd=os.getcwd(),
+                              env={**os.environ, "PYTHONPATH": str(Path(launcher.__file__).parents[2])})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    unfiltered = answers("plain")
+    assert {name for name, err in unfiltered.items() if err == errno.EPERM} == set(), unfiltered
+    assert answers("filtered") == {name: errno.EPERM for name in ATTACKS}
 
 
 def test_seccomp_program_jumps_stay_inside_the_program():

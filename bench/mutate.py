@@ -1,0 +1,106 @@
+"""Mutation testing (mutmut 3) over the modules where a bug costs most: `make mutate`, never part of `make test`.
+
+Each module runs in a copy of the checkout of its own (.mutants/<name>/, where mutmut writes its mutants/
+tree), with a narrow test selection; mutmut runs, per mutant, only the tests of that selection that executed
+the mutated function, so a run takes minutes, not hours. Prints killed / total per module (the README table);
+`--survivors` lists what lived, to read with `cd .mutants/<name> && python -m mutmut show <mutant>`.
+
+    python bench/mutate.py [--survivors] [NAME ...]      # names: the keys of MODULES; none = all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / ".mutants"
+
+# name: (what to mutate, the tests that judge it, files never to mutate)
+MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
+    # worker/cispo/, a file at a time: each with its own tests (logprobs' backward mutants are slow ones).
+    "cispo-loss": (["worker/cispo/loss.py"], ["tests/unit/test_loss.py"], []),
+    "cispo-advantages": (["worker/cispo/advantages.py"], ["tests/unit/test_advantages.py"], []),
+    "cispo-turn-advantages": (["worker/cispo/turn_advantages.py"], ["tests/unit/test_turn_advantages.py"], []),
+    "cispo-logprobs": (["worker/cispo/logprobs.py"], ["tests/unit/test_logprobs.py"], []),
+    "egress": (["service/egress.py"], ["tests/service/test_egress.py", "tests/service/test_egress_edges.py"], []),
+    "access": (["service/api/access.py", "service/auth.py"],
+               ["tests/service/test_auth.py", "tests/api/test_access.py", "tests/api/test_errors.py",
+                "tests/api/test_poll_cache.py",
+                "-k", "not postgresql"], []),
+    "update": (["worker/trainer/update.py"], ["tests/trainer/test_update.py"], []),
+    "scoring": (["worker/trainer/scoring.py"], ["tests/trainer/test_scoring.py"], []),
+    "checkpoint": (["worker/checkpoint.py"], ["tests/unit/test_checkpoint.py"], []),
+    "repositories": (["service/repositories/"],
+                     ["tests/service/test_lease_fence.py", "tests/api/test_isolation.py",
+                      "tests/api/test_jobs_lifecycle.py", "tests/api/test_job_outputs.py"], []),
+    # launch.py runs as a script under `python -I -S` (no site-packages, so no mutmut trampoline): not mutated.
+    "sandbox": (["service/sandbox/"], ["tests/service/test_sandbox_cgroup.py", "tests/worker/test_sandbox_kernel.py"],
+                ["service/sandbox/launch.py"]),
+}
+
+
+def _copy_checkout(dest: Path) -> None:
+    """The working tree's files (tracked and new, not ignored) into dest, fresh."""
+    shutil.rmtree(dest, ignore_errors=True)
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                            capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file() and not src.is_symlink():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def _config(paths: list[str], tests: list[str], skip: list[str]) -> str:
+    quoted = lambda items: "[" + ", ".join(json.dumps(i) for i in items) + "]"  # noqa: E731
+    return ("\n[tool.mutmut]\n"
+            f"source_paths = {quoted(paths)}\n"
+            f"do_not_mutate = {quoted(skip)}\n"
+            'also_copy = ["service/", "worker/", "tests/", "migrations/", "bench/"]\n'
+            f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
+            'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n')
+
+
+def run(name: str, *, survivors: bool) -> dict:
+    paths, tests, skip = MODULES[name]
+    where = WORK / name
+    _copy_checkout(where)
+    with open(where / "pyproject.toml", "a") as f:
+        f.write(_config(paths, tests, skip))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # import the mutants, not the checkout
+    mutmut = [sys.executable, "-m", "mutmut"]
+    subprocess.run([*mutmut, "run", "--max-children", os.environ.get("MUTATE_CHILDREN", "2")], cwd=where,
+                   env=env, check=False, stdout=subprocess.DEVNULL)
+    subprocess.run([*mutmut, "export-cicd-stats"], cwd=where, env=env, check=True, capture_output=True)
+    stats = json.loads((where / "mutants" / "mutmut-cicd-stats.json").read_text())
+    if survivors:
+        listed = subprocess.run([*mutmut, "results"], cwd=where, env=env, capture_output=True, text=True).stdout
+        print(listed)
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help=f"some of: {', '.join(MODULES)} (default: all)")
+    parser.add_argument("--survivors", action="store_true", help="list the mutants that survived or had no test")
+    args = parser.parse_args()
+    unknown = set(args.names) - set(MODULES)
+    if unknown:
+        parser.error(f"unknown module(s) {', '.join(sorted(unknown))}; choose from {', '.join(MODULES)}")
+    print("| module | mutants | killed | survived | no test | timeout | score |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.names or MODULES:
+        s = run(name, survivors=args.survivors)
+        killed = s["killed"] + s["timeout"] + s["segfault"]
+        print(f"| {name} | {s['total']} | {killed} | {s['survived']} | {s['no_tests']} | {s['timeout']} | "
+              f"{killed / max(s['total'], 1):.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
