@@ -165,7 +165,7 @@ def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCrea
     report = Report()
     model = None
     try:
-        model = check_model(body.model, hub_url=hub_url)
+        model = check_model(spec.model, hub_url=hub_url)  # a continued job's base model
         report.add("model", "passed" if model.checked else "skipped", f"model: {model.detail}")
     except ModelProblem as e:
         report.add("model", "failed", f"model: {e}", "model")

@@ -18,6 +18,7 @@ from service.db.models import Checkpoint, File, Job
 from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, Unprocessable
 from service.environments import resolve_for_job
 from service.jobs_spec import build_spec, grader_reward
+from service.models import start as starts
 from service.models.source import check_model
 from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
@@ -50,8 +51,10 @@ def _dataset(session: Session, project_id: str, file_id: str, param: str) -> Fil
 
 def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Settings | None = None) -> Prepared:
     """Check every reference in the request and resolve the JobSpec (creates nothing)."""
+    # A fine-tuned model or checkpoint of this project: its base model trains on from its weights.
+    start = starts.resolve(session, project_id, body.model) if starts.names_a_start(body.model) else None
     if settings is not None:
-        check_model(body.model, settings)
+        check_model(start.base_model if start else body.model, settings)
     training = _dataset(session, project_id, body.training_file, "training_file")
     if body.validation_file is not None:
         _dataset(session, project_id, body.validation_file, "validation_file")
@@ -74,7 +77,8 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
     else:
         reward = grader_reward(body.method.reinforcement.grader)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
-    spec = build_spec(body, seed=seed, training_rows=training.rows, reward=reward, environment=environment)
+    spec = build_spec(body, seed=seed, training_rows=training.rows, reward=reward, environment=environment,
+                      start=start)
     if spec.reward is not None:
         where = {"cispo": "method.cispo.reward_function" if reward_function_id else "method.cispo.reward",
                  "reinforcement": "method.reinforcement.grader"}[body.method.type]

@@ -219,6 +219,7 @@ class Claimed:
     spec: JobSpec
     latest: tuple[int, str, dict] | None  # newest committed checkpoint: (step, storage prefix, files)
     secrets: dict[str, str]
+    start: tuple[str, dict] | None = None  # a continued job's starting checkpoint: (storage prefix, files)
 
 
 def _claim(sessions: sessionmaker[Session], job_id: str, owner: str, settings: Settings) -> Claimed | str | None:
@@ -242,8 +243,11 @@ def _claim(sessions: sessionmaker[Session], job_id: str, owner: str, settings: S
         if getattr(spec.environment, "auth_secret", None):  # an http environment's auth header
             needed.add(spec.environment.auth_secret)
         secrets = secrets_repo.values(s, job.project_id, needed, secret_box(settings))
+        # A service job's init_from is a checkpoint id of its own project (service/models/start.py).
+        start = jobs.project_checkpoint(s, job.project_id, spec.init_from) if spec.init_from else None
+        start = (start.storage_prefix, dict(start.files)) if start is not None else None
         jobs.add_event(s, job_id, f"Job started (attempt {job.attempts} of {settings.max_attempts}) on {owner}")
-    return Claimed(epoch, job.attempts, job.project_id, spec, latest, secrets)
+    return Claimed(epoch, job.attempts, job.project_id, spec, latest, secrets, start)
 
 
 def _is_committed(local: Path, latest: tuple[int, str, dict] | None) -> bool:
@@ -268,6 +272,13 @@ def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, 
     if claimed.latest is not None:  # resume from the committed checkpoint, wherever it was written
         step, prefix, files = claimed.latest
         download_checkpoint(store, prefix, files, run_dir / "checkpoints" / checkpoint_name(step))
+    elif claimed.spec.init_from:  # a continued job's first run: the starting checkpoint, verified when it loads
+        if claimed.start is None:
+            raise CheckpointError(f"the starting checkpoint {claimed.spec.init_from} no longer exists (its "
+                                  "fine-tuned model was deleted)")
+        prefix, files = claimed.start
+        local = download_checkpoint(store, prefix, files, work / "start" / claimed.spec.init_from)
+        local_spec = local_spec.model_copy(update={"init_from": str(local)})
     return run_training(local_spec, run_dir, reporter, scoring=ScoringContext.from_settings(settings, claimed.secrets))
 
 

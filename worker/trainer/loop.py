@@ -116,9 +116,11 @@ def _resume_mismatch(saved: dict, spec: JobSpec) -> list[str]:
         saved = JobSpec.model_validate(saved).model_dump(mode="json")
     except ValidationError:
         pass
-    # Dataset files may live at another path on another worker; what they hold is the job's.
+    # Dataset files may live at another path on another worker; what they hold is the job's. So may the
+    # starting checkpoint, which a resumed run no longer reads (the reference it pinned is in the checkpoint).
     now["data"] = {**now["data"], "train_file": None, "validation_file": None}
     saved = {**saved, "data": {**saved.get("data", {}), "train_file": None, "validation_file": None}}
+    now["init_from"] = saved["init_from"] = None
     # A checkpoint holds whole tensors, so the number of processes may change too.
     diffs = [k for k in now if k not in ("training", "resources") and now[k] != saved.get(k)]
     diffs += [

@@ -107,7 +107,8 @@ def _stream(store: ObjectStore, key: str, sha256: str, filename: str, media_type
 @router.get("/checkpoints/{checkpoint_id}/content")
 def checkpoint_content(fine_tuning_job_id: str, checkpoint_id: str, session: SessionDep, store: StoreDep,
                        who: PrincipalDep) -> StreamingResponse:
-    """The adapter as one tar (adapter/...), hashed so the client can verify what it got."""
+    """The whole checkpoint as one tar (adapter/ or model/, reference/ if pinned, trainer_state.*, manifest.json),
+    hashed so the client can verify what it got: unpacked, it is a starting point for a local `init_from`."""
     _, ckpt = jobs_service.checkpoint(session, who.project_id, fine_tuning_job_id, checkpoint_id)
     meta = (ckpt.files or {}).get(ARCHIVE)
     if not meta:
