@@ -69,6 +69,14 @@ def test_unsupported_template_variables_are_refused_by_name(template):
 # -- JSON -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity", '{"a": Infinity}', "[1, NaN]",
+                                  "```json\n{\"a\": -Infinity}\n```"])
+def test_json_valid_refuses_nan_and_infinity(text):
+    """Python's json.loads reads them; RFC 8259 JSON has no NaN or Infinity, so they are not valid JSON."""
+    assert json_valid(text, {}, JsonValidReward(fenced=True)) == 0.0
+    assert json_valid(text, {}, JsonValidReward()) == 0.0
+
+
 def test_json_valid_with_and_without_fences():
     plain, fenced = JsonValidReward(), JsonValidReward(fenced=True)
     assert json_valid(' {"a": 1} ', {}, plain) == 1.0
