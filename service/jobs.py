@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Checkpoint, File, Job
 from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, Unprocessable
+from service.dry_run import check_reward_fields
 from service.environments import resolve_for_job
 from service.jobs_spec import build_spec, grader_reward
 from service.models import start as starts
@@ -28,6 +29,7 @@ from service.rewards.references import check_reward_references
 from service.schemas.job_request import JobCreate
 from service.schemas.job_spec import JobSpec
 from service.settings import Settings
+from service.storage import ObjectStore
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
@@ -112,12 +114,15 @@ def replay(session: Session, project_id: str, key: str, digest: str) -> Job | No
 
 
 def create(session: Session, project_id: str, body: JobCreate, *, idempotency_key: str | None,
-           settings: Settings | None = None) -> tuple[Job, bool]:
-    """(job, created): an idempotent replay returns the earlier job and created=False."""
+           settings: Settings | None = None, store: ObjectStore | None = None) -> tuple[Job, bool]:
+    """(job, created): an idempotent replay returns the earlier job and created=False. With `store`, the rows of
+    both files are checked for the fields the reward reads."""
     digest = request_digest(body)
     if idempotency_key and (earlier := replay(session, project_id, idempotency_key, digest)):
         return earlier, False
     prepared = prepare(session, project_id, body, settings=settings)
+    if store is not None:
+        check_reward_fields(session, store, project_id, body, prepared.spec)
     check_quota(session, project_id, settings)
     spec = prepared.spec
     job = jobs_repo.add(session, Job(
