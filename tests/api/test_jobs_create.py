@@ -144,6 +144,9 @@ def test_unsupported_graders_and_rft_options_are_refused_by_name(api):
     assert_error(post({"grader": {**grader, "reference": "{{row.a}}"}}), 422, "grader.reference", "row.a")
     assert_error(post({"grader": {**grader, "input": "{{sample.output_tools}}"}}), 422, "grader.input",
                  "sample.output_tools")
+    error = assert_error(post({"grader": {**grader, "reference": "{{ item.answer"}}), 422, "grader.reference",
+                         "no closing", "{{ item.answer")
+    assert error["param"] == "method.reinforcement.grader.reference"
     assert_error(post({"grader": {**grader, "extra": 1}}), 422, "method.reinforcement.grader.extra", "unknown")
     assert_error(post({"grader": grader, "hyperparameters": {"reasoning_effort": "high"}}), 422,
                  "reasoning_effort", "not supported")

@@ -66,6 +66,14 @@ def test_unsupported_template_variables_are_refused_by_name(template):
         check_template(template)
 
 
+@pytest.mark.parametrize("template", ["{{ item.answer", "x {{ item.a }} and {{ item.b", "{{", "a }} {{ b"])
+def test_an_unclosed_variable_is_refused(template):
+    """It would otherwise be compared as literal text, and never match."""
+    with pytest.raises(ValueError, match="no closing"):
+        check_template(template)
+    assert check_template('{"a": {"b": 1}}') == '{"a": {"b": 1}}'  # a stray '}}' is plain text
+
+
 # -- JSON -------------------------------------------------------------------------------
 
 
