@@ -40,10 +40,11 @@ from service.queue import enqueue_job
 from service.storage import ObjectStore, StorageError, open_store
 from worker.artifacts import MANIFEST, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
+from worker.envs import describe_environment
 from worker.progress import StepClock
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
-from worker.rewards.errors import RewardErrorRateExceeded, summarize
+from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded, summarize
 from worker.sandbox_channel import INTERRUPT, Interrupted
 from worker.trainer.data import DataError
 
@@ -72,8 +73,10 @@ class JobReporter:
     """Trainer callbacks that write to SQL (fenced) and the object store, and relay control requests."""
 
     def __init__(self, sessions: sessionmaker[Session], store: ObjectStore, job_id: str, epoch: int,
-                 settings: Settings, total_steps: int, keep_checkpoints: int = 3):
+                 settings: Settings, total_steps: int, keep_checkpoints: int = 3, environment: str | None = None):
+        """`environment`: the job's environment, described (its failures are reported as its own, not a reward's)."""
         self.sessions, self.store, self.job_id, self.epoch = sessions, store, job_id, epoch
+        self.environment = environment
         self.settings, self.total_steps = settings, total_steps
         self.keep_checkpoints = keep_checkpoints
         self.cancel = self.pause = self.lost = False
@@ -188,7 +191,9 @@ class JobReporter:
         listed = "; ".join(f"{message} (x{count})" for message, count in top)
         more = len({*errors}) - len(top)
         tail = f"; and {more} other distinct errors" if more > 0 else ""
-        self.event(f"Reward errors at step {step}: {len(errors)} samples failed to score: {listed}{tail}",
+        what = f"Environment errors at step {step} ({self.environment}): {len(errors)} episodes failed" \
+            if self.environment else f"Reward errors at step {step}: {len(errors)} samples failed to score"
+        self.event(f"{what}: {listed}{tail}",
                    level="warn", data={"step": step, "reward_errors": len(errors),
                                        "errors": [{"message": m, "count": c} for m, c in top]})
 
@@ -284,6 +289,8 @@ def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, 
 
 def _failure(e: Exception) -> tuple[str, str, bool]:
     """(error code, message, whether another attempt may succeed) for an exception out of a run."""
+    if isinstance(e, EnvironmentErrorRateExceeded):
+        return "environment_error_rate", str(e), False
     if isinstance(e, RewardErrorRateExceeded):
         return "reward_error_rate", str(e), False
     if isinstance(e, (DataError, CheckpointError, ValueError)):
@@ -304,7 +311,9 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
 
     total = claimed.spec.training.steps
     reporter = JobReporter(sessions, store, job_id, claimed.epoch, settings, total,
-                           keep_checkpoints=claimed.spec.training.checkpoint_keep)
+                           keep_checkpoints=claimed.spec.training.checkpoint_keep,
+                           environment=describe_environment(claimed.spec.environment)
+                           if claimed.spec.environment else None)
     work = settings.resolved_work_dir() / job_id
     status, error = "failed", None  # error: (code, message, retryable)
     reporter.start()

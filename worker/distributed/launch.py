@@ -30,13 +30,14 @@ from pathlib import Path
 from service.schemas.job_spec import JobSpec
 from worker.checkpoint import CheckpointError
 from worker.rewards.engine import ScoringContext
-from worker.rewards.errors import RewardErrorRateExceeded
+from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded
 from worker.trainer.data import DataError
 
 CHANNEL_ENV = "CISPO_RANK0_SOCKET"
 RANKS_LOG = "ranks.log"
 # Errors that mean the same in every process; anything else arrives as RankFailed.
-KNOWN_ERRORS = {cls.__name__: cls for cls in (RewardErrorRateExceeded, CheckpointError, DataError, ValueError)}
+KNOWN_ERRORS = {cls.__name__: cls for cls in (EnvironmentErrorRateExceeded, RewardErrorRateExceeded, CheckpointError,
+                                              DataError, ValueError)}
 
 
 class RankFailed(RuntimeError):
