@@ -76,6 +76,8 @@ def list_metrics(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep
                  step_min: Annotated[int | None, Query(ge=0)] = None,
                  step_max: Annotated[int | None, Query(ge=0)] = None,
                  limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> MetricList:
+    """A time series: oldest step first, then by name (unlike events and checkpoints, newest first);
+    with has_more, ask again with step_min past the last step shown."""
     job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
     rows = jobs_repo.metrics(session, job.id, names=name, step_min=step_min, step_max=step_max, limit=limit + 1)
     return MetricList(data=[presenters.metric(r) for r in rows[:limit]], has_more=len(rows) > limit)
@@ -85,7 +87,7 @@ def list_metrics(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep
 def list_samples(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep,
                  step: Annotated[int | None, Query(ge=0)] = None, after: str | None = None,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20) -> ListObject:
-    """A few completions per step (each group's best and worst), newest step first."""
+    """A few completions per step, newest step first: each group's best and worst, for the step's first 8 groups."""
     job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
     if after is not None:
         try:
