@@ -77,6 +77,11 @@ def test_a_fine_tuned_model_trains_on_through_the_api(postgres_url, toy_dir, tmp
             p.relative_to(source_dir).as_posix() for p in source_dir.rglob("*") if p.is_file()}
         assert load_checkpoint(source_dir).adapter_dir == source_dir / "adapter"
 
+        # A dry run resolves it too: the base model is checked, the spec starts from the final checkpoint.
+        dry = api.client.post(JOBS, params={"dry_run": "true"}, json=_body(model, train, _hyperparameters(steps=1)))
+        assert dry.status_code == 200, dry.text
+        assert dry.json()["spec"]["init_from"] == source_ckpt["id"]
+
         # Continued from the fine-tuned model (lora left out: the source's adapter shape is kept).
         continued = _run(api, settings, _body(model, train, _hyperparameters(steps=1)))
         assert continued["model"] == model
