@@ -104,16 +104,51 @@ def _rows(session: Session, store: ObjectStore, project_id: str, spec: JobSpec) 
                 yield param, line, row
 
 
+def _note_missing(missing: dict[tuple[str, str, str], list[int]], file_param: str, line: int, row: dict,
+                  uses: list[FieldUse]) -> None:
+    for use in uses:
+        if not has_path(row, use.path):
+            missing.setdefault((file_param, use.shown, use.param), []).append(line)
+
+
+def _missing_failures(missing: dict[tuple[str, str, str], list[int]], reward_param: str) -> list[tuple[str, str]]:
+    """(message, param) per reward field some rows of a file lack."""
+    return [(f"{reward_param}.{param} reads row field {shown!r}, which {file_param} lacks on line(s) "
+             f"{_lines(lines)}", f"{reward_param}.{param}") for (file_param, shown, param), lines in missing.items()]
+
+
+def reward_param(body: JobCreate) -> str:
+    """Where the request names the reward (errors about what it reads point there)."""
+    if body.method.type == "reinforcement":
+        return "method.reinforcement.grader"
+    return "method.cispo.reward_function" if body.method.cispo.reward_function else "method.cispo.reward"
+
+
+def check_reward_fields(session: Session, store: ObjectStore, project_id: str, body: JobCreate,
+                        spec: JobSpec) -> None:
+    """At create: refuse (400) a job whose training or validation rows lack a field the reward reads, as the dry
+    run does; a validation row without it would score 0 with a reward error at every evaluation."""
+    if spec.reward is None:
+        return
+    uses, _ = fields_read(spec.reward.model_dump(mode="json"))
+    if not uses:
+        return
+    missing: dict[tuple[str, str, str], list[int]] = {}
+    for file_param, line, row in _rows(session, store, project_id, spec):
+        _note_missing(missing, file_param, line, row, uses)
+    if failures := _missing_failures(missing, reward_param(body)):
+        raise InvalidRequest("; ".join(message for message, _ in failures), param=failures[0][1],
+                             code="missing_reward_field")
+
+
 def _scan(report: Report, rows: Iterator[tuple[str, int, dict]], spec: JobSpec, uses: list[FieldUse],
           counter: _Counter, reward_param: str) -> None:
     """One pass over the rows: missing reward fields, prompts that do not fit."""
-    missing: dict[tuple[str, str], list[int]] = {}
+    missing: dict[tuple[str, str, str], list[int]] = {}
     limit = spec.sampling.max_model_len - spec.sampling.max_output_tokens
     longest, over_exact, over_estimated = 0, {}, {}
     for file_param, line, row in rows:
-        for use in uses:
-            if not has_path(row, use.path):
-                missing.setdefault((file_param, use.shown, use.param), []).append(line)
+        _note_missing(missing, file_param, line, row, uses)
         tokens, exact = counter.count(row_prompt(row))
         longest = max(longest, tokens)
         if tokens > limit:
@@ -121,9 +156,8 @@ def _scan(report: Report, rows: Iterator[tuple[str, int, dict]], spec: JobSpec, 
 
     if uses:
         if missing:
-            for (file_param, shown, param), lines in missing.items():
-                report.add("reward_fields", "failed", f"{reward_param}.{param} reads row field {shown!r}, which "
-                           f"{file_param} lacks on line(s) {_lines(lines)}", f"{reward_param}.{param}")
+            for message, param in _missing_failures(missing, reward_param):
+                report.add("reward_fields", "failed", message, param)
         else:
             names = ", ".join(sorted({repr(u.shown) for u in uses}))
             report.add("reward_fields", "passed", f"every row has {names}")
@@ -227,22 +261,20 @@ def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCrea
     report = Report()
     model = None
     try:
-        model = check_model(body.model, hub_url=hub_url)
+        model = check_model(spec.model, hub_url=hub_url)  # a continued job's base model
         report.add("model", "passed" if model.checked else "skipped", f"model: {model.detail}")
     except ModelProblem as e:
         report.add("model", "failed", f"model: {e}", "model")
 
-    reward_param = "method.cispo.reward" if body.method.type == "cispo" else "method.reinforcement.grader"
-    if body.method.type == "cispo" and body.method.cispo.reward_function:
-        reward_param = "method.cispo.reward_function"
+    where = reward_param(body)
     uses: list[FieldUse] = []
     if spec.reward is not None:
         uses, opaque = fields_read(spec.reward.model_dump(mode="json"))
         for at, why in opaque:
-            report.add("reward_fields", "skipped", f"{reward_param}{'.' + at if at else ''}: not checked, {why}")
+            report.add("reward_fields", "skipped", f"{where}{'.' + at if at else ''}: not checked, {why}")
     else:
         report.add("reward_fields", "skipped", "an environment reads rows in its own code: not checked")
-    _scan(report, _rows(session, store, project_id, spec), spec, uses, _Counter(model), reward_param)
+    _scan(report, _rows(session, store, project_id, spec), spec, uses, _Counter(model), where)
 
     _engine(report, spec, model, "method.cispo.hyperparameters")
     report.estimated_seconds, how = _estimate(session, project_id, body, spec)

@@ -71,8 +71,10 @@ def field_path(loc: Sequence[Any], data: Any = _MISSING) -> str:
     """
     parts: list[str] = []
     node = _MISSING if data is None else data
-    for seg in loc:
+    for i, seg in enumerate(loc):
         if isinstance(node, dict):
+            if node.get("type") == seg and i + 1 < len(loc) and loc[i + 1] in node:
+                continue  # the tag, though a field has its name too ({"type": "json_schema", "json_schema": ...})
             if seg in node:
                 parts.append(str(seg))
                 node = node[seg]

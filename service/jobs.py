@@ -16,8 +16,10 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Checkpoint, File, Job
 from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, Unprocessable
+from service.dry_run import check_reward_fields
 from service.environments import resolve_for_job
 from service.jobs_spec import build_spec, grader_reward
+from service.models import start as starts
 from service.models.source import check_model
 from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
@@ -27,6 +29,7 @@ from service.rewards.references import check_reward_references
 from service.schemas.job_request import JobCreate
 from service.schemas.job_spec import JobSpec
 from service.settings import Settings
+from service.storage import ObjectStore
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
@@ -50,8 +53,10 @@ def _dataset(session: Session, project_id: str, file_id: str, param: str) -> Fil
 
 def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Settings | None = None) -> Prepared:
     """Check every reference in the request and resolve the JobSpec (creates nothing)."""
+    # A fine-tuned model or checkpoint of this project: its base model trains on from its weights.
+    start = starts.resolve(session, project_id, body.model) if starts.names_a_start(body.model) else None
     if settings is not None:
-        check_model(body.model, settings)
+        check_model(start.base_model if start else body.model, settings)
     training = _dataset(session, project_id, body.training_file, "training_file")
     if body.validation_file is not None:
         _dataset(session, project_id, body.validation_file, "validation_file")
@@ -74,7 +79,8 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
     else:
         reward = grader_reward(body.method.reinforcement.grader)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
-    spec = build_spec(body, seed=seed, training_rows=training.rows, reward=reward, environment=environment)
+    spec = build_spec(body, seed=seed, training_rows=training.rows, reward=reward, environment=environment,
+                      start=start)
     if spec.reward is not None:
         where = {"cispo": "method.cispo.reward_function" if reward_function_id else "method.cispo.reward",
                  "reinforcement": "method.reinforcement.grader"}[body.method.type]
@@ -108,12 +114,15 @@ def replay(session: Session, project_id: str, key: str, digest: str) -> Job | No
 
 
 def create(session: Session, project_id: str, body: JobCreate, *, idempotency_key: str | None,
-           settings: Settings | None = None) -> tuple[Job, bool]:
-    """(job, created): an idempotent replay returns the earlier job and created=False."""
+           settings: Settings | None = None, store: ObjectStore | None = None) -> tuple[Job, bool]:
+    """(job, created): an idempotent replay returns the earlier job and created=False. With `store`, the rows of
+    both files are checked for the fields the reward reads."""
     digest = request_digest(body)
     if idempotency_key and (earlier := replay(session, project_id, idempotency_key, digest)):
         return earlier, False
     prepared = prepare(session, project_id, body, settings=settings)
+    if store is not None:
+        check_reward_fields(session, store, project_id, body, prepared.spec)
     check_quota(session, project_id, settings)
     spec = prepared.spec
     job = jobs_repo.add(session, Job(

@@ -22,10 +22,11 @@ import math
 
 from pydantic import ValidationError
 
-from service.errors import Unprocessable, unprocessable
+from service.errors import InvalidRequest, Unprocessable, unprocessable
+from service.models.start import Start
 from service.schemas import graders
 from service.schemas.job_request import JobCreate, ReinforcementMethod
-from service.schemas.job_spec import JobSpec, TrainingSpec
+from service.schemas.job_spec import JobSpec, LoraSpec, TrainingSpec
 
 BASE_LR = 1e-5
 DEFAULT_MINI_BATCHES = TrainingSpec.model_fields["mini_batches"].default
@@ -79,6 +80,8 @@ def _request_path(method_type: str, spec_path: str) -> str:
         return "validation_file"
     if spec_path in ("model", "seed"):
         return spec_path
+    if spec_path == "init_from":  # set from a fine-tuned model or checkpoint named as the model
+        return "model"
     if method_type == "reinforcement":
         for prefix in sorted(_RFT_SOURCES, key=len, reverse=True):
             if spec_path == prefix or spec_path.startswith(prefix + "."):
@@ -91,10 +94,24 @@ def _request_path(method_type: str, spec_path: str) -> str:
     return "method.cispo.hyperparameters." + spec_path
 
 
+def _start_sections(sections: dict, start: Start, method_type: str) -> dict:
+    """A continued job trains the starting checkpoint's weights: the same adapter shape (or none) as its job."""
+    if "lora" not in sections:
+        return {**sections, "lora": start.lora}
+    given = None if sections["lora"] is None else LoraSpec.model_validate(sections["lora"]).model_dump(mode="json")
+    if given != start.lora:
+        param = "method.cispo.hyperparameters.lora" if method_type == "cispo" else "model"
+        raise InvalidRequest(f"{param}: the starting checkpoint (job {start.source_job_id}) holds "
+                             f"{'a whole model' if start.lora is None else 'the adapter ' + str(start.lora)}; "
+                             "leave lora out to train it on, or give exactly that", param=param)
+    return sections
+
+
 def build_spec(body: JobCreate, *, seed: int, training_rows: int, reward: dict | None,
-               environment: dict | None = None) -> JobSpec:
+               environment: dict | None = None, start: Start | None = None) -> JobSpec:
     """The resolved spec; `reward` is the reward spec (inline, registered, or mapped from a grader), or
-    `environment` the environment spec (inline or registered)."""
+    `environment` the environment spec (inline or registered); `start` the checkpoint a continued job
+    starts from (its base model trains on, its weights pinned as the reference: spec.init_from)."""
     method = body.method
     if method.type == "cispo":
         hp = method.cispo.hyperparameters
@@ -104,8 +121,10 @@ def build_spec(body: JobCreate, *, seed: int, training_rows: int, reward: dict |
                     if (value := getattr(hp, name)) is not None or (name == "lora" and name in hp.model_fields_set)}
     else:
         sections = _reinforcement_sections(method.reinforcement, training_rows)
+    if start is not None:
+        sections = {**_start_sections(sections, start, method.type), "init_from": start.checkpoint_id}
     data = {
-        "model": body.model,
+        "model": start.base_model if start is not None else body.model,
         "seed": seed,
         "data": {"train_file": body.training_file, "validation_file": body.validation_file},
         **({"reward": reward} if reward is not None else {}),

@@ -1,7 +1,10 @@
 """Moving checkpoints between the trainer's local directory and the object store.
 
 Upload order is what makes a stored checkpoint trustworthy: every file
-first, the adapter archive next, manifest.json last. Only after all of them
+first, the archive next, manifest.json last. The archive (served as the
+checkpoint's content) is the whole checkpoint, manifest included: unpacked,
+it is a directory that `init_from` accepts, and its `adapter/` (or `model/`)
+loads with PEFT (or from_pretrained) on its own. Only after all of them
 are stored does the worker record the checkpoint in SQL (fenced by its lease
 epoch), so the database never points at a half-uploaded checkpoint; and
 since every run uploads under its own epoch's prefix, no upload ever
@@ -10,7 +13,6 @@ replaces an object a committed checkpoint points at.
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import tarfile
@@ -29,17 +31,18 @@ def checkpoint_prefix(job_id: str, epoch: int, checkpoint_dir: Path) -> str:
     return f"jobs/{job_id}/checkpoints/epoch-{epoch:06d}/{checkpoint_dir.name}"
 
 
-def adapter_archive(adapter_dir: Path) -> bytes:
-    """A byte-for-byte reproducible tar of the adapter (sorted names, zeroed times and owners)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(p for p in adapter_dir.rglob("*") if p.is_file()):
-            info = tarfile.TarInfo(name=f"adapter/{path.relative_to(adapter_dir).as_posix()}")
+def write_checkpoint_archive(checkpoint_dir: Path, dest: Path) -> None:
+    """A byte-for-byte reproducible tar of every file the manifest lists, and the manifest (sorted names, zeroed
+    times and owners), written to a file: a whole model's checkpoint may not fit in memory."""
+    listed = json.loads((checkpoint_dir / MANIFEST).read_text())["files"]
+    with tarfile.open(dest, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel in sorted([*listed, MANIFEST]):
+            path = checkpoint_dir / rel
+            info = tarfile.TarInfo(name=rel)
             info.size = path.stat().st_size
             info.mode = 0o644
             with path.open("rb") as f:
                 tar.addfile(info, f)
-    return buf.getvalue()
 
 
 def upload_checkpoint(store: ObjectStore, job_id: str, epoch: int, checkpoint_dir: Path) -> tuple[str, dict]:
@@ -52,8 +55,12 @@ def upload_checkpoint(store: ObjectStore, job_id: str, epoch: int, checkpoint_di
         if sha != meta["sha256"]:
             raise IOError(f"{rel} changed while it was uploaded")
         files[rel] = {"sha256": sha, "bytes": meta["bytes"]}
-    archive = adapter_archive(checkpoint_dir / "adapter")
-    files[ARCHIVE] = {"sha256": store.put_bytes(f"{prefix}/{ARCHIVE}", archive), "bytes": len(archive)}
+    archive = checkpoint_dir.parent / f".{checkpoint_dir.name}-{ARCHIVE}"
+    try:
+        write_checkpoint_archive(checkpoint_dir, archive)
+        files[ARCHIVE] = {"sha256": store.put_file(f"{prefix}/{ARCHIVE}", archive), "bytes": archive.stat().st_size}
+    finally:
+        archive.unlink(missing_ok=True)
     manifest_bytes = (checkpoint_dir / MANIFEST).read_bytes()
     files[MANIFEST] = {"sha256": store.put_bytes(f"{prefix}/{MANIFEST}", manifest_bytes), "bytes": len(manifest_bytes)}
     return prefix, files

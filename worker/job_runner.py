@@ -43,10 +43,11 @@ from service.storage import ObjectStore, StorageError, open_store
 from worker.artifacts import MANIFEST, delete_unreferenced, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
 from worker import scratch
+from worker.envs import describe_environment
 from worker.progress import StepClock, reward_trend
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
-from worker.rewards.errors import RewardErrorRateExceeded, summarize
+from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded, summarize
 from worker.sandbox_channel import INTERRUPT, Interrupted
 from worker.trainer.data import DataError
 from worker.trainer.learning_signal import NoLearningSignal, no_signal_message, preflight_message
@@ -77,8 +78,10 @@ class JobReporter:
     """Trainer callbacks that write to SQL (fenced) and the object store, and relay control requests."""
 
     def __init__(self, sessions: sessionmaker[Session], store: ObjectStore, job_id: str, epoch: int,
-                 settings: Settings, total_steps: int, keep_checkpoints: int = 3):
+                 settings: Settings, total_steps: int, keep_checkpoints: int = 3, environment: str | None = None):
+        """`environment`: the job's environment, described (its failures are reported as its own, not a reward's)."""
         self.sessions, self.store, self.job_id, self.epoch = sessions, store, job_id, epoch
+        self.environment = environment
         self.settings, self.total_steps = settings, total_steps
         self.keep_checkpoints = keep_checkpoints
         self.cancel = self.pause = self.lost = False
@@ -208,7 +211,9 @@ class JobReporter:
         listed = "; ".join(f"{message} (x{count})" for message, count in top)
         more = len({*errors}) - len(top)
         tail = f"; and {more} other distinct errors" if more > 0 else ""
-        self.event(f"Reward errors at step {step}: {len(errors)} samples failed to score: {listed}{tail}",
+        what = f"Environment errors at step {step} ({self.environment}): {len(errors)} episodes failed" \
+            if self.environment else f"Reward errors at step {step}: {len(errors)} samples failed to score"
+        self.event(f"{what}: {listed}{tail}",
                    level="warn", data={"step": step, "reward_errors": len(errors),
                                        "errors": [{"message": m, "count": c} for m, c in top]})
 
@@ -239,6 +244,7 @@ class Claimed:
     spec: JobSpec
     latest: tuple[int, str, dict] | None  # newest committed checkpoint: (step, storage prefix, files)
     secrets: dict[str, str]
+    start: tuple[str, dict] | None = None  # a continued job's starting checkpoint: (storage prefix, files)
 
 
 def _claim(sessions: sessionmaker[Session], job_id: str, owner: str, settings: Settings) -> Claimed | str | None:
@@ -262,8 +268,11 @@ def _claim(sessions: sessionmaker[Session], job_id: str, owner: str, settings: S
         if getattr(spec.environment, "auth_secret", None):  # an http environment's auth header
             needed.add(spec.environment.auth_secret)
         secrets = secrets_repo.values(s, job.project_id, needed, secret_box(settings))
+        # A service job's init_from is a checkpoint id of its own project (service/models/start.py).
+        start = jobs.project_checkpoint(s, job.project_id, spec.init_from) if spec.init_from else None
+        start = (start.storage_prefix, dict(start.files)) if start is not None else None
         jobs.add_event(s, job_id, f"Job started (attempt {job.attempts} of {settings.max_attempts}) on {owner}")
-    return Claimed(epoch, job.attempts, job.project_id, spec, latest, secrets)
+    return Claimed(epoch, job.attempts, job.project_id, spec, latest, secrets, start)
 
 
 def _is_committed(local: Path, latest: tuple[int, str, dict] | None) -> bool:
@@ -289,11 +298,20 @@ def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, 
     if claimed.latest is not None:  # resume from the committed checkpoint, wherever it was written
         step, prefix, files = claimed.latest
         download_checkpoint(store, prefix, files, run_dir / "checkpoints" / checkpoint_name(step))
+    elif claimed.spec.init_from:  # a continued job's first run: the starting checkpoint, verified when it loads
+        if claimed.start is None:
+            raise CheckpointError(f"the starting checkpoint {claimed.spec.init_from} no longer exists (its "
+                                  "fine-tuned model was deleted)")
+        prefix, files = claimed.start
+        local = download_checkpoint(store, prefix, files, work / "start" / claimed.spec.init_from)
+        local_spec = local_spec.model_copy(update={"init_from": str(local)})
     return run_training(local_spec, run_dir, reporter, scoring=ScoringContext.from_settings(settings, claimed.secrets))
 
 
 def _failure(e: Exception) -> tuple[str, str, bool]:
     """(error code, message, whether another attempt may succeed) for an exception out of a run."""
+    if isinstance(e, EnvironmentErrorRateExceeded):
+        return "environment_error_rate", str(e), False
     if isinstance(e, RewardErrorRateExceeded):
         return "reward_error_rate", str(e), False
     if isinstance(e, NoLearningSignal):
@@ -339,7 +357,9 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
 
     total = claimed.spec.training.steps
     reporter = JobReporter(sessions, store, job_id, claimed.epoch, settings, total,
-                           keep_checkpoints=claimed.spec.training.checkpoint_keep)
+                           keep_checkpoints=claimed.spec.training.checkpoint_keep,
+                           environment=describe_environment(claimed.spec.environment)
+                           if claimed.spec.environment else None)
     work = scratch.run_dir(settings, job_id, claimed.epoch)  # this run's own, removed however it ends
     status, error = "failed", None  # error: (code, message, retryable)
     reporter.start()

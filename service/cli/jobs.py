@@ -251,7 +251,8 @@ def cmd_control(args, client: Client) -> int:
 
 
 def cmd_download(args, client: Client) -> int:
-    """The adapter tar of a checkpoint (the latest by default), checked against the API's sha256."""
+    """A checkpoint's tar (the latest by default: adapter/, trainer state, manifest), checked against the API's
+    sha256."""
     ckpt_id = args.checkpoint
     if ckpt_id is None:
         latest = client.get(f"/fine_tuning/jobs/{args.job}/checkpoints", limit=1)["data"]
@@ -362,6 +363,6 @@ def add_jobs_command(sub: argparse._SubParsersAction) -> None:
                         help="seconds between polls with --follow")
     for action in ("cancel", "pause", "resume"):
         command(action, cmd_control, f"{action} the job").set_defaults(action=action)
-    download = command("download", cmd_download, "download a checkpoint's adapter tar, verified by sha256")
+    download = command("download", cmd_download, "download a checkpoint's tar (its adapter/ loads with PEFT; unpacked, a local init_from), verified by sha256")
     download.add_argument("--checkpoint", help="a checkpoint id (default: the latest)")
     download.add_argument("--output", "-o", help="where to save it (default: <checkpoint>-adapter.tar)")

@@ -16,7 +16,9 @@ from service.repositories.pagination import Page
 
 
 def model_id(job: Job, project_name: str) -> str:
-    return f"ft:{job.model}:{project_name}:{job.suffix or ''}:{job.id}"
+    # The base the adapter applies to: a job that continued a fine-tuned model has `ft:...` as its model.
+    base = (job.spec or {}).get("model", job.model)
+    return f"ft:{base}:{project_name}:{job.suffix or ''}:{job.id}"
 
 
 def list_models(session: Session, project_id: str, *, after_job_id: str | None, limit: int) -> Page[Job]:

@@ -113,6 +113,12 @@ def checkpoint(session: Session, job_id: str, checkpoint_id: str) -> Checkpoint 
     return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.id == checkpoint_id))
 
 
+def project_checkpoint(session: Session, project_id: str, checkpoint_id: str) -> Checkpoint | None:
+    """A checkpoint of any job of the project (a continued job's starting point)."""
+    return session.scalar(select(Checkpoint).join(Job, Job.id == Checkpoint.job_id)
+                          .where(Checkpoint.id == checkpoint_id, Job.project_id == project_id))
+
+
 def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
     return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()))
 

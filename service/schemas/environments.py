@@ -62,6 +62,10 @@ def _methods(tree: ast.Module, class_name: str) -> set[str] | None:
 class PythonEnvironment(_EnvironmentBase):
     """User Python source defining ``class_name`` with ``reset(self, seed, row)`` and ``step(self, action)``.
 
+    ``reset`` returns the first observation (a string: the user turn; a list of chat messages; or None: the
+    row's prompt), or Gymnasium's ``(observation, info)``. ``step`` returns ``(observation, reward,
+    terminated, truncated, info)``; the observation may be None once the episode is over. ``info`` is not used.
+
     It runs in a sandboxed child process with the standard library only. A
     call that raises, times out, or returns something outside the protocol
     ends that episode with the job's failure score, counted as an error.

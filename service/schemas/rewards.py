@@ -30,7 +30,7 @@ import ast
 import re
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints, field_validator, model_validator
+from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from service.schemas.python_source import check_identifier, check_source
 
@@ -177,19 +177,29 @@ class MultiReward(_RewardBase):
     weights: dict[str, float] | None = None
     formula: str | None = Field(None, min_length=1, max_length=1000)
 
-    @model_validator(mode="after")
-    def _combination(self) -> MultiReward:
-        if self.weights is not None and self.formula is not None:
+    # Field validators, not one model validator: an error then names the field it is about ("spec.weights").
+    @field_validator("weights")
+    @classmethod
+    def _weights_name_rewards(cls, weights: dict[str, float] | None, info: ValidationInfo) -> dict | None:
+        rewards = info.data.get("rewards")  # absent when the rewards themselves were refused
+        if weights is not None and rewards is not None and (unknown := sorted(set(weights) - set(rewards))):
+            raise ValueError(f"names {', '.join(map(repr, unknown))}, which {'is' if len(unknown) == 1 else 'are'} "
+                             f"not in rewards ({', '.join(map(repr, rewards))})")
+        return weights
+
+    @field_validator("formula")
+    @classmethod
+    def _formula_compiles(cls, formula: str | None, info: ValidationInfo) -> str | None:
+        if formula is None:
+            return None
+        if info.data.get("weights") is not None:
             raise ValueError("give weights or formula, not both")
-        unknown = sorted(set(self.weights or {}) - set(self.rewards))
-        if unknown:
-            raise ValueError(f"weights name {', '.join(map(repr, unknown))}, which are not in rewards")
-        if self.formula is not None:
+        if (rewards := info.data.get("rewards")) is not None:
             try:
-                compile_formula(self.formula, self.rewards)
+                compile_formula(formula, rewards)
             except FormulaError as e:
-                raise ValueError(f"formula: {e}") from None
-        return self
+                raise ValueError(str(e)) from None
+        return formula
 
     def used_names(self) -> list[str]:
         """The sub-rewards the combined score depends on."""

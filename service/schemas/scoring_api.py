@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from service.schemas.api import Request, ServiceReward, Text
 from service.schemas.reward_base import SecretName
@@ -51,12 +51,23 @@ class RewardTestRequest(Request):
 
     completions: list[str] | None = Field(None, min_length=1, max_length=MAX_TEST_SAMPLES)
     rows: list[dict[str, Any]] | None = Field(None, min_length=1, max_length=MAX_TEST_SAMPLES)
-    samples: list[RewardTestSample] | None = Field(None, min_length=1, max_length=MAX_TEST_SAMPLES)
+    # validate_default: the check below runs when samples is left out too, so its error names a field.
+    samples: list[RewardTestSample] | None = Field(None, min_length=1, max_length=MAX_TEST_SAMPLES,
+                                                   validate_default=True)
+
+    @field_validator("samples")
+    @classmethod
+    def _one_form(cls, samples: list | None, info: ValidationInfo) -> list | None:
+        if "completions" not in info.data:  # completions were refused: that error is enough
+            return samples
+        if samples is not None and info.data["completions"] is not None:
+            raise ValueError("give completions (and rows) or samples, not both")
+        if samples is None and info.data["completions"] is None:
+            raise ValueError("give completions (and rows) or samples")
+        return samples
 
     @model_validator(mode="after")
-    def _one_form(self) -> RewardTestRequest:
-        if (self.completions is None) == (self.samples is None):
-            raise ValueError("give completions (and rows) or samples")
+    def _rows_fit(self) -> RewardTestRequest:
         if self.samples is not None and self.rows is not None:
             raise ValueError("rows go with completions; samples carry their own row")
         if self.completions is not None and self.rows is not None and len(self.rows) != len(self.completions):

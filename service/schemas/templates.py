@@ -41,7 +41,11 @@ def variables(template: str) -> list[str]:
 
 
 def check_template(template: str) -> str:
-    """Raise ValueError naming the first unsupported variable; returns the template."""
+    """Raise ValueError naming the first unsupported variable, or an unclosed ``{{``; returns the template."""
+    rest = _VARIABLE.sub("", template)
+    if (at := rest.find("{{")) >= 0:
+        raise ValueError(f"template has a '{{{{' with no closing '}}}}': {rest[at:at + 40]!r} (a variable is written "
+                         f"{{{{ item.<path> }}}}; supported: {SUPPORTED})")
     for var in variables(template):
         if not _PATH.match(var):
             raise ValueError(f"template variable {{{{ {var} }}}} is not a dotted name (supported: {SUPPORTED})")

@@ -90,6 +90,29 @@ def test_non_finite_numbers_are_refused_naming_the_field(api):
         assert s.scalar(select(func.count()).select_from(Job)) == 0
 
 
+def test_param_names_the_field_at_fault(api):
+    """Not the union tag twice, not the enclosing object, not null."""
+    def error(path: str, body: dict) -> dict:
+        r = api.client.post(path, json=body)
+        assert r.status_code in (400, 422), r.text
+        return r.json()["error"]
+
+    bad_schema = {"type": "json_schema", "json_schema": {"type": 12}}
+    assert error("/v1/reward_functions", {"name": "s", "spec": bad_schema})["param"] == "spec.json_schema"
+    multi = {"type": "multi", "rewards": {"a": {"type": "contains"}}, "weights": {"a": 1.0, "nope": 2.0}}
+    got = error("/v1/reward_functions", {"name": "m", "spec": multi})
+    assert got["param"] == "spec.weights" and "'nope'" in got["message"]
+    got = error("/v1/reward_functions", {"name": "m", "spec": {**multi, "weights": None, "formula": "a + b"}})
+    assert got["param"] == "spec.formula" and "'b'" in got["message"]
+    got = error("/v1/reward_functions", {"name": "m", "spec": {**multi, "weights": {"a": 1}, "formula": "a"}})
+    assert got["param"] == "spec.formula" and "not both" in got["message"]
+    exact = {"type": "exact_match", "field": "answer"}
+    got = error("/v1/reward_functions/test", {"spec": exact, "completions": ["a"],
+                                              "samples": [{"completion": "a", "row": {"answer": "a"}}]})
+    assert got["param"] == "samples" and "not both" in got["message"]
+    assert error("/v1/reward_functions/test", {"spec": exact})["param"] == "samples"
+
+
 def _leaf_paths(node, path=()):
     if isinstance(node, dict):
         for k, v in node.items():

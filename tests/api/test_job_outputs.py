@@ -128,8 +128,8 @@ def test_pick_indices_takes_each_groups_best_then_worst():
     rewards = [0.0, 1.0, 0.5, 0.5,   # group 0: best 1, worst 0
                2.0, 2.0, 2.0, 2.0,   # group 1: all equal, one sample
                0.0, 3.0, 0.0, 0.0]   # group 2
-    assert pick_indices(rewards, 4, 10) == [1, 0, 4, 9, 8]
-    assert pick_indices(rewards, 4, 3) == [1, 0, 4]
+    assert pick_indices(rewards, 4, groups=10) == [1, 0, 4, 9, 8]
+    assert pick_indices(rewards, 4, groups=2) == [1, 0, 4]  # the first two groups
 
 
 def test_step_clock_uses_wall_time_between_steps():

@@ -144,6 +144,9 @@ def test_unsupported_graders_and_rft_options_are_refused_by_name(api):
     assert_error(post({"grader": {**grader, "reference": "{{row.a}}"}}), 422, "grader.reference", "row.a")
     assert_error(post({"grader": {**grader, "input": "{{sample.output_tools}}"}}), 422, "grader.input",
                  "sample.output_tools")
+    error = assert_error(post({"grader": {**grader, "reference": "{{ item.answer"}}), 422, "grader.reference",
+                         "no closing", "{{ item.answer")
+    assert error["param"] == "method.reinforcement.grader.reference"
     assert_error(post({"grader": {**grader, "extra": 1}}), 422, "method.reinforcement.grader.extra", "unknown")
     assert_error(post({"grader": grader, "hyperparameters": {"reasoning_effort": "high"}}), 422,
                  "reasoning_effort", "not supported")
@@ -257,3 +260,22 @@ def test_openapi_documents_the_cispo_reward_function(api):
     schemas = api.client.get("/openapi.json").json()["components"]["schemas"]
     described = schemas["CispoMethod"]["properties"]["reward_function"]["description"]
     assert "/v1/reward_functions" in described and "reward(completion, **row)" in described
+
+
+def test_create_refuses_rows_of_either_file_that_lack_a_field_the_reward_reads(api):
+    """As the dry run does: a validation row without the field would score 0 with an error at every evaluation."""
+    train = uploaded(api.client)
+    val = uploaded(api.client, [{"prompt": "Say a", "answer": "a"}, {"prompt": "Say b"}, {"prompt": "Say c"}])
+    before = _count(api)
+    error = assert_error(api.client.post(JOBS, json=cispo_body(train, validation_file=val)), 400,
+                         "'answer'", "validation_file lacks on line(s) 2, 3")
+    assert error["param"] == "method.cispo.reward.field" and error["code"] == "missing_reward_field"
+    lacking = uploaded(api.client, [{"prompt": "Say a"}, *TRAIN_ROWS])
+    assert_error(api.client.post(JOBS, json=cispo_body(lacking)), 400, "training_file lacks on line(s) 1")
+    grader = {"type": "string_check", "name": "m", "input": "{{ sample.output_text }}",
+              "reference": "{{ item.gold }}", "operation": "eq"}
+    error = assert_error(api.client.post(JOBS, json={"model": "tiny-model", "training_file": train, "method": {
+        "type": "reinforcement", "reinforcement": {"grader": grader}}}), 400, "'gold'", "training_file lacks")
+    assert error["param"] == "method.reinforcement.grader.reference"
+    assert _count(api) == before and not api.enqueued.ids
+    assert api.client.post(JOBS, json=cispo_body(train, validation_file=uploaded(api.client))).status_code == 200

@@ -8,7 +8,7 @@ import torch
 from worker.trainer.feedback import Feedback
 from worker.trainer.rewards import Scores
 from worker.trainer.rollout import Rollout
-from worker.trainer.samples import pick_samples
+from worker.trainer.samples import pick_indices, pick_samples
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_single_turn_samples_carry_reward_parts_and_are_cut(tok):
                     components={"exact": [1.0, 0.0, None, 0.5]})
     feedback = Feedback([[1.0], [0.0], [float("nan")], [0.5]], scores=scores)
     advantages_PG = torch.tensor([[0.5, -0.5], [0.0, 0.0]])
-    samples = pick_samples(tok, rollout, feedback, advantages_PG, 2, multi_turn=False, limit=4, max_chars=10)
+    samples = pick_samples(tok, rollout, feedback, advantages_PG, 2, multi_turn=False, max_chars=10)
     assert [s["completion"] for s in samples] == ["b", "a\ufffd", "c", "ddddddddd\u2026"]  # best, worst per group
     assert samples[0] == {"prompt": samples[0]["prompt"], "completion": "b", "reward": 1.0, "advantage": 0.5,
                           "rewards": {"exact": 1.0}}
@@ -46,3 +46,14 @@ def test_multi_turn_samples_show_the_episode_and_turn_rewards(tok):
     samples = pick_samples(tok, rollout, feedback, torch.tensor([[0.6, -0.6]]), 2, multi_turn=True)
     assert [s["completion"] for s in samples] == ["x?y", "z"]  # everything after the prompt, not the last action
     assert samples[0]["rewards"] == {"turn_1": 0.25, "turn_2": 1.0} and samples[0]["reward"] == 1.25
+
+
+def test_each_group_s_best_and_worst_for_the_first_eight_groups(tok):
+    """As documented: every group of the default batch (8 prompts), not a fixed 4 samples per step."""
+    n = 10 * 2  # ten groups of two
+    rollout = _rollout(tok, ["ab="] * n, [c for g in range(10) for c in ("b", "a")], [1] * n)
+    rewards = [r for g in range(10) for r in (0.0, 1.0)]  # each group's best is its second completion
+    feedback = Feedback([[r] for r in rewards])
+    samples = pick_samples(tok, rollout, feedback, torch.zeros(10, 2), 2, multi_turn=False)
+    assert len(samples) == 16 and [s["reward"] for s in samples] == [1.0, 0.0] * 8
+    assert pick_indices([1.0] * 8, 4, groups=8) == [0, 4]  # all equal: one per group

@@ -161,6 +161,18 @@ def test_warm_start_pins_the_loaded_policy_as_reference(toy_dir, tmp_path):
     assert not torch.allclose(_policy_logprobs(resumed.policy.model, tok), expected_ref, atol=1e-5)
 
 
+def test_kl_old_and_kl_ref_agree_at_step_1(toy_dir, tmp_path):
+    """At step 1 the reference (the base: the fresh adapter adds zero) is the rollout policy, so the two metrics,
+    the same k3 estimate over the same tokens, are equal, also when the policy moves far enough within the step's
+    mini-batches for the penalty's per-token clamp to bind (it used to cap kl_ref only)."""
+    spec = small_spec(toy_dir, steps=1, mini_batches=4).model_copy(update={
+        "optimizer": small_spec(toy_dir).optimizer.model_copy(update={"lr": 0.1}),
+        "loss": small_spec(toy_dir).loss.model_copy(update={"kl_beta": 0.1, "kl_clamp": 1.0})})
+    metrics = Trainer(spec, tmp_path).train_step()
+    assert metrics["kl_ref_clamped_fraction"] > 0 and metrics["kl_old"] > 1.0
+    assert metrics["kl_ref"] == pytest.approx(metrics["kl_old"], rel=1e-9)
+
+
 def test_reference_without_warm_start_is_the_base_model(toy_dir, tmp_path):
     trainer = Trainer(small_spec(toy_dir, steps=1), tmp_path)
     trainer.run()

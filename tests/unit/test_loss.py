@@ -130,11 +130,24 @@ def test_kl_clamp_binds_per_token():
     logp, inputs = _small_case(with_ref=True)
     out = cispo_loss(inputs, normalizer=5, ratio_max=5.0, kl_beta=0.1, kl_clamp=0.5)
     _close(out.loss, -1.0125 + 0.1 * 1.0 / 5)
-    _close(out.sums["kl_ref"], 1.0)
+    # The metric is the unclamped estimate (as kl_old is); the clamp shows as one bound token.
+    _close(out.sums["kl_ref"], E - 1.5)
+    _close(out.sums["kl_ref_clamped"], 1.0)
     # d k3 / d logp = 1 - e^d: 0 at d=0, -1 at d=ln2, 0.5 at d=-ln2; the clamped d=1 token gets none.
     (grad,) = torch.autograd.grad(out.loss, logp)
     kl_grad = _t([[0.0, -1.0, 0.0], [0.5, 0.0, 0.0]]) * 0.1 / 5
     _close(grad, _t([[-1.0, -0.2, 0.0], [0.05, 0.8, 0.4]]) + kl_grad)
+
+
+def test_kl_ref_equals_kl_old_when_the_reference_is_the_rollout_policy():
+    """Same estimator, tokens and sums: with ref == old they agree exactly, even where the penalty's clamp binds."""
+    logp = _t([[-0.1, -3.0, -0.2], [-4.0, -1.0, -0.5]])
+    old = _t([[-2.0, -0.1, -0.2], [-0.3, -1.0, -6.0]])
+    inputs = LossInputs(logprobs_BT=logp, old_logprobs_BT=old, advantages_B=_t([1.0, -1.0]),
+                        action_mask_BT=torch.tensor([[1, 1, 0], [1, 1, 1]]), ref_logprobs_BT=old.clone())
+    out = cispo_loss(inputs, normalizer=5, kl_beta=0.1, kl_clamp=2.0)
+    assert out.sums["kl_ref_clamped"] > 0  # the clamp binds on some tokens
+    assert out.sums["kl_ref"] == out.sums["kl_old"]
 
 
 def test_ref_without_beta_only_reports_kl():

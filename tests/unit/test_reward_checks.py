@@ -66,7 +66,23 @@ def test_unsupported_template_variables_are_refused_by_name(template):
         check_template(template)
 
 
+@pytest.mark.parametrize("template", ["{{ item.answer", "x {{ item.a }} and {{ item.b", "{{", "a }} {{ b"])
+def test_an_unclosed_variable_is_refused(template):
+    """It would otherwise be compared as literal text, and never match."""
+    with pytest.raises(ValueError, match="no closing"):
+        check_template(template)
+    assert check_template('{"a": {"b": 1}}') == '{"a": {"b": 1}}'  # a stray '}}' is plain text
+
+
 # -- JSON -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity", '{"a": Infinity}', "[1, NaN]",
+                                  "```json\n{\"a\": -Infinity}\n```"])
+def test_json_valid_refuses_nan_and_infinity(text):
+    """Python's json.loads reads them; RFC 8259 JSON has no NaN or Infinity, so they are not valid JSON."""
+    assert json_valid(text, {}, JsonValidReward(fenced=True)) == 0.0
+    assert json_valid(text, {}, JsonValidReward()) == 0.0
 
 
 def test_json_valid_with_and_without_fences():

@@ -141,7 +141,9 @@ def test_paused_job_resumes_to_the_same_adapter(database_url, toy_dir, tmp_path)
     shutil.rmtree(settings.resolved_work_dir(), ignore_errors=True)
     assert run_job(job_id, settings) == "succeeded"
     with session_factory(database_url).begin() as s:
-        final = {j: jobs.latest_checkpoint(s, j).files["adapter.tar"]["sha256"] for j in (ref_id, job_id)}
+        # The adapter's bytes (the tar also holds the trainer state, whose spec names each run's local paths).
+        final = {j: jobs.latest_checkpoint(s, j).files["adapter/adapter_model.safetensors"]["sha256"]
+                 for j in (ref_id, job_id)}
         resumed_events = [e.message for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
         steps = list(s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id, JobMetric.name == "reward_mean")
                                .order_by(JobMetric.step)))

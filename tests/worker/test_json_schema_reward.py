@@ -34,6 +34,12 @@ def test_patterns_and_pattern_properties_are_matched():
     assert out.scores == [1.0, 0.0, 0.0, 1.0]  # "ab" is no pattern property, so additionalProperties refuses it
 
 
+def test_nan_and_infinity_are_not_json_to_a_schema():
+    spec = JsonSchemaReward(json_schema={"type": "object"})
+    out = score(spec, ['{"a": 1}', '{"a": NaN}', '{"a": Infinity}', '{"a": -Infinity}'])
+    assert out.scores == [1.0, 0.0, 0.0, 0.0] and out.errors == [None] * 4
+
+
 def test_a_backtracking_pattern_times_out_that_sample_only():
     cases = ((BY_PATTERN, ['{"name": "a"}', json.dumps({"name": HANGS}), '{"name": "aa"}']),
              (BY_KEY, ['{"aa": 1}', json.dumps({HANGS: 1}), '{"a": 2}']))

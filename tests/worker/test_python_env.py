@@ -24,6 +24,8 @@ class Counter:
         self.n, self.i, self.mode = row["n"], 0, row.get("mode")
         if self.mode == "reset_raises":
             raise RuntimeError("no reset today")
+        if self.mode == "gymnasium":  # Gymnasium's (observation, info)
+            return f"count to {self.n} (seed {seed})", {"seed": seed}
         return f"count to {self.n} (seed {seed})"
 
     def step(self, action):
@@ -103,6 +105,12 @@ def test_reset_errors_are_per_episode():
     with env() as e:
         bad, good = e.reset([("bad", 0, {"n": 1, "mode": "reset_raises"}), ("good", 0, {"n": 1})])
         assert "RuntimeError: no reset today" in bad.error and good.observation == "count to 1 (seed 0)"
+
+
+def test_reset_may_return_gymnasium_s_observation_and_info():
+    with env() as e:
+        [outcome] = e.reset([("a", 4, {"n": 1, "mode": "gymnasium"})])
+        assert outcome.error is None and outcome.observation == "count to 1 (seed 4)"
 
 
 def test_a_hanging_step_times_out_and_the_next_batch_gets_a_new_child():

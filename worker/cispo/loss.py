@@ -20,8 +20,10 @@ global token mean). With ``per_sequence`` each sequence's token mean is
 averaged instead, and ``normalizer`` counts sequences.
 
 The k3 estimator exp(ref - logp) - (ref - logp) - 1 is unbiased and
-non-negative (Schulman, "Approximating KL divergence"); it is clamped per
-token at kl_clamp so a single runaway token cannot dominate.
+non-negative (Schulman, "Approximating KL divergence"); in the penalty it is
+clamped per token at kl_clamp so a single runaway token cannot dominate. The
+reported sums (kl_old, kl_ref) are the unclamped estimates, each over the
+same action tokens, plus how many tokens the clamp bound (kl_ref_clamped).
 
 Truncated importance sampling (TIS; verl PR #2953, AgileRL, TRL): when the
 tokens were sampled by another engine (vLLM) whose log-probs differ a little
@@ -106,9 +108,9 @@ def cispo_loss(
 
     kl_ref = None
     if inputs.ref_logprobs_BT is not None:
-        kl_ref = k3_kl(logp, inputs.ref_logprobs_BT).clamp(max=kl_clamp)
+        kl_ref = k3_kl(logp, inputs.ref_logprobs_BT)
         if kl_beta > 0.0:
-            per_token = per_token + kl_beta * kl_ref
+            per_token = per_token + kl_beta * kl_ref.clamp(max=kl_clamp)
     elif kl_beta > 0.0:
         raise ValueError("kl_beta > 0 needs ref_logprobs_BT")
 
@@ -134,5 +136,8 @@ def cispo_loss(
             sums["tis_weight"] = (tis * mask).sum()
             sums["tis_capped"] = ((torch.exp(old - sampler) > tis_cap) & active).sum().to(logp.dtype)
         if kl_ref is not None:
+            # The metric is the estimate itself, as kl_old is (the clamp only caps the penalty), so the two agree
+            # whenever the reference and the rollout policy do, e.g. at a job's first step.
             sums["kl_ref"] = (kl_ref.detach() * mask).sum()
+            sums["kl_ref_clamped"] = ((kl_ref.detach() > kl_clamp) & active).sum().to(logp.dtype)
     return LossOutput(loss=loss, ratio_N=ratio[active].detach(), sums=sums)

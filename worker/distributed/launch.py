@@ -31,15 +31,15 @@ from service.models.engine_check import EngineUnsupported
 from service.schemas.job_spec import JobSpec
 from worker.checkpoint import CheckpointError
 from worker.rewards.engine import ScoringContext
-from worker.rewards.errors import RewardErrorRateExceeded
+from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded
 from worker.trainer.data import DataError
 from worker.trainer.learning_signal import NoLearningSignal
 
 CHANNEL_ENV = "CISPO_RANK0_SOCKET"
 RANKS_LOG = "ranks.log"
 # Errors that mean the same in every process; anything else arrives as RankFailed.
-KNOWN_ERRORS = {cls.__name__: cls for cls in (RewardErrorRateExceeded, CheckpointError, DataError, ValueError,
-                                              NoLearningSignal, EngineUnsupported)}
+KNOWN_ERRORS = {cls.__name__: cls for cls in (EnvironmentErrorRateExceeded, RewardErrorRateExceeded, CheckpointError,
+                                              DataError, ValueError, NoLearningSignal, EngineUnsupported)}
 
 
 class RankFailed(RuntimeError):

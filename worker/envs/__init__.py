@@ -31,4 +31,13 @@ def make_environment(spec: EnvironmentSpec, *, egress: EgressPolicy | None = Non
     raise ValueError(f"unknown environment type {getattr(spec, 'type', spec)!r}")
 
 
-__all__ = ["Environment", "Observation", "Outcome", "make_environment"]
+def describe_environment(spec: EnvironmentSpec | None) -> str:
+    """How errors name the job's environment: its kind and class, or its URL."""
+    if isinstance(spec, PythonEnvironment):
+        return f"python environment (class {spec.class_name})"
+    if isinstance(spec, HttpEnvironment):
+        return f"http environment {spec.url}"
+    return "environment"
+
+
+__all__ = ["Environment", "Observation", "Outcome", "describe_environment", "make_environment"]

@@ -95,7 +95,12 @@ def _jsonable(answer, what):
 
 def _reset(cls, seed, row):
     instance = cls()
-    return instance, _jsonable({"observation": instance.reset(seed, row)}, "reset")
+    observation = instance.reset(seed, row)
+    # Gymnasium's reset returns (observation, info); info is not used, as step's is not.
+    if (isinstance(observation, tuple) and len(observation) == 2 and isinstance(observation[1], dict)
+            and (observation[0] is None or isinstance(observation[0], (str, list)))):
+        observation = observation[0]
+    return instance, _jsonable({"observation": observation}, "reset")
 
 
 def _step(instance, action):

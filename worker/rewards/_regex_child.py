@@ -28,6 +28,10 @@ def regex_matcher(request):
     return pattern.fullmatch if request["full_match"] else pattern.search
 
 
+def _not_json(name):
+    raise ValueError(f"{name} is not JSON")
+
+
 def schema_matcher(request):
     """True where the text is JSON that conforms to the schema; its `pattern`s run here, under the deadlines."""
     for path in request["sys_path"]:
@@ -40,7 +44,7 @@ def schema_matcher(request):
 
     def conforms(text):
         try:
-            value = json.loads(text)
+            value = json.loads(text, parse_constant=_not_json)  # NaN and Infinity are not JSON (RFC 8259)
         except (ValueError, RecursionError):
             return False  # not JSON: the policy's output is wrong, the reward is not failing
         return validator.is_valid(value)

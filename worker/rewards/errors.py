@@ -45,6 +45,10 @@ class RewardErrorRateExceeded(RuntimeError):
     """Too many samples of one step failed to score: the reward is broken, so the job stops."""
 
 
+class EnvironmentErrorRateExceeded(RewardErrorRateExceeded):
+    """Too many episodes of one step failed in the environment (its reset or step calls): it is broken."""
+
+
 def error_kind(message: str) -> str:
     lowered = message.lower()
     for needle, kind in _KINDS:
@@ -69,8 +73,11 @@ def summarize(errors: list[str], limit: int = 5) -> list[tuple[str, int]]:
     return Counter(truncate(e) for e in errors).most_common(limit)
 
 
-def error_rate_message(step: int, failed: int, total: int, threshold: float, errors: list[str]) -> str:
+def error_rate_message(step: int, failed: int, total: int, threshold: float, errors: list[str], *,
+                       environment: str | None = None) -> str:
+    """`environment` (its description) when the failures are an environment's; its errors name the failing call."""
     top = summarize(errors, 1)
     example = f": {top[0][0]}" if top else ""
-    return (f"reward function failed on {failed / total:.0%} of samples at step {step} "
+    what, unit = (f"{environment} failed", "episodes") if environment else ("reward function failed", "samples")
+    return (f"{what} on {failed / total:.0%} of {unit} at step {step} "
             f"(threshold {threshold:.0%}; {failed} of {total}){example}")

@@ -31,11 +31,16 @@ def extract_fenced(text: str) -> str:
     return match.group(1) if match else text
 
 
+def reject_constant(name: str):
+    """Python's json reads NaN, Infinity and -Infinity; RFC 8259 JSON has no such values."""
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse_json(completion: str, *, fenced: bool) -> Any:
-    """The parsed value, or _NOT_JSON."""
+    """The parsed value, or _NOT_JSON (strict RFC 8259: NaN and Infinity are not JSON)."""
     text = extract_fenced(completion) if fenced else completion
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=reject_constant)
     except (ValueError, RecursionError):
         return _NOT_JSON
 

@@ -52,9 +52,9 @@ from worker.trainer.metrics import UpdateStats
 from worker.trainer import precision
 from worker.trainer.policy import MASTER_PREFIX, REFERENCE, Policy, load_policy
 from worker.rewards.engine import ScoringContext
-from worker.rewards.errors import RewardErrorRateExceeded, error_rate_message
+from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded, error_rate_message
 from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, Scores, component_metrics, make_scorer
-from worker.envs import Environment, make_environment
+from worker.envs import Environment, describe_environment, make_environment
 from worker.trainer.feedback import Feedback, assign_advantages, collect_feedback
 from worker.rollout import RolloutEngine, make_engine, refuse_unavailable_engine
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message, preflight_rows
@@ -120,9 +120,11 @@ def _resume_mismatch(saved: dict, spec: JobSpec) -> list[str]:
         saved = JobSpec.model_validate(saved).model_dump(mode="json")
     except ValidationError:
         pass
-    # Dataset files may live at another path on another worker; what they hold is the job's.
+    # Dataset files may live at another path on another worker; what they hold is the job's. So may the
+    # starting checkpoint, which a resumed run no longer reads (the reference it pinned is in the checkpoint).
     now["data"] = {**now["data"], "train_file": None, "validation_file": None}
     saved = {**saved, "data": {**saved.get("data", {}), "train_file": None, "validation_file": None}}
+    now["init_from"] = saved["init_from"] = None
     # A checkpoint holds whole tensors, so the number of processes may change too.
     diffs = [k for k in now if k not in ("training", "resources") and now[k] != saved.get(k)]
     diffs += [
@@ -343,8 +345,12 @@ class Trainer:
             report(step, scores.errors)
         threshold = self.spec.training.reward_error_threshold
         if len(scores.errors) > threshold * samples:
-            message = error_rate_message(step, len(scores.errors), samples, threshold, scores.errors)
-            raise RewardErrorRateExceeded(message)
+            if self.environment is not None:  # its errors name the failing call ("reset: ...", "step 2: ...")
+                raise EnvironmentErrorRateExceeded(error_rate_message(
+                    step, len(scores.errors), samples, threshold, scores.errors,
+                    environment=describe_environment(self.spec.environment)))
+            raise RewardErrorRateExceeded(error_rate_message(step, len(scores.errors), samples, threshold,
+                                                             scores.errors))
 
     def save(self) -> Path:
         """Gather whole weights and optimizer state from every rank (collective); rank 0 writes them."""

@@ -61,6 +61,7 @@ class UpdateStats:
             out["tis_capped_fraction"] = self.sums["tis_capped"] / tokens
         if "kl_ref" in self.sums:
             out["kl_ref"] = self.sums["kl_ref"] / tokens
+            out["kl_ref_clamped_fraction"] = self.sums["kl_ref_clamped"] / tokens
         if self.grad_norms:
             out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
         return out

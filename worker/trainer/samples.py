@@ -1,8 +1,9 @@
 """A few of a step's completions, picked for people to read (the API's /samples).
 
 Per group, the best and the worst completion by reward (the contrast the
-advantage is made of), from the first groups until ``limit`` samples are
-picked. Text is cut to ``max_chars`` so a long rollout cannot bloat the
+advantage is made of; one when all score the same), for the step's first
+``groups`` groups (8: every group of the default batch_size; under several
+processes, the first process's groups), so at most 16 samples per step. Text is cut to ``max_chars`` so a long rollout cannot bloat the
 database. The prompt is what the model saw (the chat template applied); for
 an environment job the completion is the whole episode after the prompt,
 environment turns included.
@@ -17,7 +18,7 @@ from torch import Tensor
 from worker.trainer.feedback import Feedback
 from worker.trainer.rollout import Rollout
 
-SAMPLES_PER_STEP = 4
+SAMPLE_GROUPS_PER_STEP = 8
 MAX_SAMPLE_CHARS = 4000
 
 
@@ -30,19 +31,16 @@ def _number(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def pick_indices(rewards: list[float], group_size: int, limit: int) -> list[int]:
-    """Sequence indices: each group's best then worst (one if they are the same), first groups first.
+def pick_indices(rewards: list[float], group_size: int, groups: int) -> list[int]:
+    """Sequence indices: each of the first `groups` groups' best then worst (one if they are the same).
     A non-finite reward ranks lowest."""
     ranked = [r if math.isfinite(r) else -math.inf for r in rewards]
     picked: list[int] = []
-    for start in range(0, len(rewards), group_size):
+    for start in range(0, min(len(rewards), groups * group_size), group_size):
         group = range(start, min(start + group_size, len(rewards)))
         best = max(group, key=lambda i: ranked[i])
         worst = min(group, key=lambda i: ranked[i])
-        for i in dict.fromkeys((best, worst)):
-            if len(picked) == limit:
-                return picked
-            picked.append(i)
+        picked.extend(dict.fromkeys((best, worst)))
     return picked
 
 
@@ -54,12 +52,13 @@ def _prompt_text(tokenizer, ids: list[int]) -> str:
 
 
 def pick_samples(tokenizer, rollout: Rollout, feedback: Feedback, advantages_PG: Tensor, group_size: int, *,
-                 multi_turn: bool, limit: int = SAMPLES_PER_STEP, max_chars: int = MAX_SAMPLE_CHARS) -> list[dict]:
+                 multi_turn: bool, groups: int = SAMPLE_GROUPS_PER_STEP,
+                 max_chars: int = MAX_SAMPLE_CHARS) -> list[dict]:
     rewards = feedback.rewards.tolist()
     advantages = advantages_PG.flatten().tolist()
     components = feedback.scores.components if feedback.scores is not None else {}
     samples = []
-    for i in pick_indices(rewards, group_size, limit):
+    for i in pick_indices(rewards, group_size, groups):
         ids, start = rollout.token_ids[i], rollout.prompt_lengths[i]
         completion = tokenizer.decode(ids[start:]) if multi_turn else rollout.completions[i]
         if components:

@@ -78,6 +78,8 @@ def list_metrics(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep
                  step_min: Annotated[int | None, Query(ge=0)] = None,
                  step_max: Annotated[int | None, Query(ge=0)] = None,
                  limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> MetricList:
+    """A time series: oldest step first, then by name (unlike events and checkpoints, newest first);
+    with has_more, ask again with step_min past the last step shown."""
     job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
     rows = jobs_repo.metrics(session, job.id, names=name, step_min=step_min, step_max=step_max, limit=limit + 1)
     return MetricList(data=[presenters.metric(r) for r in rows[:limit]], has_more=len(rows) > limit)
@@ -87,7 +89,7 @@ def list_metrics(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep
 def list_samples(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep,
                  step: Annotated[int | None, Query(ge=0)] = None, after: str | None = None,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20) -> ListObject:
-    """A few completions per step (each group's best and worst), newest step first."""
+    """A few completions per step, newest step first: each group's best and worst, for the step's first 8 groups."""
     job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
     if after is not None:
         try:
@@ -109,7 +111,8 @@ def _stream(store: ObjectStore, key: str, sha256: str, filename: str, media_type
 @router.get("/checkpoints/{checkpoint_id}/content")
 def checkpoint_content(fine_tuning_job_id: str, checkpoint_id: str, session: SessionDep, store: StoreDep,
                        who: PrincipalDep) -> StreamingResponse:
-    """The adapter as one tar (adapter/...), hashed so the client can verify what it got."""
+    """The whole checkpoint as one tar (adapter/ or model/, reference/ if pinned, trainer_state.*, manifest.json),
+    hashed so the client can verify what it got: unpacked, it is a starting point for a local `init_from`."""
     _, ckpt = jobs_service.checkpoint(session, who.project_id, fine_tuning_job_id, checkpoint_id)
     meta = (ckpt.files or {}).get(ARCHIVE)
     if not meta:

@@ -61,7 +61,7 @@ def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue:
                             checks=[DryRunCheck(**vars(c)) for c in report.checks])
     try:
         job, created = jobs_service.create(session, who.project_id, body, idempotency_key=idempotency_key,
-                                           settings=settings)
+                                           settings=settings, store=store)
         public = _present(session, who, job)
         session.commit()
     except IntegrityError:
