@@ -143,6 +143,9 @@ class JobReporter:
             jobs.add_event(s, self.job_id, f"Evaluation at step {step}: reward {metrics.get('eval_reward_mean', float('nan')):.4f}",
                            type="metrics", data={"step": step, **metrics})
 
+    def on_warning(self, step: int, message: str) -> None:
+        self.event(f"Step {step}: {message}", level="warn", data={"step": step})
+
     def on_samples(self, step: int, samples: list[dict]) -> None:
         if self.lost or not samples:
             return
