@@ -361,7 +361,7 @@ def _compile_failed(model, key: tuple[int, int], error: Exception) -> None:
              f"after {failures[key]} failures this shape decodes eagerly from now on")
     message = (f"compiled decoding failed for batch {key[0]}, cache length {key[1]} ({type(error).__name__}: "
                f"{str(error)[:300]}); this rollout decoded eagerly, {after}")
-    log.warning(message)
+    log.warning(message, exc_info=error)  # the traceback goes to the log; the event gets the message
     _fallbacks.append(message)
 
 
