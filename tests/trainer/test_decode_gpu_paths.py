@@ -105,3 +105,38 @@ def test_compiled_decode_step_gives_the_eager_tokens(lora_model, monkeypatch):
         base = lora_model.get_base_model()
         assert _sample(base, rows, max_new=6, compiled=True) == _sample(base, rows, max_new=6)
     assert decode.take_compile_fallbacks() == []  # it really ran compiled
+
+
+def test_the_trainer_reports_a_compile_fallback_as_a_metric_and_a_warning(toy_dir, tmp_path, monkeypatch):
+    """A step whose compiled decode failed says so: decode_compile_fallbacks counts it and on_warning gets the
+    message (the job runner makes it a warn event); the next step, compiled fine, reports 0."""
+    from tests.trainer.test_trainer import StopAt, small_spec
+    from worker.trainer import rollout
+    from worker.trainer.loop import train
+
+    failures = iter([True])
+
+    def sometimes_failing(model):
+        def step(*args):
+            if next(failures, False):
+                raise RuntimeError("cudagraph pool exhausted")
+            return decode._decode_step(*args)
+        return step
+
+    real = rollout.sample_tokens
+    monkeypatch.setattr(rollout, "sample_tokens", lambda *a, **k: real(*a, **{**k, "compiled": True}))
+    monkeypatch.setattr(decode, "_compiled_step", sometimes_failing)
+    decode.take_compile_fallbacks()
+    metrics, warnings = [], []
+
+    class Collect(StopAt):
+        def on_step(self, step, m):
+            super().on_step(step, m)
+            metrics.append(m["decode_compile_fallbacks"])
+
+        def on_warning(self, step, message):
+            warnings.append((step, message))
+
+    train(small_spec(toy_dir, steps=2, checkpoint_interval=0), tmp_path, callbacks=Collect(99))
+    assert metrics == [1.0, 0.0]
+    assert len(warnings) == 1 and warnings[0][0] == 1 and "cudagraph pool exhausted" in warnings[0][1]
