@@ -140,3 +140,34 @@ def test_the_trainer_reports_a_compile_fallback_as_a_metric_and_a_warning(toy_di
     train(small_spec(toy_dir, steps=2, checkpoint_interval=0), tmp_path, callbacks=Collect(99))
     assert metrics == [1.0, 0.0]
     assert len(warnings) == 1 and warnings[0][0] == 1 and "cudagraph pool exhausted" in warnings[0][1]
+
+
+def test_the_eager_loop_can_drop_finished_rows_every_few_steps(lora_model):
+    """On CUDA the eager loop asks whether rows finished (a sync) every few steps, not every step: same tokens,
+    and the batch shrinks only at those steps."""
+    from tests.trainer.conftest import forward_shapes
+
+    rows = prompts()
+    B, P, max_new = len(rows), max(map(len, rows)), 40
+
+    def run(check_every):
+        ids = torch.full((B, P + max_new), PAD)
+        mask = torch.zeros((B, P + max_new), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, P - len(r) : P] = torch.tensor(r)
+            mask[i, P - len(r) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        pick = decode._Picker(spec(), True, (B, max_new), CPU, record=False)
+        with forward_shapes(lora_model) as shapes:
+            lengths = decode._eager_loop(merged, ids, mask, positions, P, max_new, pick, EOS,
+                                         check_every=check_every)
+        return [r[:n] for r, n in zip(ids[:, P:].tolist(), lengths.tolist())], [b for b, _ in shapes[1:]]
+
+    with decode.rollout_weights(lora_model) as merged:
+        every_step, sizes_1 = run(1)
+        every_4, sizes_4 = run(4)
+    assert every_4 == every_step
+    assert any(r[-1] == EOS for r in every_step) and len(set(sizes_1)) > 1  # rows did finish at various steps
+    changes = [t for t in range(1, len(sizes_4)) if sizes_4[t] != sizes_4[t - 1]]
+    assert changes and all((t + 1) % 4 == 0 for t in changes), sizes_4  # forward t follows step t's check
+    assert len(sizes_4) >= len(sizes_1)  # finished rows rode along a little longer

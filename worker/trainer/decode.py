@@ -77,6 +77,7 @@ STATIC_CACHES_KEPT = 4  # per model: a training shape, an eval shape, a later tu
 MAX_COMPILE_TRIES = 3  # failures of one shape before it decodes eagerly for the rest of the process
 _compile_failures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {shape key: failures}
 _fallbacks: list[str] = []  # compile failures not yet reported (take_compile_fallbacks)
+EAGER_CHECK_EVERY = 8  # CUDA: steps between the eager loop's syncs (dropping finished rows)
 RELEASE_FRACTION = 0.1  # kept rollout state above this share of the GPU's memory is freed after the rollout
 
 
@@ -264,8 +265,14 @@ class _FiniteGuard:
                 "weights that diverged); the rollout is refused rather than sampled from them")
 
 
-def _eager_loop(model, ids, mask, positions, P, max_new, pick: _Picker, eos_id) -> Tensor:
-    """Decode with a dynamic cache; rows that reach EOS leave the batch (and the cache) at once."""
+def _eager_loop(model, ids, mask, positions, P, max_new, pick: _Picker, eos_id, *,
+                check_every: int | None = None) -> Tensor:
+    """Decode with a dynamic cache; rows that reach EOS leave the batch (and the cache) every `check_every` steps.
+
+    Asking whether any row finished is a device sync: on CUDA (where this loop runs only when compiling
+    failed) that is done every EAGER_CHECK_EVERY steps, finished rows riding along until then; on a CPU,
+    where a sync costs nothing, at every step."""
+    check_every = check_every or (EAGER_CHECK_EVERY if ids.is_cuda else 1)
     B = ids.shape[0]
     lengths = torch.full((B,), max_new, dtype=torch.long, device=ids.device)
     cache = DynamicCache(config=model.config)
@@ -278,19 +285,23 @@ def _eager_loop(model, ids, mask, positions, P, max_new, pick: _Picker, eos_id) 
                    **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
     cache.batch_select_indices(row_of)  # (prefilled in torch.unique's order, not the rows')
     logits = logits[row_of]
+    finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
     for t in range(max_new):
         token = pick(logits, ids[live, : P + t], live, t)
         ids[live, P + t] = token
-        done = token == eos_id
-        if done.any():
-            lengths[live[done]] = t + 1
-            keep = (~done).nonzero().squeeze(1)
-            if keep.numel() == 0:
-                break
-            live, token = live[keep], token[keep]
-            cache.batch_select_indices(keep)
+        newly = (token == eos_id) & ~finished[live]  # a row riding along after its EOS keeps its length
+        lengths[live] = torch.where(newly, t + 1, lengths[live])
+        finished[live] = finished[live] | newly
         if t == max_new - 1:
             break
+        if (t + 1) % check_every == 0:
+            done = finished[live]
+            if done.any():
+                keep = (~done).nonzero().squeeze(1)
+                if keep.numel() == 0:
+                    break
+                live, token = live[keep], token[keep]
+                cache.batch_select_indices(keep)
         end = P + t + 1
         logits = model(input_ids=token[:, None], attention_mask=mask[live, :end],
                        position_ids=positions[live, end - 1 : end],
