@@ -3,7 +3,7 @@
 # Two images from one file:
 #
 #   docker build --target api    -t cispo-api .     # HTTP API + `cispo db upgrade`; no torch
-#   docker build --target worker -t cispo-worker .  # Celery GPU worker: torch + CUDA
+#   docker build --target worker -t cispo-worker .  # Celery GPU worker: torch + CUDA, vLLM, a C compiler
 #
 # Both keep the repository layout under /app and install it editable, because
 # service/db/migrate.py finds the migrations at <repo>/migrations.
@@ -71,19 +71,30 @@ ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["cispo", "api", "--host", "0.0.0.0", "--port", "8000"]
 
 # ---------------------------------------------------------------------------
-# The GPU worker: the [worker] extra (torch, transformers, peft, ...).
+# The GPU worker: the [worker] extra (torch, transformers, peft, ...) and vLLM.
 FROM base AS worker
 
 ARG TORCH_INDEX_URL=""
+# torch and vLLM as a pair: each vLLM release is built against one torch version (vllm 0.33.0 requires
+# torch==2.14.0). Both pins go to one pip run, so a pair that does not match fails the build instead of
+# pip replacing torch. Raise them together.
+ARG TORCH_VERSION=2.14.0
+ARG VLLM_VERSION=0.33.0
 
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
+# A C compiler: Triton builds its launcher stubs with it at the first compiled kernel (torch.compile's
+# Inductor, our compiled decode step, vLLM's compiled mode); without one they fail at run time.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 COPY pyproject.toml README.md ./
-RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "torch>=2.4,<3"; fi \
+RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"; fi \
  && mkdir -p service worker \
  && touch service/__init__.py worker/__init__.py \
- && pip install ".[worker]" \
+ && pip install "torch==${TORCH_VERSION}" "vllm==${VLLM_VERSION}" ".[worker]" \
  && pip uninstall -y cispo-service \
  && rm -rf service worker build ./*.egg-info
 
@@ -92,6 +103,7 @@ COPY . .
 # Import what a deployment uses, so an image with a missing dependency fails here, not at run time.
 RUN pip install --no-deps -e . \
  && python -c "import torch, transformers, peft, psycopg, redis, worker.cli, worker.job_runner; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS" \
+ && python -c "import os, shutil, torch, triton, vllm; v = os.environ['TORCH_VERSION']; assert torch.__version__.split('+')[0] == v, (torch.__version__, v); assert shutil.which('cc'), 'no C compiler for Triton'" \
  && python -c "import shutil; from service.sandbox.probe import SYSTEM_SEARCH; assert shutil.which('unshare', path=SYSTEM_SEARCH), 'no unshare: the sandbox cannot start'" \
  && sh -n /app/docker/worker-entrypoint.sh
 

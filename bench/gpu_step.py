@@ -63,6 +63,7 @@ def decode_ms_per_step(w: Workload, workdir: Path, *, repeats: int) -> tuple[flo
     kwargs = dict(max_new=w.max_tokens, sampling=sampling, greedy=False, eos_id=-1, pad_id=0, device=device,
                   compiled=compiled)  # eos_id -1: every row runs all max_tokens steps
     decode.sample_tokens(model, prompts, **kwargs)  # warm-up (and compile)
+    fallbacks = decode.take_compile_fallbacks()
     seconds = []
     for _ in range(repeats):
         if compiled:
@@ -72,7 +73,8 @@ def decode_ms_per_step(w: Workload, workdir: Path, *, repeats: int) -> tuple[flo
         if compiled:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
-    loop = "eager" if not compiled else ("eager (compiling failed)" if decode._compile_failed else
+    fallbacks += decode.take_compile_fallbacks()
+    loop = "eager" if not compiled else (f"eager (compiling failed: {fallbacks[0]})" if fallbacks else
                                          "static cache, torch.compile reduce-overhead (CUDA graphs)")
     return statistics.median(seconds) / w.max_tokens * 1e3, loop
 

@@ -166,6 +166,9 @@ class JobReporter:
     def on_no_signal(self, step: int, steps: int) -> None:
         self.event(no_signal_message(step, steps), level="warn", data={"step": step, "zero_variance_steps": steps})
 
+    def on_warning(self, step: int, message: str) -> None:
+        self.event(f"Step {step}: {message}", level="warn", data={"step": step})
+
     def on_samples(self, step: int, samples: list[dict]) -> None:
         if self.lost or not samples:
             return

@@ -27,6 +27,7 @@ from service.schemas.job_spec import (
     SamplingSpec,
     Schedule,
     TrainingSpec,
+    refuse_float16_training,
 )
 
 Auto = Literal["auto"]
@@ -45,6 +46,11 @@ class CispoHyperparameters(Request):
     optimizer: OptimizerSpec | None = None
     schedule: Schedule | None = None
     training: TrainingSpec | None = None
+
+    @field_validator("dtype")
+    @classmethod
+    def _no_float16_training(cls, value: str | None) -> str | None:
+        return refuse_float16_training(value)
 
 
 class CispoMethod(Request):

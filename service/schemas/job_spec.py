@@ -11,10 +11,19 @@ from __future__ import annotations
 import warnings
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.schemas.environments import EnvironmentSpec
 from service.schemas.rewards import AnyReward
+
+
+def refuse_float16_training(value: str | None) -> str | None:
+    """The training dtype: float16 is refused, since there is no loss scaling (gradients of a loss averaged over
+    ~10^4 tokens underflow in float16). rollout.dtype may still be float16: sampling has no gradients."""
+    if value == "float16":
+        raise ValueError("float16 training is not supported (no loss scaling: gradients underflow); use "
+                         "bfloat16, or float32 on a GPU without bfloat16 ('auto' picks for you)")
+    return value
 
 
 class Strict(BaseModel):
@@ -308,6 +317,11 @@ class JobSpec(Strict):
     init_from: str | None = Field(
         None, description="Warm start: a checkpoint whose adapter starts the policy and becomes the reference."
     )
+
+    @field_validator("dtype")
+    @classmethod
+    def _no_float16_training(cls, value: str) -> str:
+        return refuse_float16_training(value)
 
     @model_validator(mode="after")
     def _one_feedback(self) -> JobSpec:

@@ -85,6 +85,18 @@ def test_rollout_engine_is_a_hyperparameter(api):
     assert _count(api) == 0
 
 
+def test_float16_training_is_refused_naming_the_field(api):
+    """No loss scaling: float16 gradients underflow, so the job dtype cannot be float16 (sampling in it may)."""
+    body = cispo_body(uploaded(api.client))
+    body["method"]["cispo"]["hyperparameters"]["dtype"] = "float16"
+    r = api.client.post(JOBS, json=body)
+    assert_error(r, 422, "method.cispo.hyperparameters.dtype")
+    assert "bfloat16" in r.text
+    body["method"]["cispo"]["hyperparameters"].update(dtype="bfloat16", rollout={"dtype": "float16"})
+    assert api.client.post(JOBS, params={"dry_run": "true"}, json=body).status_code == 200
+    assert _count(api) == 0
+
+
 def test_reinforcement_string_check_maps_onto_cispo(api):
     file_id = uploaded(api.client)
     body = {"model": "tiny-model", "training_file": file_id, "seed": 1, "method": {

@@ -103,3 +103,33 @@ def test_bf16_checkpoint_is_bf16_for_users_and_resumes_from_float32(toy_dir, tmp
         assert torch.equal(a[k], b[k]), k
     for k in masters:  # what users get is the masters rounded to bf16
         assert torch.equal(a[k].to(torch.bfloat16), files[k.removeprefix("user.master.")])
+
+
+@pytest.mark.parametrize("saved,bf16,expected", [
+    ("float16", True, torch.bfloat16), ("bfloat16", True, torch.bfloat16), ("float32", True, torch.float32),
+    ("float16", False, torch.float32), ("bfloat16", False, torch.float32)])
+def test_auto_dtype_on_a_gpu_is_bf16_for_half_checkpoints_never_fp16(toy_dir, tmp_path, monkeypatch, saved, bf16,
+                                                                      expected):
+    """'auto' on a GPU: bfloat16 where the device has it (a float16 checkpoint included: float16 training underflows
+    without loss scaling), float32 where it has not; a CPU stays float32."""
+    from worker.trainer import precision
+
+    config = json.loads((toy_dir / "model" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": saved}))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    assert precision.compute_dtype("auto", str(tmp_path), torch.device("cuda")) == expected
+    assert precision.compute_dtype("auto", str(tmp_path), torch.device("cpu")) == torch.float32
+
+
+def test_tf32_matmuls_on_cuda_only():
+    from worker.trainer import precision
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        precision.enable_fast_matmul(torch.device("cpu"))
+        assert torch.get_float32_matmul_precision() == "highest"
+        precision.enable_fast_matmul(torch.device("cuda"))
+        assert torch.get_float32_matmul_precision() == "high"  # TF32 on Ampere and later
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -73,3 +73,28 @@ def test_nothing_is_shared_when_no_two_rows_share_a_prompt():
     masks = [[0, 0, 0, 1, 1]] * 2
     batch = collate_sequences(seqs, masks, pad_id=PAD, device=CPU, share_prefixes=True)
     assert batch.prefix_ids_GP is None and batch.input_ids_BT.tolist() == [[1, 5, 6, 7], [1, 9, 6, 7]]
+
+
+def test_scoring_keeps_only_the_last_hidden_state(lora_model):
+    """No forward asks for every layer's hidden states (a 7B model's no-grad scoring would keep ~17 GB more), and
+    the log-probs are those of the last layer's states, with and without shared prefixes."""
+    seqs, masks = groups()
+    seen = []
+    hook = lora_model.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(kwargs.get("output_hidden_states")),
+                                                with_kwargs=True)
+    try:
+        with torch.no_grad():
+            results = [sequence_logprobs(lora_model, collate_sequences(seqs, masks, pad_id=PAD, device=CPU,
+                                                                       share_prefixes=shared),
+                                         temperature=0.8, chunk_size=16)[0] for shared in (False, True)]
+    finally:
+        hook.remove()
+    assert seen and not any(seen), seen
+    whole = collate_sequences(seqs, masks, pad_id=PAD, device=CPU)
+    with torch.no_grad():
+        out = lora_model(input_ids=whole.input_ids_BT, attention_mask=whole.attention_mask_BT,
+                         output_hidden_states=True)
+        expected = torch.log_softmax(out.logits / 0.8, dim=-1).gather(-1, whole.targets_BT[..., None]).squeeze(-1)
+    mask = whole.action_mask_BT.bool()
+    assert torch.allclose(results[0][mask], expected[mask], atol=1e-5)
+    assert torch.allclose(results[0][mask].sum(), results[1].sum(), atol=1e-4)  # shared prefixes: same values

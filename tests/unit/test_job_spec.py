@@ -197,3 +197,9 @@ def test_rollout_tis_cap_below_one_refused():
     errors = _errors(rollout={"tis_cap": 0.5})
     assert len(errors) == 1 and errors[0]["loc"] == ("rollout",)
     assert "tis_cap" in errors[0]["msg"]
+
+
+def test_float16_training_is_refused_but_float16_sampling_is_not():
+    errors = _errors(dtype="float16")
+    assert errors[0]["loc"] == ("dtype",) and "loss scaling" in errors[0]["msg"]
+    assert JobSpec.model_validate(_spec(dtype="bfloat16", rollout={"dtype": "float16"})).rollout.dtype == "float16"

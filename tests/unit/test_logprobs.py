@@ -107,3 +107,34 @@ def test_any_head_module_goes_through_the_checkpointed_path(chunk_size):
     torch.testing.assert_close(entropy, want_entropy, **TOL)
     torch.testing.assert_close(got_h, hidden.grad, **TOL)
     torch.testing.assert_close(got_w, head.weight.grad, **TOL)
+
+
+def test_backward_runs_its_matmuls_in_the_autocast_dtype():
+    """Float32 master weights under a bf16 autocast: the head's backward matmuls run in bf16 as its forward did
+    (not in float32, several times slower on a GPU), and the gradients match autograd through a bf16 head."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.seen.append({a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() == 2})
+            return func(*args, **(kwargs or {}))
+
+    head, hidden, targets = _setup()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = token_logprobs(head, hidden, targets, chunk_size=3)
+    with MatmulDtypes() as recorded:
+        logp.sum().backward()
+    assert recorded.seen and all(dtypes == {torch.bfloat16} for dtypes in recorded.seen), recorded.seen
+    assert head.weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
+    grads = head.weight.grad.clone(), hidden.grad.clone()
+    head.weight.grad, hidden.grad = None, None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, _ = _naive(head, hidden, targets, 1.0)
+    ref.sum().backward()
+    torch.testing.assert_close(grads[0], head.weight.grad, rtol=0.05, atol=0.05)
+    torch.testing.assert_close(grads[1], hidden.grad, rtol=0.05, atol=0.05)

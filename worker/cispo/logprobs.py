@@ -34,6 +34,10 @@ class _LinearHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, temperature: float, chunk_size: int):
+        # Backward runs outside autocast: it redoes the head's matmuls in the dtype the forward ran them in
+        # (bf16 under a bf16 autocast, not float32 master weights at a fraction of the speed).
+        ctx.compute_dtype = (torch.get_autocast_dtype(hidden_NH.device.type)
+                             if torch.is_autocast_enabled(hidden_NH.device.type) else weight_VH.dtype)
         logps, entropies = [], []
         for s in range(0, hidden_NH.shape[0], chunk_size):
             logits = torch.nn.functional.linear(hidden_NH[s : s + chunk_size], weight_VH, bias_V).float() / temperature
@@ -53,18 +57,22 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden_NH) if need_h else None
         grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros_like(bias_V, dtype=torch.float32) if need_b and bias_V is not None else None
+        dtype = ctx.compute_dtype
+        weight = weight_VH.to(dtype)  # once, not per chunk (a no-op in float32)
+        bias = bias_V.to(dtype) if bias_V is not None else None
         for s in range(0, hidden_NH.shape[0], ctx.chunk_size):
-            h = hidden_NH[s : s + ctx.chunk_size]
-            logits = torch.nn.functional.linear(h, weight_VH, bias_V).float() / ctx.temperature
+            h = hidden_NH[s : s + ctx.chunk_size].to(dtype)
+            logits = torch.nn.functional.linear(h, weight, bias).float() / ctx.temperature
             # d logp / d logits = onehot - softmax, scaled by the incoming gradient and 1/T
             g_NV = -torch.softmax(logits, dim=-1)
             g_NV.scatter_add_(-1, targets_N[s : s + ctx.chunk_size, None],
                               torch.ones_like(g_NV[:, :1]))
             g_NV *= grad_logp_N[s : s + ctx.chunk_size, None].float() / ctx.temperature
+            g = g_NV.to(dtype)
             if need_h:
-                grad_h[s : s + ctx.chunk_size] = (g_NV.to(weight_VH.dtype) @ weight_VH).to(hidden_NH.dtype)
+                grad_h[s : s + ctx.chunk_size] = (g @ weight).to(hidden_NH.dtype)
             if need_w:
-                grad_w += g_NV.T @ h.float()
+                grad_w += (g.T @ h).float()  # summed over chunks in float32
             if grad_b is not None:
                 grad_b += g_NV.sum(0)
         grad_w = grad_w.to(weight_VH.dtype) if grad_w is not None else None

@@ -9,9 +9,12 @@ Before each rollout the engine takes the policy's current weights:
   vLLM's reload_weights (it re-runs the post-load weight processing), and the
   prefix cache, computed with the old weights, is dropped.
 
-On a GPU with rollout.sleep_mode the engine sleeps (weights offloaded, KV
-cache freed) between rollouts, so the update has the memory; it wakes
-before the next sync. Each sampled token's log-prob comes back from vLLM
+On a GPU with rollout.sleep_mode the engine sleeps between rollouts, so the
+update has the memory: level 1 (weights offloaded to the CPU, KV cache
+freed) with a LoRA, level 2 (weights discarded too) for full fine-tuning,
+whose sync reloads every weight anyway. Before waking, the trainer's cached
+allocator blocks go back to the GPU (empty_cache), else the wake-up can
+find the memory the update freed still held by the trainer's caching allocator. Each sampled token's log-prob comes back from vLLM
 after temperature (logprobs_mode 'processed_logprobs'), the same quantity
 the trainer scores, for the truncated importance-sampling correction.
 
@@ -64,6 +67,12 @@ def vllm_lora_rank(r: int) -> int:
     raise EngineUnsupported(f"lora.r is {r}, but the vllm rollout engine serves LoRA ranks up to {allowed[-1]}")
 
 
+def sleep_level(*, lora: bool) -> int:
+    """1 keeps the weights (offloaded to the CPU): a LoRA is served on them. 2 drops them: full fine-tuning
+    reloads every weight at the next sync, so offloading them would copy GBs for nothing."""
+    return 1 if lora else 2
+
+
 class VLLMEngine:
     def __init__(self, spec: JobSpec, *, lora: bool):
         _configure_vllm_process()
@@ -72,6 +81,7 @@ class VLLMEngine:
         cuda = torch.cuda.is_available()
         self.sampling_spec = spec.sampling
         self.sleep_enabled = cuda and spec.rollout.sleep_mode
+        self.sleep_level = sleep_level(lora=lora)
         kwargs: dict = dict(
             model=spec.model,
             dtype=_engine_dtype(spec, cuda),
@@ -172,11 +182,12 @@ class VLLMEngine:
 
     def _sleep(self) -> None:
         if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=1)  # weights to CPU, KV cache freed: the update gets the GPU memory
+            self.llm.sleep(level=self.sleep_level)  # KV cache freed, weights offloaded or dropped: the update's
             self._asleep = True
 
     def _wake(self) -> None:
         if self._asleep:
+            torch.cuda.empty_cache()  # the update's freed blocks back to the GPU, for the weights and KV cache
             self.llm.wake_up()
             self._asleep = False
 

@@ -25,8 +25,17 @@ around each step. Here:
 - compiled (CUDA): a static cache and one torch.compile'd decode step
   (mode "reduce-overhead": CUDA graphs), shapes bucketed so few compiles happen;
   finished rows stay in the batch (static shapes) and the loop ends once all
-  rows are done. If compiling fails the loop falls back to eager for the
-  rest of the process.
+  rows are done. One static cache is kept per (batch, length bucket), the
+  last few used, so eval batches and later turns do not evict the training
+  shape's cache (and its CUDA graphs' addresses). If compiling a shape fails,
+  that rollout decodes eagerly and the failure is kept for the trainer to
+  report (`take_compile_fallbacks`: a metric and a warning event); the shape
+  is compiled again next time, up to MAX_COMPILE_TRIES failures.
+- logits that hold NaN or inf (an overflow, diverged weights) fail the
+  rollout with NonFiniteLogits: sampling from them would silently pick the
+  last token id.
+- `release_rollout_state` drops the kept caches and weight copies once they
+  pass a share of the GPU's memory, so the update gets it back.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from __future__ import annotations
 import inspect
 import logging
 import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 
 import torch
@@ -50,7 +60,8 @@ from transformers.generation.logits_process import (
 
 from service.schemas.job_spec import SamplingSpec
 
-__all__ = ["rollout_weights", "sample_tokens", "logits_processors"]
+__all__ = ["rollout_weights", "sample_tokens", "logits_processors", "NonFiniteLogits", "take_compile_fallbacks",
+           "release_rollout_state"]
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +72,17 @@ CACHE_BUCKET = 128  # static cache lengths are rounded up to this, so a new prom
 # Kept between rollouts so that tensor addresses stay put and CUDA graphs replay instead of re-recording.
 _rollout_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {name: kept weight copy}
 _compiled_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> compiled decode step
-_static_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (shape key, StaticCache)
-_compile_failed = False
+_static_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {shape key: StaticCache}, LRU
+STATIC_CACHES_KEPT = 4  # per model: a training shape, an eval shape, a later turn's or a smaller last batch's
+MAX_COMPILE_TRIES = 3  # failures of one shape before it decodes eagerly for the rest of the process
+_compile_failures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {shape key: failures}
+_fallbacks: list[str] = []  # compile failures not yet reported (take_compile_fallbacks)
+EAGER_CHECK_EVERY = 8  # CUDA: steps between the eager loop's syncs (dropping finished rows)
+RELEASE_FRACTION = 0.1  # kept rollout state above this share of the GPU's memory is freed after the rollout
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model gave NaN or inf logits while sampling."""
 
 
 @contextmanager
@@ -206,14 +226,19 @@ def sample_tokens(
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     pick = _Picker(sampling, greedy, (B, max_new), device, record=logprobs)
-    if compiled and not _compile_failed:
+    guarded = _FiniteGuard(pick)
+    key = _shape_key(B, P + max_new)
+    if compiled and _compile_failures.get(model, {}).get(key, 0) < MAX_COMPILE_TRIES:
         try:
-            lengths = _static_loop(model, ids, mask, positions, P, max_new, pick, eos_id, step=_compiled_step(model))
-        except Exception as e:  # an unsupported model or backend: this process decodes eagerly from now on
-            _give_up_compiling(e)
-            lengths = _eager_loop(model, ids, mask, positions, P, max_new, pick, eos_id)
+            lengths = _static_loop(model, ids, mask, positions, P, max_new, guarded, eos_id,
+                                   step=_compiled_step(model))
+        except Exception as e:  # an unsupported model or backend, or a transient failure: this shape, this time
+            _compile_failed(model, key, e)
+            guarded.flag = None  # the eager run below redoes every step
+            lengths = _eager_loop(model, ids, mask, positions, P, max_new, guarded, eos_id)
     else:
-        lengths = _eager_loop(model, ids, mask, positions, P, max_new, pick, eos_id)
+        lengths = _eager_loop(model, ids, mask, positions, P, max_new, guarded, eos_id)
+    guarded.check()
     lengths = lengths.tolist()
     tokens = [row[:n] for row, n in zip(ids[:, P:].tolist(), lengths)]
     if pick.logprobs_BT is None:
@@ -221,8 +246,33 @@ def sample_tokens(
     return tokens, [row[:n] for row, n in zip(pick.logprobs_BT.tolist(), lengths)]
 
 
-def _eager_loop(model, ids, mask, positions, P, max_new, pick: _Picker, eos_id) -> Tensor:
-    """Decode with a dynamic cache; rows that reach EOS leave the batch (and the cache) at once."""
+class _FiniteGuard:
+    """A picker that also notes whether any logits it saw held NaN or inf, in one device flag read once at the
+    end (no sync per step). Sampling from such logits would silently give the last token id."""
+
+    def __init__(self, pick: _Picker):
+        self.pick, self.flag = pick, None
+
+    def __call__(self, logits_BV: Tensor, *args) -> Tensor:
+        bad = ~torch.isfinite(logits_BV).all()
+        self.flag = bad if self.flag is None else self.flag | bad
+        return self.pick(logits_BV, *args)
+
+    def check(self) -> None:
+        if self.flag is not None and bool(self.flag):
+            raise NonFiniteLogits(
+                "the model gave NaN or inf logits while sampling (an overflow, e.g. float16 activations, or "
+                "weights that diverged); the rollout is refused rather than sampled from them")
+
+
+def _eager_loop(model, ids, mask, positions, P, max_new, pick: _Picker, eos_id, *,
+                check_every: int | None = None) -> Tensor:
+    """Decode with a dynamic cache; rows that reach EOS leave the batch (and the cache) every `check_every` steps.
+
+    Asking whether any row finished is a device sync: on CUDA (where this loop runs only when compiling
+    failed) that is done every EAGER_CHECK_EVERY steps, finished rows riding along until then; on a CPU,
+    where a sync costs nothing, at every step."""
+    check_every = check_every or (EAGER_CHECK_EVERY if ids.is_cuda else 1)
     B = ids.shape[0]
     lengths = torch.full((B,), max_new, dtype=torch.long, device=ids.device)
     cache = DynamicCache(config=model.config)
@@ -235,19 +285,23 @@ def _eager_loop(model, ids, mask, positions, P, max_new, pick: _Picker, eos_id) 
                    **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
     cache.batch_select_indices(row_of)  # (prefilled in torch.unique's order, not the rows')
     logits = logits[row_of]
+    finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
     for t in range(max_new):
         token = pick(logits, ids[live, : P + t], live, t)
         ids[live, P + t] = token
-        done = token == eos_id
-        if done.any():
-            lengths[live[done]] = t + 1
-            keep = (~done).nonzero().squeeze(1)
-            if keep.numel() == 0:
-                break
-            live, token = live[keep], token[keep]
-            cache.batch_select_indices(keep)
+        newly = (token == eos_id) & ~finished[live]  # a row riding along after its EOS keeps its length
+        lengths[live] = torch.where(newly, t + 1, lengths[live])
+        finished[live] = finished[live] | newly
         if t == max_new - 1:
             break
+        if (t + 1) % check_every == 0:
+            done = finished[live]
+            if done.any():
+                keep = (~done).nonzero().squeeze(1)
+                if keep.numel() == 0:
+                    break
+                live, token = live[keep], token[keep]
+                cache.batch_select_indices(keep)
         end = P + t + 1
         logits = model(input_ids=token[:, None], attention_mask=mask[live, :end],
                        position_ids=positions[live, end - 1 : end],
@@ -271,7 +325,7 @@ def _static_loop(model, ids, mask, positions, P, max_new, pick: _Picker, eos_id,
                  check_every: int = 16) -> Tensor:
     """Decode with a preallocated cache and one (compiled) step of fixed shapes; finished rows ride along."""
     B = ids.shape[0]
-    total = -(-(P + max_new) // CACHE_BUCKET) * CACHE_BUCKET
+    total = _shape_key(B, P + max_new)[1]
     full_mask = torch.zeros((B, total), dtype=mask.dtype, device=mask.device)
     full_mask[:, : mask.shape[1]] = mask
     cache = _static_cache(model, B, total)
@@ -291,19 +345,71 @@ def _static_loop(model, ids, mask, positions, P, max_new, pick: _Picker, eos_id,
     return lengths
 
 
+def _shape_key(batch: int, length: int) -> tuple[int, int]:
+    """(batch, cache length rounded up to CACHE_BUCKET): what a static cache and a compiled graph are made for."""
+    return batch, -(-length // CACHE_BUCKET) * CACHE_BUCKET
+
+
 def _static_cache(model, batch: int, length: int) -> StaticCache:
-    """The model's static cache for this shape, emptied; a new one when the shape changed."""
+    """The model's static cache for this shape, emptied; a new one for a new shape (the least recently used of
+    more than STATIC_CACHES_KEPT is dropped)."""
     key = (batch, length)
-    known = _static_caches.get(model)
-    if known is not None and known[0] == key:
-        known[1].reset()
-        return known[1]
-    cache = StaticCache(config=model.config, max_cache_len=length)
-    _static_caches[model] = (key, cache)
+    caches = _static_caches.setdefault(model, OrderedDict())
+    if key in caches:
+        caches.move_to_end(key)
+        caches[key].reset()
+        return caches[key]
+    cache = caches[key] = StaticCache(config=model.config, max_cache_len=length)
+    while len(caches) > STATIC_CACHES_KEPT:
+        caches.popitem(last=False)
     return cache
 
 
-def _give_up_compiling(error: Exception) -> None:
-    global _compile_failed
-    _compile_failed = True
-    log.warning("compiled decoding failed (%s: %s); decoding eagerly from now on", type(error).__name__, error)
+def _compile_failed(model, key: tuple[int, int], error: Exception) -> None:
+    failures = _compile_failures.setdefault(model, {})
+    failures[key] = failures.get(key, 0) + 1
+    after = ("it is compiled again next time" if failures[key] < MAX_COMPILE_TRIES else
+             f"after {failures[key]} failures this shape decodes eagerly from now on")
+    message = (f"compiled decoding failed for batch {key[0]}, cache length {key[1]} ({type(error).__name__}: "
+               f"{str(error)[:300]}); this rollout decoded eagerly, {after}")
+    log.warning(message, exc_info=error)  # the traceback goes to the log; the event gets the message
+    _fallbacks.append(message)
+
+
+def take_compile_fallbacks() -> list[str]:
+    """The compile failures since the last call (each one a rollout that decoded eagerly), for the trainer to
+    report as a metric and a warning event."""
+    taken = _fallbacks[:]
+    _fallbacks.clear()
+    return taken
+
+
+def rollout_state_bytes(model) -> int:
+    """Bytes held between rollouts for `model`: its static caches and the kept weight copies of its modules."""
+    held = sum(t.numel() * t.element_size() for cache in _static_caches.get(model, {}).values()
+               for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if isinstance(t, Tensor))
+    for module in model.modules():
+        held += sum(p.numel() * p.element_size() for p in _rollout_copies.get(module, {}).values())
+    return held
+
+
+def release_rollout_state(model, *, above_bytes: int | None = None) -> bool:
+    """Free the static caches and weight copies kept for `model` when they hold more than `above_bytes`
+    (default: RELEASE_FRACTION of the GPU's memory; on a CPU they are kept), and return the memory to the GPU.
+
+    Small models keep them (the next rollout replays its CUDA graphs at the same addresses); a large model's
+    caches and copies would otherwise sit through the update, which needs that memory. Returns whether it freed."""
+    if above_bytes is None:
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            return False
+        above_bytes = int(RELEASE_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+    if rollout_state_bytes(model) <= above_bytes:
+        return False
+    _static_caches.pop(model, None)
+    for module in model.modules():
+        _rollout_copies.pop(module, None)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return True

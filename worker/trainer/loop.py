@@ -49,7 +49,7 @@ from worker.distributed.shard import unsharded
 from worker.distributed.state import full_model_state, full_optimizer_state, load_full_optimizer_state
 from worker.trainer.data import PromptSampler, load_splits
 from worker.trainer.metrics import UpdateStats
-from worker.trainer import precision
+from worker.trainer import decode, precision
 from worker.trainer.policy import MASTER_PREFIX, REFERENCE, Policy, load_policy
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded, error_rate_message
@@ -76,7 +76,8 @@ class Callbacks(Protocol):
     # score (callbacks without it are skipped, see _report_reward_errors); on_samples(step, samples: list[dict]),
     # a few of the step's completions (worker/trainer/samples.py); on_preflight(metrics), the pre-flight's
     # baseline before step 1; on_no_signal(step, steps), every group had zero variance for `steps` steps
-    # (worker/trainer/learning_signal.py).
+    # (worker/trainer/learning_signal.py); on_warning(step, message: str), e.g. a compiled decode that fell
+    # back to eager.
 
 
 class NoCallbacks:
@@ -282,6 +283,11 @@ class Trainer:
             rollout = self.engine.generate(self.policy, rows, spec.sampling, group_size=tc.group_size,
                                            **self._episodes(seeds))
         rollout_s = time.perf_counter() - started
+        decode.release_rollout_state(self.policy.model)  # a large model's decode caches and copies: the update's
+        fallbacks = decode.take_compile_fallbacks()  # this step's and the last evaluation's
+        if (warn := getattr(self.callbacks, "on_warning", None)) is not None:
+            for message in fallbacks:
+                warn(self.step + 1, message)
 
         feedback = collect_feedback(rollout, self.scorer, failure_score=tc.reward_failure_score)
         # Every rank judges the whole step's errors, so all stop together.
@@ -329,6 +335,7 @@ class Trainer:
             "truncated_fraction": sum(every["truncated"]) / sequences,
             "lr": lr,
             **UpdateStats.combined(every["stats"]).metrics(),
+            "decode_compile_fallbacks": float(len(fallbacks)),
             "rollout_seconds": rollout_s,
             "update_seconds": update_s,
             "step_seconds": step_s,

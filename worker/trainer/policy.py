@@ -104,6 +104,7 @@ def pick_device() -> torch.device:
 def load_policy(spec: JobSpec, *, resume_from: Checkpoint | None, warm_start: Checkpoint | None) -> Policy:
     """The model to train. A resumed job restores weights and reference from its checkpoint."""
     device = pick_device()
+    precision.enable_fast_matmul(device)
     tokenizer = AutoTokenizer.from_pretrained(spec.model)
     tokenizer.padding_side = "left"  # generation continues from the prompt's end
     if tokenizer.pad_token_id is None:

@@ -1,0 +1,173 @@
+"""The decode loop's GPU paths, checked on CPU: refusing NaN logits, the compile fallback per shape (reported,
+retried), one static cache per shape, freeing the kept rollout state, and compiled == eager (aot_eager)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.trainer.test_decode import CPU, EOS, PAD, prompts, spec, static_greedy
+from worker.trainer import decode
+
+
+@pytest.fixture
+def plain_model(toy_dir):
+    return AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32).eval()
+
+
+def _sample(model, rows, *, greedy=True, compiled=False, max_new=8):
+    return decode.sample_tokens(model, rows, max_new=max_new, sampling=spec(), greedy=greedy, eos_id=EOS,
+                                pad_id=PAD, device=CPU, compiled=compiled)[0]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_nan_logits_fail_the_rollout_instead_of_sampling_the_last_token(plain_model, monkeypatch, compiled):
+    """An overflowed (here: poisoned) LM head row makes every softmax NaN; the old loop then sampled the last
+    vocabulary id for every row, silently."""
+    monkeypatch.setattr(decode, "_compiled_step", lambda model: decode._decode_step)  # the static loop, uncompiled
+    with torch.no_grad():
+        plain_model.lm_head.weight[5] = float("nan")
+    with pytest.raises(decode.NonFiniteLogits, match="NaN or inf logits"):
+        _sample(plain_model, prompts(3), greedy=False, compiled=compiled)
+
+
+def test_a_failed_compile_falls_back_for_that_shape_only_is_reported_and_retried(plain_model, monkeypatch):
+    rows, few = prompts(6), prompts(2)
+    expected, expected_few = _sample(plain_model, rows), _sample(plain_model, few)
+    decode.take_compile_fallbacks()
+    calls = []
+
+    def flaky(model):  # compiling the 6-row shape fails; any other shape works
+        def step(model, token_B1, *args):
+            calls.append(token_B1.shape[0])
+            if token_B1.shape[0] == 6:
+                raise RuntimeError("inductor: no C compiler")
+            return decode._decode_step(model, token_B1, *args)
+        return step
+
+    monkeypatch.setattr(decode, "_compiled_step", flaky)
+    assert _sample(plain_model, rows, compiled=True) == expected  # decoded eagerly instead
+    reported = decode.take_compile_fallbacks()
+    assert len(reported) == 1 and "batch 6" in reported[0] and "compiled again next time" in reported[0]
+    assert _sample(plain_model, few, compiled=True) == expected_few and 2 in calls  # other shapes still compile
+    assert decode.take_compile_fallbacks() == []
+    for _ in range(decode.MAX_COMPILE_TRIES - 1):  # retried: the same shape tries compiling again
+        calls.clear()
+        assert _sample(plain_model, rows, compiled=True) == expected and calls == [6]
+    assert "eagerly from now on" in decode.take_compile_fallbacks()[-1]
+    calls.clear()
+    assert _sample(plain_model, rows, compiled=True) == expected and calls == []  # given up for this shape only
+
+
+def test_static_caches_are_kept_per_shape(plain_model):
+    """A training batch, an eval batch, the training batch again: its cache (and its addresses) comes back."""
+    rows, few = prompts(6), prompts(2)
+    static_greedy(plain_model, rows, 6)
+    first = decode._static_caches[plain_model][(6, decode.CACHE_BUCKET)]
+    static_greedy(plain_model, few, 6)
+    assert static_greedy(plain_model, rows, 6) == static_greedy(plain_model, rows, 6)
+    assert decode._static_caches[plain_model][(6, decode.CACHE_BUCKET)] is first
+    assert list(decode._static_caches[plain_model]) == [(2, decode.CACHE_BUCKET), (6, decode.CACHE_BUCKET)]
+    for b in range(1, decode.STATIC_CACHES_KEPT + 2):  # the least recently used beyond the limit are dropped
+        static_greedy(plain_model, prompts(b), 2)
+    assert len(decode._static_caches[plain_model]) == decode.STATIC_CACHES_KEPT
+
+
+def test_kept_rollout_state_is_freed_above_the_threshold(plain_model):
+    rows = prompts(4)
+    with decode.rollout_weights(plain_model, torch.bfloat16) as generator:  # kept bf16 weight copies
+        expected = static_greedy(generator, rows, 6)
+    held = decode.rollout_state_bytes(plain_model)
+    weights = sum(p.numel() * 2 for p in plain_model.parameters())
+    assert held > weights  # every weight's bf16 copy and the static cache
+    assert not decode.release_rollout_state(plain_model, above_bytes=held)  # small enough: kept
+    assert not decode.release_rollout_state(plain_model)  # on a CPU nothing is freed by default
+    assert decode.release_rollout_state(plain_model, above_bytes=held - 1)
+    assert decode.rollout_state_bytes(plain_model) == 0
+    with decode.rollout_weights(plain_model, torch.bfloat16) as generator:  # rebuilt as needed, same tokens
+        assert static_greedy(generator, rows, 6) == expected
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_eager_tokens(lora_model, monkeypatch):
+    """The compiled (static cache, fullgraph) step, here with the aot_eager backend (no CUDA graphs, no C
+    compiler), gives the eager loop's greedy tokens, plain and with a LoRA folded in."""
+    torch._dynamo.reset()
+    compiled = torch.compile(decode._decode_step, backend="aot_eager", fullgraph=True)
+    monkeypatch.setattr(decode, "_compiled_step", lambda model: compiled)
+    decode.take_compile_fallbacks()
+    rows = prompts(4)
+    with decode.rollout_weights(lora_model) as merged:
+        eager = _sample(merged, rows, max_new=6)
+        assert _sample(merged, rows, max_new=6, compiled=True) == eager
+    with lora_model.disable_adapter():
+        base = lora_model.get_base_model()
+        assert _sample(base, rows, max_new=6, compiled=True) == _sample(base, rows, max_new=6)
+    assert decode.take_compile_fallbacks() == []  # it really ran compiled
+
+
+def test_the_trainer_reports_a_compile_fallback_as_a_metric_and_a_warning(toy_dir, tmp_path, monkeypatch):
+    """A step whose compiled decode failed says so: decode_compile_fallbacks counts it and on_warning gets the
+    message (the job runner makes it a warn event); the next step, compiled fine, reports 0."""
+    from tests.trainer.test_trainer import StopAt, small_spec
+    from worker.trainer import rollout
+    from worker.trainer.loop import train
+
+    failures = iter([True])
+
+    def sometimes_failing(model):
+        def step(*args):
+            if next(failures, False):
+                raise RuntimeError("cudagraph pool exhausted")
+            return decode._decode_step(*args)
+        return step
+
+    real = rollout.sample_tokens
+    monkeypatch.setattr(rollout, "sample_tokens", lambda *a, **k: real(*a, **{**k, "compiled": True}))
+    monkeypatch.setattr(decode, "_compiled_step", sometimes_failing)
+    decode.take_compile_fallbacks()
+    metrics, warnings = [], []
+
+    class Collect(StopAt):
+        def on_step(self, step, m):
+            super().on_step(step, m)
+            metrics.append(m["decode_compile_fallbacks"])
+
+        def on_warning(self, step, message):
+            warnings.append((step, message))
+
+    train(small_spec(toy_dir, steps=2, checkpoint_interval=0), tmp_path, callbacks=Collect(99))
+    assert metrics == [1.0, 0.0]
+    assert len(warnings) == 1 and warnings[0][0] == 1 and "cudagraph pool exhausted" in warnings[0][1]
+
+
+def test_the_eager_loop_can_drop_finished_rows_every_few_steps(lora_model):
+    """On CUDA the eager loop asks whether rows finished (a sync) every few steps, not every step: same tokens,
+    and the batch shrinks only at those steps."""
+    from tests.trainer.conftest import forward_shapes
+
+    rows = prompts()
+    B, P, max_new = len(rows), max(map(len, rows)), 40
+
+    def run(check_every):
+        ids = torch.full((B, P + max_new), PAD)
+        mask = torch.zeros((B, P + max_new), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, P - len(r) : P] = torch.tensor(r)
+            mask[i, P - len(r) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        pick = decode._Picker(spec(), True, (B, max_new), CPU, record=False)
+        with forward_shapes(lora_model) as shapes:
+            lengths = decode._eager_loop(merged, ids, mask, positions, P, max_new, pick, EOS,
+                                         check_every=check_every)
+        return [r[:n] for r, n in zip(ids[:, P:].tolist(), lengths.tolist())], [b for b, _ in shapes[1:]]
+
+    with decode.rollout_weights(lora_model) as merged:
+        every_step, sizes_1 = run(1)
+        every_4, sizes_4 = run(4)
+    assert every_4 == every_step
+    assert any(r[-1] == EOS for r in every_step) and len(set(sizes_1)) > 1  # rows did finish at various steps
+    changes = [t for t in range(1, len(sizes_4)) if sizes_4[t] != sizes_4[t - 1]]
+    assert changes and all((t + 1) % 4 == 0 for t in changes), sizes_4  # forward t follows step t's check
+    assert len(sizes_4) >= len(sizes_1)  # finished rows rode along a little longer
