@@ -40,6 +40,7 @@ from service.queue import enqueue_job
 from service.storage import ObjectStore, StorageError, open_store
 from worker.artifacts import MANIFEST, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
+from worker.drain import DRAIN  # set by the worker's graceful shutdown (see worker/drain.py)
 from worker.progress import StepClock
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
@@ -52,11 +53,6 @@ log = logging.getLogger(__name__)
 # Metrics worth a line in the job's event stream (all of them go to the metrics table).
 EVENT_METRICS = ("reward_mean", "loss", "clip_fraction", "kl_old", "completion_length_mean", "step_seconds")
 REWARD_WARN_EVERY = 10  # steps between warn events that repeat already-shown reward errors
-
-
-# Set when this worker is shutting down gracefully (see celery_app): the job checkpoints at its next
-# step boundary and is queued again for another worker, without using up an attempt.
-DRAIN = threading.Event()
 
 
 class LeaseLost(Exception):
