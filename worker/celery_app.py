@@ -27,7 +27,7 @@ import signal
 import threading
 
 from billiard.process import active_children, current_process
-from celery.exceptions import WorkerShutdown
+from celery.exceptions import Reject, WorkerShutdown
 from celery.signals import task_prerun, worker_process_init, worker_ready, worker_shutting_down
 from celery.worker import state as worker_state
 
@@ -48,6 +48,10 @@ app.conf.update(worker_concurrency=get_settings().worker_concurrency, worker_max
 
 @app.task(name=RUN_JOB, acks_late=True)
 def run_job(job_id: str) -> str | None:
+    if DRAIN.is_set():
+        # This worker is stopping. Celery's solo pool (`cispo up`) still takes one more message after a
+        # warm shutdown began, often the very job that just drained: it goes back, unclaimed and unrun.
+        raise Reject("the worker is shutting down", requeue=True)
     from worker.job_runner import run_job as run
 
     status = run(job_id, get_settings())
