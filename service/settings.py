@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     broker_timeout_s: float = Field(5.0, gt=0, description="Socket timeout on the broker: a stalled Redis "
                                     "fails a send or a ping instead of hanging the API.")
     work_dir: Path | None = Field(None, description="Worker scratch space (default HOME/work).")
+    worker_concurrency: int = Field(1, ge=1, le=64, description="Jobs a prefork worker runs at once, one per "
+                                    "GPU: pool child i sees only the worker's GPU i (`cispo worker --concurrency`).")
     sandbox: Literal["auto", "namespaces", "off"] = Field("auto", description="User code: 'off' refuses it.")
     sandbox_uid: int = Field(100000, ge=1, description="The first of the uids sandboxes run as, one per live "
                              "sandbox (host-wide); no host user may own them.")

@@ -1,14 +1,18 @@
 """The Celery worker: `celery -A worker.celery_app worker` (or `cispo worker`).
 
-Concurrency 1 and a fresh child per job: a job owns the GPU, and its CUDA
-context and memory go away with the process. Database pools are replaced in
-every forked child (service.db.session), so children never share the
-parent's connections.
+A fresh child per job, whose CUDA context and memory go away with it; one
+child by default (a job owns the worker's GPUs), or `worker_concurrency`
+children, one per GPU, child i seeing only GPU i (worker/gpus.py). Database
+pools are replaced in every forked child (service.db.session), so children
+never share the parent's connections.
 
 Graceful shutdown (SIGTERM, a deploy): Celery's warm shutdown waits for the
 running task, and this module tells the job to stop at its next step
 boundary, checkpoint, and go back to the queue for another worker (DRAIN).
 Give the worker a grace period of one step plus one checkpoint upload.
+
+The solo pool (`cispo up`) runs the job in the main process, so Celery's
+own warm shutdown is what drains it there.
 
 A SIGTERM sent to a pool child itself (a supervisor that signals the whole
 process group, an operator's `kill`) drains the same way; a second one ends
@@ -20,12 +24,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 
-from billiard.process import active_children
+from billiard.process import active_children, current_process
+from celery.exceptions import Reject, WorkerShutdown
 from celery.signals import task_prerun, worker_process_init, worker_ready, worker_shutting_down
+from celery.worker import state as worker_state
 
 from service.queue import RUN_JOB, make_celery
 from service.settings import get_settings
+from worker.drain import DRAIN
+from worker.gpus import pin_gpu
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +43,15 @@ log = logging.getLogger(__name__)
 DRAIN_SIGNAL = signal.SIGUSR2
 
 app = make_celery(get_settings())
-app.conf.update(worker_concurrency=1, worker_max_tasks_per_child=1)
+app.conf.update(worker_concurrency=get_settings().worker_concurrency, worker_max_tasks_per_child=1)
 
 
 @app.task(name=RUN_JOB, acks_late=True)
 def run_job(job_id: str) -> str | None:
+    if DRAIN.is_set():
+        # This worker is stopping. Celery's solo pool (`cispo up`) still takes one more message after a
+        # warm shutdown began, often the very job that just drained: it goes back, unclaimed and unrun.
+        raise Reject("the worker is shutting down", requeue=True)
     from worker.job_runner import run_job as run
 
     status = run(job_id, get_settings())
@@ -54,20 +67,52 @@ def _start_reconciler(**_):
     webhook_sender.start(get_settings())
 
 
-def _drain(*_):
-    from worker.job_runner import DRAIN
+@worker_ready.connect
+def _stop_at_once_when_idle(**_):
+    """An idle worker on a polled broker (the embedded SQLite one) stops at once, not after its poll.
 
+    Celery's stop handlers only set a flag that its loop reads between polls of the broker, and a
+    poll of a polled transport lasts up to 3 s (a 2 s drain of 1 s sleeps). When the signal finds
+    the worker asleep between polls, nothing is in flight: raise now what the loop would raise then."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        celery_handler = signal.getsignal(sig)
+        if callable(celery_handler):
+            signal.signal(sig, _then_stop_if_idle(celery_handler))
+
+
+def _then_stop_if_idle(celery_handler):
+    def handler(signum, frame):
+        celery_handler(signum, frame)  # the warm shutdown (and its worker_shutting_down: drain)
+        if _between_polls(frame) and worker_state.should_stop is not None:
+            raise WorkerShutdown(worker_state.should_stop)
+
+    return handler
+
+
+def _between_polls(frame) -> bool:
+    """The signal interrupted kombu's virtual transport in its sleep between two polls of the broker."""
+    code = frame.f_code if frame is not None else None
+    return code is not None and code.co_name == "drain_events" and code.co_filename.endswith(
+        os.path.join("kombu", "transport", "virtual", "base.py"))
+
+
+def _drain(*_):
     DRAIN.set()
 
 
-_in_pool_child = False
+def _in_pool_child() -> bool:
+    """A prefork pool child, not the worker's main process. The solo pool sends worker_process_init too,
+    but runs its jobs in the main process, whose SIGTERM must stay Celery's warm shutdown: taking it over
+    there only drained the job, which queued itself again and was claimed again by the same worker,
+    in a loop, until the worker was killed with the job still leased."""
+    return current_process().name != "MainProcess"
 
 
 @worker_process_init.connect
 def _listen_for_drain(**_):
-    global _in_pool_child
-    _in_pool_child = True
-    signal.signal(DRAIN_SIGNAL, _drain)
+    if _in_pool_child():
+        signal.signal(DRAIN_SIGNAL, _drain)
+        pin_gpu(current_process().index, app.conf.worker_concurrency)
 
 
 @task_prerun.connect
@@ -75,10 +120,9 @@ def _drain_on_sigterm(**_):
     """In a pool child, the first SIGTERM drains the job instead of killing it mid-step.
 
     Installed per task, not at process init: billiard replaces any SIGTERM handler the init hooks set
-    with its own exit handler, which stays the answer to a second SIGTERM. Not in the solo pool, whose
-    SIGTERM is Celery's own warm shutdown (which drains anyway)."""
-    if not _in_pool_child:
-        return
+    with its own exit handler, which stays the answer to a second SIGTERM."""
+    if not _in_pool_child() or threading.current_thread() is not threading.main_thread():
+        return  # signal.signal works in the main thread only
     exit_now = signal.getsignal(signal.SIGTERM)
 
     def drain_then_exit(signum, frame):

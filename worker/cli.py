@@ -1,7 +1,7 @@
 """The `cispo` command line.
 
     cispo train SPEC.yaml [--output DIR] [--no-resume]   a job locally, no service
-    cispo worker                                        a Celery worker for service jobs
+    cispo worker [--concurrency N]                      a Celery worker for service jobs (one job per GPU)
     cispo up | api | db upgrade | keys create           see service/cli/main.py
 
 Heavy imports (torch, transformers) happen inside the commands that need
@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from service.cli.main import CliError, add_commands
+from service.cli.main import CliError, add_commands, exit_without_teardown
 
 
 def _format_validation_error(e: ValidationError) -> str:
@@ -128,11 +128,31 @@ def cmd_train(args) -> int:
 
 
 def cmd_worker(args) -> int:
+    from service.settings import get_settings
+    from worker.gpus import concurrency_error
+
+    concurrency = args.concurrency or get_settings().worker_concurrency
+    if error := concurrency_error(concurrency, args.pool):
+        print(f"cispo worker: {error}", file=sys.stderr)
+        return 2
     from worker.celery_app import app
 
-    argv = ["worker", "--loglevel=INFO", "-Q", "jobs", f"--pool={args.pool}", "--concurrency=1"]
-    app.worker_main(argv)
-    return 0
+    app.conf.worker_concurrency = concurrency  # the pool children read it to pick their GPU
+    code = 0
+    try:
+        app.worker_main(["worker", "--loglevel=INFO", "-Q", "jobs", f"--pool={args.pool}", f"--concurrency={concurrency}"])
+    except SystemExit as stopped:  # how Celery's worker returns
+        code = stopped.code if isinstance(stopped.code, int) else (0 if stopped.code is None else 1)
+    # Every job is handed back by now; with torch loaded (any worker that ran a job in-process) the
+    # interpreter's teardown alone takes seconds (6-8 s seen), the bulk of an idle stop.
+    exit_without_teardown(code)
+
+
+def _jobs_at_once(text: str) -> int:
+    n = int(text) if text.isdigit() else 0
+    if not 1 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of jobs from 1 to 64")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a Celery worker for service jobs")
     p.add_argument("--pool", default="prefork", choices=["prefork", "solo"],
                    help="prefork gives each job a fresh process; solo runs jobs in the worker itself")
+    p.add_argument("--concurrency", type=_jobs_at_once, metavar="N",
+                   help="jobs run at once (prefork), one per GPU: child i sees only GPU i "
+                        "(default CISPO_WORKER_CONCURRENCY, 1)")
     p.set_defaults(func=cmd_worker)
     add_commands(sub)
     return parser

@@ -43,6 +43,7 @@ from service.storage import ObjectStore, StorageError, open_store
 from worker.artifacts import MANIFEST, delete_unreferenced, download_checkpoint, upload_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
 from worker import scratch
+from worker.drain import DRAIN  # set by the worker's graceful shutdown (see worker/drain.py)
 from worker.envs import describe_environment
 from worker.progress import StepClock, reward_trend
 from worker.results import publish as publish_results
@@ -58,11 +59,6 @@ log = logging.getLogger(__name__)
 EVENT_METRICS = ("reward_mean", "loss", "clip_fraction", "kl_old", "completion_length_mean", "step_seconds")
 REWARD_WARN_EVERY = 10  # steps between warn events that repeat already-shown reward errors
 STORAGE_UNAVAILABLE = "storage_unavailable"  # the error code of a run stopped by an object-store outage
-
-
-# Set when this worker is shutting down gracefully (see celery_app): the job checkpoints at its next
-# step boundary and is queued again for another worker, without using up an attempt.
-DRAIN = threading.Event()
 
 
 class LeaseLost(Exception):

@@ -1,9 +1,13 @@
 """The production-shaped stack, for real: PostgreSQL, Redis, S3 (moto over HTTP),
-a uvicorn API process and a Celery worker process (prefork: a fresh child per job)."""
+a uvicorn API process and a Celery worker process (prefork: a fresh child per job),
+started with the production commands the README lists, and stopped leaving no process."""
 
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +19,27 @@ from tests.conftest import free_port
 from worker.toy.demo import wait_healthy
 
 from tests.conftest import REDIS_TEST_URL as REDIS_E2E
+from tests.processes import survivors, tagged
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_production_commands() -> dict[str, list[str]]:
+    """The README's production commands (the ```sh block after "Production runs"), by subcommand."""
+    block = re.search(r"Production runs.*?```sh\n(.*?)```", README.read_text(), re.S)
+    assert block, "README.md lists no production commands"
+    commands = {}
+    for line in block.group(1).splitlines():
+        argv = shlex.split(line, comments=True)
+        assert argv[0] == "cispo", line
+        commands[argv[1]] = argv[1:]
+    assert set(commands) == {"db", "api", "worker"}, commands
+    return commands
+
+
+def _with_option(argv: list[str], option: str, value: str) -> list[str]:
+    i = argv.index(option)
+    return [*argv[: i + 1], value, *argv[i + 2 :]]
 
 
 class Stack:
@@ -49,7 +74,7 @@ def stack(tmp_path_factory, moto_endpoint):
     s3_url = f"s3://{BUCKET}/e2e-{root.name}?endpoint_url={moto_endpoint}"
     db_url, drop = make_database("postgresql", root)
     redis.Redis.from_url(REDIS_E2E).flushdb()
-    env = {
+    env, tag = tagged({
         **os.environ,
         "DATABASE_URL": db_url,
         "BROKER_URL": REDIS_E2E,
@@ -58,12 +83,15 @@ def stack(tmp_path_factory, moto_endpoint):
         "CISPO_HEARTBEAT_S": "1",
         "CISPO_MODEL_DIRS": str(tmp_path_factory.getbasetemp()),  # where toy_dir builds the tiny model
         "PYTHONUNBUFFERED": "1",
-    }
+    })
     port = free_port()
+    commands = readme_production_commands()
     stack = Stack(f"http://127.0.0.1:{port}", env, root, {})
     try:
-        api = stack.start("api", "api", "--port", str(port))
-        stack.start("worker", "worker", "--pool", "prefork")
+        subprocess.run([sys.executable, "-m", "worker.cli", *commands["db"]], env=env, check=True)
+        # The API on this machine only, on a free port; the worker exactly as written.
+        api = stack.start("api", *_with_option(_with_option(commands["api"], "--host", "127.0.0.1"), "--port", str(port)))
+        stack.start("worker", *commands["worker"])
         wait_healthy(stack.base, api, root / "api.log")
         yield stack
     finally:
@@ -74,8 +102,16 @@ def stack(tmp_path_factory, moto_endpoint):
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
+                pass
+            try:  # whatever it left in its group (pool children) goes with it
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for name in stack.procs:
             log = root / f"{name}.log"
             print(f"--- {name} log (tail) ---\n{log.read_text()[-2000:] if log.exists() else ''}")
         drop()
+        left = survivors(tag)
+        for line in left:
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        assert not left, f"processes outlived the stack: {left}"

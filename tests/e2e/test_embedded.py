@@ -6,16 +6,33 @@ from __future__ import annotations
 import stat
 import subprocess
 import sys
+import time
+
+from tests.processes import survivors, tagged
 
 
-def test_demo_runs_on_the_embedded_default(tmp_path):
-    env_free = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1",
-                # an unreachable server would make any accidental use of Postgres or Redis fail loudly
-                "DATABASE_URL": "", "BROKER_URL": "", "STORAGE_URL": ""}
-    out = subprocess.run([sys.executable, "-m", "worker.toy.demo", "--root", str(tmp_path / "demo"), "--steps", "6"],
-                         env=env_free, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "eval reward:" in out.stdout and "adapter of checkpoint" in out.stdout
+def test_demo_runs_on_the_embedded_default_and_leaves_no_process(tmp_path):
+    env_free, tag = tagged({"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1",
+                            # an unreachable server would make any accidental use of Postgres or Redis fail loudly
+                            "DATABASE_URL": "", "BROKER_URL": "", "STORAGE_URL": ""})
+    demo = subprocess.Popen([sys.executable, "-m", "worker.toy.demo", "--root", str(tmp_path / "demo"), "--steps", "6"],
+                            env=env_free, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, reported = "", None
+        for line in demo.stdout:  # the stop begins once the report is printed
+            stdout += line
+            if line.startswith("eval reward:"):
+                reported = time.monotonic()
+        stderr = demo.stderr.read()
+        assert demo.wait(timeout=600) == 0, stdout[-2000:] + stderr[-3000:]
+        stopped_in = time.monotonic() - reported
+    finally:
+        demo.kill()
+        left = survivors(tag)
+    assert not left, f"processes outlived the demo: {left}"
+    # An idle `cispo up` stops in about a second (it used to wait out 30 s, then leave its worker running).
+    assert stopped_in < 10, f"the demo took {stopped_in:.1f} s to stop the service"
+    assert "adapter of checkpoint" in stdout
     home = tmp_path / "demo" / "home"
     assert (home / "cispo.db").is_file() and (home / "broker.db").is_file()
     # every project's state is the owner's only (service/private_paths.py)

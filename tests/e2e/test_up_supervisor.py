@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import free_port
+from tests.processes import survivors, tagged
 from worker.toy.demo import wait_healthy
 
 
@@ -47,6 +48,7 @@ def test_up_restarts_a_dead_worker_and_stops_everything_on_sigterm(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "BROKER_URL", "STORAGE_URL")}
     env.update(CISPO_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    env, tag = tagged(env)
     log = tmp_path / "up.log"
     with log.open("w") as out:
         up = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--port", str(port)], env=env,
@@ -69,7 +71,10 @@ def test_up_restarts_a_dead_worker_and_stops_everything_on_sigterm(tmp_path):
             while _alive(pid):
                 assert time.time() < deadline, f"pid {pid} outlived cispo up"
                 time.sleep(0.1)
+        assert not survivors(tag), survivors(tag)  # the first worker's orphans included
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
+        for line in survivors(tag):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
         print(log.read_text()[-3000:])

@@ -14,6 +14,7 @@ import hashlib
 import io
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -70,7 +71,9 @@ def run_demo(root: Path, *, steps: int) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = (root / "service.log").open("w")
-    server = subprocess.Popen(cli + ["up", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    # Its own process group, so that everything it started can be stopped as one (stop_process_group).
+    server = subprocess.Popen(cli + ["up", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
     try:
         wait_healthy(base, server)
         print(f"service up at {base} (log: {root / 'service.log'})")
@@ -95,12 +98,25 @@ def run_demo(root: Path, *, steps: int) -> None:
             raise SystemExit(f"job ended {job['status']}: {job['error']}")
         report(client, job, root)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process_group(server)
         log.close()
+
+
+def stop_process_group(leader: subprocess.Popen, timeout: float = 90) -> None:
+    """SIGTERM the leader of a process group (`cispo up`: a running job checkpoints and goes back to the
+    queue, an idle stop takes about a second), then SIGKILL whatever is left in its group, so nothing
+    it started outlives it. A KeyboardInterrupt while waiting (Ctrl-C again) kills at once."""
+    try:
+        leader.terminate()
+        leader.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"pid {leader.pid} did not stop within {timeout:.0f} s; killing its process group", file=sys.stderr)
+    finally:
+        try:
+            os.killpg(leader.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is empty: all stopped by themselves
+            pass
+        leader.wait()
 
 
 def poll(client: httpx.Client, job: dict) -> dict:
