@@ -1,6 +1,6 @@
 """The `cispo` command line.
 
-    cispo train SPEC.yaml [--output DIR] [--no-resume]   a job locally, no service
+    cispo train SPEC.yaml [--output DIR] [--no-resume]   a job locally, no service (resources.gpus processes)
     cispo worker [--concurrency N]                      a Celery worker for service jobs (one job per GPU)
     cispo up | api | db upgrade | keys create           see service/cli/main.py
 
@@ -46,9 +46,10 @@ def load_spec(path: Path):
 class ProgressCallbacks:
     """A tqdm bar over trainer steps; metrics appended to metrics.jsonl."""
 
-    def __init__(self, total: int, initial: int, metrics_path: Path):
+    def __init__(self, total: int, metrics_path: Path, initial: int = 0):
         from tqdm import tqdm
 
+        # Under torchrun the resumed step is known only when reported: the bar then jumps to it.
         self.bar = tqdm(total=total, initial=initial, desc="cispo", unit="step", dynamic_ncols=True)
         self.metrics = metrics_path.open("a")
 
@@ -58,7 +59,7 @@ class ProgressCallbacks:
 
     def on_step(self, step, metrics):
         self._write("train", step, metrics)
-        self.bar.update(1)
+        self.bar.update(step - self.bar.n)
         self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics.get('loss', 0.0):.4f}")
 
     def on_eval(self, step, metrics):
@@ -85,6 +86,12 @@ class ProgressCallbacks:
 
         self.bar.write(f"warning: {no_signal_message(step, steps)}")
 
+    def on_warning(self, step, message):
+        self.bar.write(f"step {step}: warning: {message}")
+
+    def event(self, message):
+        self.bar.write(message)
+
     def should_stop(self):
         return False
 
@@ -98,26 +105,34 @@ def cmd_train(args) -> int:
     output = args.output or args.spec.parent / args.spec.stem
     output.mkdir(parents=True, exist_ok=True)
     from service.settings import get_settings
+    from worker.distributed.launch import RankFailed, run_distributed
     from worker.rewards.engine import ScoringContext
     from worker.rewards.errors import RewardErrorRateExceeded
     from worker.trainer.learning_signal import NoLearningSignal
     from worker.trainer.loop import Trainer
 
-    try:  # egress allow-list and judge endpoint from the CISPO_* settings; no project secrets locally
-        trainer = Trainer(spec, output, resume=not args.no_resume,
-                          scoring=ScoringContext.from_settings(get_settings()),
-                          progress=lambda message: print(f"{message} ...", file=sys.stderr, flush=True))
-    except ValueError as e:  # data, reward or checkpoint problems carry their own message
+    # Egress allow-list and judge endpoint from the CISPO_* settings; no project secrets locally.
+    scoring = ScoringContext.from_settings(get_settings())
+    resume = not args.no_resume
+    callbacks = None
+    try:
+        if spec.resources.gpus > 1:  # the service's own launcher: torchrun, one process per GPU (gloo on a CPU)
+            callbacks = ProgressCallbacks(spec.training.steps, output / "metrics.jsonl")
+            result = run_distributed(spec, output, callbacks, scoring=scoring, resume=resume)
+        else:
+            trainer = Trainer(spec, output, resume=resume, scoring=scoring,
+                              progress=lambda message: print(f"{message} ...", file=sys.stderr, flush=True))
+            callbacks = ProgressCallbacks(spec.training.steps, output / "metrics.jsonl", initial=trainer.step)
+            result = trainer.run(callbacks)
+    except ValueError as e:  # data, reward, checkpoint or resources problems carry their own message
         print(f"error: {e}", file=sys.stderr)
         return 2
-    callbacks = ProgressCallbacks(spec.training.steps, trainer.step, output / "metrics.jsonl")
-    try:
-        result = trainer.run(callbacks)
-    except (RewardErrorRateExceeded, NoLearningSignal) as e:
+    except (RewardErrorRateExceeded, NoLearningSignal, RankFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        callbacks.close()
+        if callbacks is not None:
+            callbacks.close()
     if result.first_eval and result.last_eval:
         print(
             f"eval reward: {result.first_eval['eval_reward_mean']:.3f} before, "

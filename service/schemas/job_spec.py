@@ -343,3 +343,12 @@ class JobSpec(Strict):
             raise ValueError(f"training.mini_batches ({tc.mini_batches}) exceeds the sequences per process "
                              f"(batch_size / resources.gpus * group_size = {per_process})")
         return self
+
+    @model_validator(mode="after")
+    def _vllm_in_one_process(self) -> JobSpec:
+        # The in-process vLLM engine would be handed each rank's FSDP shards and meet the trainer's process
+        # group; it needs GPUs of its own (a separate sampler), which the service does not give it yet.
+        if self.rollout.engine == "vllm" and self.resources.gpus > 1:
+            raise ValueError(f"rollout.engine 'vllm' runs in one training process, but resources.gpus is "
+                             f"{self.resources.gpus}: set resources.gpus to 1, or rollout.engine to 'hf'")
+        return self

@@ -97,6 +97,20 @@ def test_float16_training_is_refused_naming_the_field(api):
     assert _count(api) == 0
 
 
+def test_vllm_with_several_gpus_is_refused_naming_both_fields(api):
+    """The in-process vLLM engine cannot serve an FSDP job: a 422 naming rollout.engine and resources.gpus."""
+    body = cispo_body(uploaded(api.client))
+    hp = body["method"]["cispo"]["hyperparameters"]
+    hp["rollout"], hp["resources"] = {"engine": "vllm"}, {"gpus": 2}
+    error = assert_error(api.client.post(JOBS, json=body), 422, "rollout.engine", "resources.gpus")
+    assert error["type"] == "invalid_request_error"
+    hp["resources"] = {"gpus": 1}
+    assert api.client.post(JOBS, params={"dry_run": "true"}, json=body).status_code == 200
+    hp["rollout"], hp["resources"] = {"engine": "hf"}, {"gpus": 2}
+    assert api.client.post(JOBS, params={"dry_run": "true"}, json=body).status_code == 200
+    assert _count(api) == 0
+
+
 def test_reinforcement_string_check_maps_onto_cispo(api):
     file_id = uploaded(api.client)
     body = {"model": "tiny-model", "training_file": file_id, "seed": 1, "method": {

@@ -35,8 +35,9 @@ def spec(**knobs) -> SamplingSpec:
     return SamplingSpec(max_output_tokens=12, max_model_len=64, **knobs)
 
 
-def static_greedy(model, rows: list[list[int]], max_new: int) -> list[list[int]]:
-    """The static-cache loop (the one compiled on CUDA) run eagerly."""
+def static_greedy(model, rows: list[list[int]], max_new: int, *, greedy: bool = True,
+                  seeds: list[int] | None = None) -> list[list[int]]:
+    """The static-cache loop (the one compiled on CUDA) run eagerly (sampling with `seeds` when not greedy)."""
     B, P = len(rows), max(map(len, rows))
     ids = torch.full((B, P + max_new), PAD)
     mask = torch.zeros((B, P + max_new), dtype=torch.long)
@@ -44,7 +45,7 @@ def static_greedy(model, rows: list[list[int]], max_new: int) -> list[list[int]]
         ids[i, P - len(r) : P] = torch.tensor(r)
         mask[i, P - len(r) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    pick = decode._Picker(spec(), True, (B, max_new), CPU, record=False)
+    pick = decode._Picker(spec(), greedy, (B, max_new), CPU, record=False, seeds=seeds)
     lengths = decode._static_loop(model, ids, mask, positions, P, max_new, pick, EOS)
     return [r[:n] for r, n in zip(ids[:, P:].tolist(), lengths.tolist())]
 
@@ -119,6 +120,22 @@ def test_sampling_follows_the_softmax_and_honours_top_k():
     freq = torch.bincount(picks, minlength=5).float() / rows
     assert set(picks.unique().tolist()) == {0, 2}
     assert abs(freq[0] - torch.softmax(torch.tensor([2.0, 1.0]), -1)[0]) < 0.01
+
+
+def test_a_rows_tokens_depend_on_its_seed_not_on_its_batch(lora_model):
+    """Each row samples from its own seeded stream: alone, in another order, or in the static-cache loop, a row
+    draws the same tokens; other seeds draw others."""
+    rows, seeds = prompts(6), [11, 12, 13, 14, 15, 16]
+    kw = dict(max_new=30, sampling=spec(), greedy=False, eos_id=EOS, pad_id=PAD, device=CPU)
+    with decode.rollout_weights(lora_model) as merged:
+        together, _ = decode.sample_tokens(merged, rows, seeds=seeds, **kw)
+        alone = [decode.sample_tokens(merged, [r], seeds=[s], **kw)[0][0] for r, s in zip(rows, seeds)]
+        backwards = decode.sample_tokens(merged, rows[::-1], seeds=seeds[::-1], **kw)[0][::-1]
+        static = static_greedy(merged, rows, 30, greedy=False, seeds=seeds)
+        others, _ = decode.sample_tokens(merged, rows, seeds=[s + 100 for s in seeds], **kw)
+    assert len({len(t) for t in together}) > 1  # rows that end at different steps, so the eager batch shrinks
+    assert together == alone == backwards == static
+    assert others != together
 
 
 def test_processors_come_from_the_spec_only():

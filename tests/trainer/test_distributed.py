@@ -6,7 +6,8 @@ gradients and updated weights must agree, for LoRA and full fine-tuning,
 including a rank with fewer micro-batches than the other (it joins FSDP's
 collectives with a zero-weighted pass) and a KL term (the reference policy
 runs unsharded). Checkpoints hold whole tensors: one saved at 2 processes
-reloads at 1 and saves back identically, and the reverse.
+reloads at 1 and saves back identically, and the reverse. A whole job run by
+`cispo train` at 2 processes samples and learns what it does at 1.
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+import yaml
 from safetensors.torch import load_file, save_file
 
 from service.schemas.job_spec import JobSpec
 from worker.toy.__main__ import toy_spec
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout the subprocesses import
 SEQUENCES = 8  # the global batch: 2 prompts x group 4
 KINDS = ("lora", "full")
 
@@ -366,3 +371,41 @@ def test_a_rank_error_of_a_known_kind_fails_the_job_as_that_kind(toy_dir, tmp_pa
     spec = job_spec(toy_dir, "lora", gpus=2).model_copy(update={"init_from": str(tmp_path / "no-such-checkpoint")})
     with pytest.raises(CheckpointError, match="no-such-checkpoint is not a directory"):
         run_distributed(spec, tmp_path / "run", Recorder())
+
+
+# -- one job, 1 or 2 processes -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cispo_train_runs_the_spec_gpus_and_two_processes_train_as_one(toy_dir, tmp_path):
+    """`cispo train` with resources.gpus 2 runs two ranks under torchrun, as the service does. Sampling streams
+    are keyed by prompt (not rank) and mini-batches are cut from the whole batch, so the job samples exactly the
+    completions it samples at one process (equal rewards and lengths each step) and ends with the same adapter."""
+    from worker.trainer.loop import Trainer
+
+    # 2 optimizer steps a trainer step, each mixing sequences of both ranks; 3 steps: later rollouts sample
+    # from updated weights. The KL term (job_spec's kl_beta) is on.
+    training = dict(steps=3, batch_size=4, group_size=4, mini_batches=2, micro_batch_size=4, checkpoint_interval=0)
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(job_spec(toy_dir, "lora", gpus=2, **training).model_dump(mode="json")))
+    run = subprocess.run([sys.executable, "-m", "worker.cli", "train", str(spec_path), "--output", str(tmp_path / "two")],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "two" / "ranks.log").is_file()  # torchrun's ranks, not one process
+    lines = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    two = [m for m in lines if m["kind"] == "train"]
+
+    one = Recorder()
+    result = Trainer(job_spec(toy_dir, "lora", **training), tmp_path / "one").run(one)
+    assert [m["step"] for m in two] == [s for s, _ in one.steps] == [1, 2, 3]
+    for m2, (_, m1) in zip(two, one.steps):
+        assert (m2["reward_mean"], m2["completion_length_mean"], m2["optimizer_steps"]) == \
+               (m1["reward_mean"], m1["completion_length_mean"], m1["optimizer_steps"]), m2["step"]
+        assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-6)
+    assert 0 < sum(m["reward_mean"] for m in two) < 3  # rewards that vary, so equal ones mean equal samples
+
+    sharded = load_file(str(tmp_path / "two" / "checkpoints" / "step-00000003" / "adapter" / "adapter_model.safetensors"))
+    single = load_file(str(result.last_checkpoint / "adapter" / "adapter_model.safetensors"))
+    assert sharded.keys() == single.keys()
+    for name, expected in single.items():
+        torch.testing.assert_close(sharded[name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

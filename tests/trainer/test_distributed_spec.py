@@ -51,6 +51,25 @@ def test_mini_batches_must_fit_each_process_share():
     JobSpec.model_validate(_spec(resources={"gpus": 4}, training={"batch_size": 4, "group_size": 2, "mini_batches": 2}))
 
 
+def test_gpu_count_check_leaves_cpu_runs_alone():
+    """One CUDA device per rank is needed; without CUDA (None) any number of gloo ranks share the CPU."""
+    from worker.distributed.launch import TooFewGPUs, refuse_too_few_gpus
+
+    refuse_too_few_gpus(4, None)
+    refuse_too_few_gpus(2, 2)
+    refuse_too_few_gpus(2, 8)
+    with pytest.raises(TooFewGPUs, match="resources.gpus is 4, but this worker sees 2 CUDA devices"):
+        refuse_too_few_gpus(4, 2)
+    with pytest.raises(ValueError, match="sees 0 CUDA devices"):  # a ValueError: the job fails as invalid_job
+        refuse_too_few_gpus(2, 0)
+
+
+def test_vllm_runs_in_one_process_only():
+    error = _error(rollout={"engine": "vllm"}, resources={"gpus": 2}, training={"batch_size": 4})
+    assert "rollout.engine 'vllm' runs in one training process, but resources.gpus is 2" in error["msg"]
+    JobSpec.model_validate(_spec(rollout={"engine": "vllm"}, resources={"gpus": 1}))
+
+
 def test_unknown_resources_field_refused():
     assert _error(resources={"gpus": 2, "cpus": 4})["loc"] == ("resources", "cpus")
 

@@ -114,7 +114,7 @@ def test_generated_ids_are_trained_verbatim_and_environment_turns_are_masked(pol
         assert len(runs) == 2, "one run of action tokens per turn"
         for turn, (start, end) in enumerate(runs):
             fed, new = calls[turn][0][i], calls[turn][1][i]
-            assert [t for t in fed if t != tok.pad_token_id] == ids[:start]  # the context is the sequence so far
+            assert fed == ids[:start]  # the context is the sequence so far (an EOS that ended turn 0 included)
             assert ids[start:end] == new[:end - start]  # sampled ids, verbatim
             assert tok.decode(ids[start:end], skip_special_tokens=True) == env.actions[f"{tag}-{i}"][turn]
         assert rollout.action_turns[i] == [0] * (runs[0][1] - runs[0][0]) + [1] * (runs[1][1] - runs[1][0])

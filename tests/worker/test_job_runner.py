@@ -28,7 +28,8 @@ def make_settings(tmp_path, database_url) -> Settings:
                     heartbeat_s=0.2, lease_ttl_s=30, retry_backoff_s=0)
 
 
-def submit(settings: Settings, toy_dir, *, reward: dict | None = None, **training) -> str:
+def submit(settings: Settings, toy_dir, *, reward: dict | None = None, resources: dict | None = None,
+           **training) -> str:
     """A queued job on the toy task, its dataset already uploaded, as the API would leave it."""
     store = open_store(settings.resolved_storage_url())
     store.put_file("files/file-train", toy_dir / "train.jsonl")
@@ -37,6 +38,8 @@ def submit(settings: Settings, toy_dir, *, reward: dict | None = None, **trainin
     if reward is not None:
         raw["reward"] = reward
     raw["data"] = {"train_file": "file-train", "validation_file": "file-val"}
+    if resources is not None:
+        raw["resources"] = resources
     raw["training"].update({"batch_size": 4, "group_size": 4, "micro_batch_size": 16, "mini_batches": 2,
                             "eval_interval": 0, "eval_max_rows": 8, "checkpoint_interval": 2, **training})
     spec = JobSpec.model_validate(raw)
@@ -266,6 +269,21 @@ def test_a_missing_secret_fails_the_job_by_name(database_url, toy_dir, tmp_path)
     assert run_job(job_id, settings) == "failed"
     job = job_row(settings, job_id)
     assert job.error_code == "invalid_job" and "needs the secret 'gone'" in job.error_message
+
+
+def test_a_job_asking_more_gpus_than_the_worker_sees_fails_at_once_naming_the_field(database_url, toy_dir, tmp_path,
+                                                                                     monkeypatch):
+    """resources.gpus 2 on a worker that sees one CUDA device: refused before torchrun starts, and not retried."""
+    import worker.distributed.launch as launch
+
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 1)  # the hardware, injected
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=1, resources={"gpus": 2})
+    assert run_job(job_id, settings) == "failed"
+    job = job_row(settings, job_id)
+    assert (job.status, job.attempts, job.error_code) == ("failed", 1, "invalid_job")
+    assert "resources.gpus is 2, but this worker sees 1 CUDA device" in job.error_message
+    assert not (settings.resolved_work_dir() / job_id / "run" / "ranks.log").exists()  # no rank was started
 
 
 def test_repeated_reward_errors_are_throttled_but_new_ones_are_shown(tmp_path):

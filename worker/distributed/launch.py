@@ -11,6 +11,11 @@ A rank that fails sends its error first when it can; an error of a known kind
 is raised here as that kind (so the job fails with the same code as in one
 process). Ranks that stop answering a stop request for `stop_grace_s`, or die,
 are killed as a process group.
+
+On a CUDA worker each rank takes its own GPU, so a job asking for more GPUs
+than the worker sees is refused before torchrun starts (TooFewGPUs, a
+ValueError: the job fails as invalid and is not retried); on a CPU-only
+worker the ranks share the CPU over gloo, whatever their number.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from worker.trainer.data import DataError
 from worker.trainer.learning_signal import NoLearningSignal
 
 CHANNEL_ENV = "CISPO_RANK0_SOCKET"
+NO_RESUME = "--no-resume"  # the ranks' flag for a run that ignores the checkpoints in its directory
 RANKS_LOG = "ranks.log"
 # Errors that mean the same in every process; anything else arrives as RankFailed.
 KNOWN_ERRORS = {cls.__name__: cls for cls in (EnvironmentErrorRateExceeded, RewardErrorRateExceeded, CheckpointError,
@@ -44,6 +50,25 @@ KNOWN_ERRORS = {cls.__name__: cls for cls in (EnvironmentErrorRateExceeded, Rewa
 
 class RankFailed(RuntimeError):
     """The training processes failed or died; the message says how."""
+
+
+class TooFewGPUs(ValueError):
+    """The job asks for more GPUs than this worker sees."""
+
+
+def visible_gpus() -> int | None:
+    """How many CUDA devices this process sees; None without CUDA (the ranks then run on the CPU over gloo)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
+
+
+def refuse_too_few_gpus(gpus: int, visible: int | None) -> None:
+    """Raise TooFewGPUs naming resources.gpus when `gpus` ranks would not each get a device of their own."""
+    if visible is not None and visible < gpus:
+        devices = f"{visible} CUDA device{'' if visible == 1 else 's'}"
+        raise TooFewGPUs(f"resources.gpus is {gpus}, but this worker sees {devices} (one per training process is "
+                         f"needed): ask for at most {visible}, or run the job on a worker with {gpus} GPUs")
 
 
 def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringContext | None = None):
@@ -59,10 +84,14 @@ def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringCon
 
 
 def run_distributed(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringContext | None = None,
-                    processes: int | None = None, startup_timeout_s: float = 600.0, stop_grace_s: float = 60.0):
-    """torchrun with one process per GPU (gloo processes on CPU) for the job; blocks until they finish."""
+                    processes: int | None = None, startup_timeout_s: float = 600.0, stop_grace_s: float = 60.0,
+                    resume: bool = True):
+    """torchrun with one process per GPU (gloo processes on CPU) for the job; blocks until they finish.
+
+    `resume`: whether the ranks resume from the newest checkpoint in run_dir (as Trainer's own flag)."""
     from worker.trainer.loop import TrainResult
 
+    refuse_too_few_gpus(processes or spec.resources.gpus, visible_gpus())  # before any rank starts
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     spec_path = run_dir / "job_spec.json"
@@ -73,7 +102,7 @@ def run_distributed(spec: JobSpec, run_dir: Path, callbacks, *, scoring: Scoring
     server.listen(1)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={processes or spec.resources.gpus}",
-               "-m", "worker.distributed.rank", str(spec_path), str(run_dir)]
+               "-m", "worker.distributed.rank", str(spec_path), str(run_dir), *([] if resume else [NO_RESUME])]
     log_path = run_dir / RANKS_LOG
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(command, env={**os.environ, CHANNEL_ENV: os.path.join(sock_dir, "rank0.sock")},

@@ -1,6 +1,6 @@
 """One training process under torchrun: join the process group and run the ordinary Trainer.
 
-    torchrun --nproc-per-node N -m worker.distributed.rank SPEC_JSON RUN_DIR
+    torchrun --nproc-per-node N -m worker.distributed.rank SPEC_JSON RUN_DIR [--no-resume]
 
 (started by launch.run_distributed, which listens on the socket named in
 CISPO_RANK0_SOCKET). Rank 0 relays the trainer's callbacks to the job runner;
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from service.egress import EgressPolicy
 from service.schemas.job_spec import JobSpec
 from worker.distributed import group
-from worker.distributed.launch import CHANNEL_ENV
+from worker.distributed.launch import CHANNEL_ENV, NO_RESUME
 from worker.rewards.engine import ScoringContext
 from worker.rewards.judge import JudgeEndpoint
 
@@ -78,7 +78,7 @@ def _scoring(context: dict) -> ScoringContext:
 
 
 def main(argv: list[str]) -> int:
-    spec_path, run_dir = Path(argv[0]), Path(argv[1])
+    spec_path, run_dir, resume = Path(argv[0]), Path(argv[1]), NO_RESUME not in argv[2:]
     group.init_from_env()
     channel = Rank0Channel(os.environ[CHANNEL_ENV]) if group.rank() == 0 else None
     try:
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
 
         spec = JobSpec.model_validate_json(spec_path.read_text())
         callbacks = RankCallbacks(channel)
-        trainer = Trainer(spec, run_dir, scoring=scoring, progress=callbacks.event)
+        trainer = Trainer(spec, run_dir, scoring=scoring, resume=resume, progress=callbacks.event)
         if trainer.step:
             callbacks.event(f"Resumed from the checkpoint at step {trainer.step} with {group.world_size()} processes")
         result = trainer.run(callbacks)

@@ -23,10 +23,10 @@ class HFEngine:
 
     def generate(self, policy: Policy, rows: list[dict], sampling: SamplingSpec, *, group_size: int,
                  greedy: bool = False, environment: Environment | None = None, max_turns: int = 1,
-                 seeds: list[int] | None = None) -> Rollout:
+                 seeds: list[int] | None = None, sampling_seeds: list[int] | None = None) -> Rollout:
         sampler = transformers_sampler(policy, sampling, dtype=self.dtype, logprobs=self.report_logprobs)
         return generate(policy, rows, sampling, group_size=group_size, greedy=greedy, environment=environment,
-                        max_turns=max_turns, seeds=seeds, sampler=sampler)
+                        max_turns=max_turns, seeds=seeds, sampling_seeds=sampling_seeds, sampler=sampler)
 
     def close(self) -> None:
         pass

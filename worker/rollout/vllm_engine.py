@@ -145,29 +145,34 @@ class VLLMEngine:
 
     def generate(self, policy: Policy, rows: list[dict], sampling: SamplingSpec, *, group_size: int,
                  greedy: bool = False, environment: Environment | None = None, max_turns: int = 1,
-                 seeds: list[int] | None = None) -> Rollout:
+                 seeds: list[int] | None = None, sampling_seeds: list[int] | None = None) -> Rollout:
         self.sampling_spec = sampling
         self.sync(policy.model)
         try:
             return generate(policy, rows, sampling, group_size=group_size, greedy=greedy, environment=environment,
-                            max_turns=max_turns, seeds=seeds, sampler=self.sample)
+                            max_turns=max_turns, seeds=seeds, sampling_seeds=sampling_seeds, sampler=self.sample)
         finally:
             self._sleep()
 
-    def sample(self, seqs: list[list[int]], budgets: list[int], *,
-               greedy: bool) -> tuple[list[list[int]], list[list[float]]]:
-        """One turn: new ids for each sequence (EOS included when it ended) and each id's sampling log-prob."""
+    def sample(self, seqs: list[list[int]], budgets: list[int], *, greedy: bool,
+               seeds: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """One turn: new ids for each sequence (EOS included when it ended) and each id's sampling log-prob.
+
+        `seeds`: each sequence's stream seed (worker/trainer/streams.py), used as its request seed."""
         from vllm import SamplingParams
 
         s = self.sampling_spec
         knobs = dict(temperature=0.0) if greedy else dict(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
-        # Request seeds come from the job's RNG (saved in checkpoints), so a resumed run samples alike.
-        seed = int(torch.randint(0, 2**31 - 1 - len(seqs), ()))
+        # Per-sequence streams, as in our decode loop: a resumed run samples alike. Without them (a direct
+        # call), request seeds come from the job's RNG (saved in checkpoints).
+        if seeds is None:
+            first = int(torch.randint(0, 2**31 - 1 - len(seqs), ()))
+            seeds = [first + i for i in range(len(seqs))]
         params = [
             SamplingParams(**knobs, repetition_penalty=s.repetition_penalty, max_tokens=budget, logprobs=0,
-                           seed=None if greedy else seed + i, detokenize=False)
-            for i, budget in enumerate(budgets)
+                           seed=None if greedy else seed % 2**31, detokenize=False)
+            for budget, seed in zip(budgets, seeds, strict=True)
         ]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in seqs], params,
                                     lora_request=self._lora, use_tqdm=False)

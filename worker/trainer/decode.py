@@ -17,6 +17,9 @@ around each step. Here:
 - only the last position goes through the LM head;
 - sampling is inverse-CDF (one uniform number per row), which draws token
   i with probability p_i like torch.multinomial at a fraction of its cost;
+  each row's uniforms come from its own seeded stream (`seeds`, see
+  worker/trainer/streams.py), so a row samples the same tokens whatever else
+  shares its batch (its group's other completions, other prompts, other ranks);
   the sampling knobs reuse transformers' own logits processors, built from the
   job's SamplingSpec alone (a model's generation_config never overrides the spec);
 - eager (CPU, default): each distinct prompt is prefilled once (a group's
@@ -165,7 +168,9 @@ def logits_processors(sampling: SamplingSpec, *, greedy: bool) -> LogitsProcesso
     return procs
 
 
-def _pick(logits_BV: Tensor, history_BT: Tensor, procs: LogitsProcessorList, greedy: bool) -> Tensor:
+def _pick(logits_BV: Tensor, history_BT: Tensor, procs: LogitsProcessorList, greedy: bool,
+          uniform_B: Tensor | None = None) -> Tensor:
+    """Each row's token; `uniform_B`: each row's uniform number in [0, 1) (None: drawn from torch's global RNG)."""
     scores = procs(history_BT, logits_BV.float()) if procs else logits_BV.float()
     if greedy:
         return scores.argmax(-1)
@@ -173,7 +178,9 @@ def _pick(logits_BV: Tensor, history_BT: Tensor, procs: LogitsProcessorList, gre
     # Same law as torch.multinomial, at a fraction of its cost on CPU (multinomial draws one number per
     # vocabulary entry); float64 keeps rounding from shifting mass between neighbouring tokens.
     cdf_BV = torch.softmax(scores, dim=-1).double().cumsum(-1)
-    u_B1 = torch.rand(cdf_BV.shape[0], 1, dtype=cdf_BV.dtype, device=cdf_BV.device) * cdf_BV[:, -1:]
+    if uniform_B is None:
+        uniform_B = torch.rand(cdf_BV.shape[0], dtype=cdf_BV.dtype, device=cdf_BV.device)
+    u_B1 = uniform_B[:, None].to(cdf_BV.dtype) * cdf_BV[:, -1:]
     return torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1).clamp(max=cdf_BV.shape[1] - 1)
 
 
@@ -184,17 +191,33 @@ class _Picker:
     trainer's own is the sampler's numerical mismatch, which the truncated IS correction weighs.
     """
 
-    def __init__(self, sampling: SamplingSpec, greedy: bool, shape: tuple[int, int], device, record: bool):
+    def __init__(self, sampling: SamplingSpec, greedy: bool, shape: tuple[int, int], device, record: bool,
+                 seeds: list[int] | None = None):
         self.procs, self.greedy = logits_processors(sampling, greedy=greedy), greedy
         self.temperature = sampling.temperature
         self.logprobs_BT = torch.zeros(shape, dtype=torch.float32, device=device) if record else None
+        self.uniforms_BT = None if greedy else _row_uniforms(seeds, shape, device)
 
     def __call__(self, logits_BV: Tensor, history_BT: Tensor, rows: Tensor | slice, t: int) -> Tensor:
-        token_B = _pick(logits_BV, history_BT, self.procs, self.greedy)
+        uniform_B = None if self.uniforms_BT is None else self.uniforms_BT[rows, t]
+        token_B = _pick(logits_BV, history_BT, self.procs, self.greedy, uniform_B)
         if self.logprobs_BT is not None:
             logp_BV = torch.log_softmax(logits_BV.float() / self.temperature, dim=-1)
             self.logprobs_BT[rows, t] = logp_BV.gather(1, token_B[:, None]).squeeze(1)
         return token_B
+
+
+def _row_uniforms(seeds: list[int] | None, shape: tuple[int, int], device) -> Tensor:
+    """(B, T) uniform numbers, row i from a generator seeded with seeds[i] (None: seeds from torch's global RNG).
+
+    Drawn up front on the CPU (one generator per row, not one call per row and step) and moved once."""
+    rows, steps = shape
+    if seeds is None:
+        seeds = torch.randint(0, 2**62, (rows,)).tolist()
+    if len(seeds) != rows:
+        raise ValueError(f"{len(seeds)} sampling seeds for {rows} rows")
+    uniforms = [torch.rand(steps, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in seeds]
+    return torch.stack(uniforms).to(device) if uniforms else torch.zeros(shape, dtype=torch.float64, device=device)
 
 
 @torch.no_grad()
@@ -210,9 +233,12 @@ def sample_tokens(
     device: torch.device,
     compiled: bool = False,
     logprobs: bool = False,
+    seeds: list[int] | None = None,
 ) -> tuple[list[list[int]], list[list[float]] | None]:
     """New tokens for each prompt (up to and including the first EOS, at most max_new), and with `logprobs`
     each new token's log-prob (see _Picker), else None.
+
+    `seeds`: one per prompt, the seed of that row's sampling stream (None: seeds drawn from torch's global RNG).
 
     `model` is a causal LM (fold LoRA in first with `rollout_weights`) in eval mode.
     """
@@ -225,7 +251,7 @@ def sample_tokens(
         mask[i, P - len(prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    pick = _Picker(sampling, greedy, (B, max_new), device, record=logprobs)
+    pick = _Picker(sampling, greedy, (B, max_new), device, record=logprobs, seeds=seeds)
     guarded = _FiniteGuard(pick)
     key = _shape_key(B, P + max_new)
     if compiled and _compile_failures.get(model, {}).get(key, 0) < MAX_COMPILE_TRIES:

@@ -10,8 +10,12 @@ With several processes (resources.gpus > 1, under torchrun, see
 worker/distributed/) every rank runs this same loop on its share of the
 batch's prompts, whole groups each, so advantages need no communication;
 metrics, reward-error checks and checkpoints are global (gathered), and a
-checkpoint resumes at any number of processes. Exact replay of a resumed run
-holds at one process.
+checkpoint resumes at any number of processes. Every random choice of a step
+(each completion's tokens, each episode's seed, the mini-batches) comes from
+a stream keyed by the job seed, the step and the prompt's (or sequence's)
+index in the whole batch (worker/trainer/streams.py), never by the rank: a
+job samples the same completions at 1 or N processes, and a resumed run
+replays the uninterrupted one.
 
 Simplifications, on purpose: rollouts from the spec's engine in the trainer's
 process (transformers, or vLLM: worker/rollout/), the LM head applied in chunks for log-probs, the
@@ -60,6 +64,7 @@ from worker.rollout import RolloutEngine, make_engine, refuse_unavailable_engine
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message, preflight_rows
 from worker.trainer.samples import pick_samples
 from worker.trainer.schedule import lr_multiplier
+from worker.trainer.streams import stream_seed
 from worker.trainer.update import Updater
 
 # Spec sections that may change between a run and its resumption.
@@ -191,7 +196,7 @@ class Trainer:
             self.sampler = PromptSampler(self.train_rows, seed=spec.seed, **resumed.state["data"])
             self.step = int(resumed.state["step"])
             restore_rng(resumed.state["rng"], {k[4:]: v for k, v in resumed.tensors.items() if k.startswith("rng.")})
-        if self.rank:  # other ranks sample other completions; rank 0 keeps the one-process stream
+        if self.rank:  # sampling draws from keyed streams; the global RNG is left to dropout masks, per rank
             seed_everything(spec.seed + 1_000_003 * self.rank + self.step)
         self.updater = Updater(self.policy, self.optimizer, spec)
         if engine is None:
@@ -277,11 +282,15 @@ class Trainer:
             param_group["lr"] = lr
 
         rows = _share(self.sampler.next_batch(tc.batch_size), self.rank, self.world)
-        # Episode seeds come from the job's RNG (saved in checkpoints), one per prompt, shared by its group.
-        seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist() if self.environment is not None else []
+        # Streams keyed by each prompt's index in the whole batch (this rank holds a contiguous share), so
+        # the draws are the same at any number of processes. An episode seed is shared by the prompt's group.
+        prompts = range(self.rank * len(rows), (self.rank + 1) * len(rows))
+        sampling_seeds = [stream_seed("sample", spec.seed, self.step, p) for p in prompts]
+        seeds = [stream_seed("episode", spec.seed, self.step, p) % (2**31 - 1) for p in prompts] \
+            if self.environment is not None else []
         with unsharded(self.policy.model):
             rollout = self.engine.generate(self.policy, rows, spec.sampling, group_size=tc.group_size,
-                                           **self._episodes(seeds))
+                                           sampling_seeds=sampling_seeds, **self._episodes(seeds))
         rollout_s = time.perf_counter() - started
         decode.release_rollout_state(self.policy.model)  # a large model's decode caches and copies: the update's
         fallbacks = decode.take_compile_fallbacks()  # this step's and the last evaluation's
@@ -304,7 +313,7 @@ class Trainer:
                                                multi_turn=self.environment is not None))
 
         update_started = time.perf_counter()
-        stats = self.updater.run(rollout, advantages.per_token, indices)
+        stats = self.updater.run(rollout, advantages.per_token, indices, step=self.step)
         update_s = time.perf_counter() - update_started
         step_s = time.perf_counter() - started
 

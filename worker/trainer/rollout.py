@@ -18,6 +18,13 @@ worker/trainer/decode.py) samples every turn and may
 return the sampler's log-prob of each generated token, kept per sequence in
 ``sampler_logprobs`` (aligned with the action tokens).
 
+Random streams: each row (prompt) comes with a sampling seed
+(``sampling_seeds``; the trainer derives it from the job seed, the step and
+the prompt's index in the whole batch), and each turn of each of its
+completions samples from a stream of its own, seeded from that seed, the
+completion's index in the group and the turn (worker/trainer/streams.py). So
+a completion's tokens do not depend on which other rows share the batch.
+
 ``truncated`` flags an episode cut by a length limit: a turn that reached its
 token budget (max_output_tokens, or what is left of max_model_len) without
 EOS, or an environment turn that would not fit. A turn cut by
@@ -42,15 +49,18 @@ from service.schemas.job_spec import SamplingSpec
 from worker.envs.protocol import Environment
 from worker.trainer.decode import rollout_weights, sample_tokens
 from worker.trainer.policy import Policy
+from worker.trainer.streams import stream_seed
 from worker.trainer.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
 
 __all__ = ["Rollout", "TokenSampler", "generate", "transformers_sampler", "encode_prompt"]
 
 
 class TokenSampler(Protocol):
-    def __call__(self, seqs: list[list[int]], budgets: list[int], *,
-                 greedy: bool) -> tuple[list[list[int]], list[list[float]] | None]:
-        """New ids per sequence (at most its budget, ending with EOS when it ended), and their log-probs if known."""
+    def __call__(self, seqs: list[list[int]], budgets: list[int], *, greedy: bool,
+                 seeds: list[int] | None = None) -> tuple[list[list[int]], list[list[float]] | None]:
+        """New ids per sequence (at most its budget, ending with EOS when it ended), and their log-probs if known.
+
+        `seeds`: one per sequence, the seed of the stream its tokens are drawn from (None when greedy)."""
 
 
 @dataclass
@@ -78,8 +88,9 @@ class Rollout:
 
 
 class _Episode:
-    def __init__(self, row: dict, episode_id: str):
+    def __init__(self, row: dict, episode_id: str, prompt: int, copy: int):
         self.row, self.id = row, episode_id
+        self.prompt, self.copy = prompt, copy  # the row's index in the batch, the completion's in its group
         self.ids: list[int] = []
         self.mask: list[int] = []
         self.action_turns: list[int] = []
@@ -111,7 +122,7 @@ def transformers_sampler(policy: Policy, sampling: SamplingSpec, *, dtype: torch
     No autocast here: the weights are cast once per rollout instead of at every decode step."""
     tok = policy.tokenizer
 
-    def sample(seqs: list[list[int]], budgets: list[int], *, greedy: bool):
+    def sample(seqs: list[list[int]], budgets: list[int], *, greedy: bool, seeds: list[int] | None = None):
         model = policy.model
         was_training = model.training
         model.eval()
@@ -119,7 +130,7 @@ def transformers_sampler(policy: Policy, sampling: SamplingSpec, *, dtype: torch
             with rollout_weights(model, dtype) as generator:
                 return sample_tokens(generator, seqs, max_new=max(budgets), sampling=sampling, greedy=greedy,
                                      eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, device=policy.device,
-                                     compiled=policy.device.type == "cuda", logprobs=logprobs)
+                                     compiled=policy.device.type == "cuda", logprobs=logprobs, seeds=seeds)
         finally:
             model.train(was_training)
 
@@ -137,12 +148,17 @@ def generate(
     max_turns: int = 1,
     seeds: list[int] | None = None,
     sampler: TokenSampler | None = None,
+    sampling_seeds: list[int] | None = None,
 ) -> Rollout:
+    """`seeds`: each row's environment reset seed; `sampling_seeds`: each row's sampling seed (see the module
+    docstring; None: drawn from torch's global RNG)."""
     tok = policy.tokenizer
     sampler = sampler or transformers_sampler(policy, sampling, dtype=policy.compute_dtype)
     copies = 1 if greedy else group_size
+    if not greedy and sampling_seeds is None:
+        sampling_seeds = torch.randint(0, 2**62, (len(rows),)).tolist()
     tag = uuid.uuid4().hex[:12]
-    episodes = [_Episode(row, f"{tag}-{i * copies + c}") for i, row in enumerate(rows) for c in range(copies)]
+    episodes = [_Episode(row, f"{tag}-{i * copies + c}", i, c) for i, row in enumerate(rows) for c in range(copies)]
 
     if environment is None:
         for ep in episodes:
@@ -175,7 +191,8 @@ def generate(
         if not active:
             break
         budgets = [min(sampling.max_output_tokens, sampling.max_model_len - len(ep.ids)) for ep in active]
-        generated, logprobs = sampler([ep.ids for ep in active], budgets, greedy=greedy)
+        streams = None if greedy else [stream_seed("sample", sampling_seeds[ep.prompt], ep.copy, turn) for ep in active]
+        generated, logprobs = sampler([ep.ids for ep in active], budgets, greedy=greedy, seeds=streams)
         reported = logprobs is not None
         for j, (ep, new, budget) in enumerate(zip(active, generated, budgets)):
             ended = tok.eos_token_id in new[:budget]

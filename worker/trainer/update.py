@@ -16,7 +16,10 @@ ranks, so the sharded losses add up to the global token mean; FSDP averages
 gradients over ranks, so each rank's loss is scaled by the world size to make
 that average the sum. Every rank runs the same number of micro-batches per
 optimizer step (FSDP's collectives pair up), a rank short of sequences
-running a zero-weighted one.
+running a zero-weighted one. The mini-batches are cut from a shuffle of the
+whole batch's sequences (all ranks'), keyed by the job seed, the step and the
+epoch, each rank taking its own sequences of each: the same optimizer steps
+on the same sequences at any number of processes.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from worker.trainer.metrics import UpdateStats
 from worker.trainer.policy import Policy
 from worker.trainer.rollout import Rollout
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
+from worker.trainer.streams import generator
 
 
 def _chunks(indices: list[int], size: int) -> list[list[int]]:
@@ -103,8 +107,24 @@ class Updater:
         model.train(was_training)
         return result
 
-    def run(self, rollout: Rollout, advantages: Tensor | list[Tensor], indices: list[int]) -> UpdateStats:
-        """Optimizer steps over the sequences `indices` of the rollout.
+    def _mini_batches(self, indices: list[int], sequences: int, step: int, epoch: int) -> list[list[int]]:
+        """This rank's sequences of each of the epoch's mini-batches (a list for every mini-batch, maybe empty).
+
+        `indices` are this rank's kept sequences of its `sequences`; the ranks hold consecutive shares of the batch.
+        """
+        shares = group.gather_objects((sequences, indices))  # in rank order
+        starts = [sum(n for n, _ in shares[:r]) for r in range(len(shares))]
+        offset = starts[group.rank()]
+        everyone = [start + i for start, (_, kept) in zip(starts, shares) for i in kept]
+        shuffle = torch.randperm(len(everyone), generator=generator("minibatch", self.spec.seed, step, epoch))
+        order = torch.tensor(everyone, dtype=torch.long)[shuffle]
+        cuts = order.tensor_split(min(self.training.mini_batches, len(everyone)))
+        return [[i - offset for i in cut.tolist() if offset <= i < offset + sequences] for cut in cuts]
+
+    def run(self, rollout: Rollout, advantages: Tensor | list[Tensor], indices: list[int], *,
+            step: int = 0) -> UpdateStats:
+        """Optimizer steps over the sequences `indices` of the rollout, at trainer step `step` (which keys the
+        mini-batch shuffle).
 
         `advantages` holds, per sequence, one value per action token (or one value per sequence).
         Sequences without action tokens (an episode whose reset failed) carry no gradient and are skipped.
@@ -130,10 +150,8 @@ class Updater:
         model.train()
         params = self.policy.trainable_parameters()
         world = group.world_size()
-        for _ in range(self.training.update_epochs):
-            order = [indices[i] for i in torch.randperm(len(indices)).tolist()]
-            n_mini = group.max_all(min(self.training.mini_batches, len(order)))
-            for mini in (m.tolist() for m in torch.tensor(order, dtype=torch.long).tensor_split(n_mini)):
+        for epoch in range(self.training.update_epochs):
+            for mini in self._mini_batches(indices, len(rollout), step, epoch):
                 normalizer = group.sum_all(float(len(mini)) if per_sequence else float(sum(counts[i] for i in mini)))
                 if normalizer == 0:  # no rank has a sequence for this step
                     continue
