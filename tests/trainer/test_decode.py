@@ -39,12 +39,7 @@ def static_greedy(model, rows: list[list[int]], max_new: int, *, greedy: bool = 
                   seeds: list[int] | None = None) -> list[list[int]]:
     """The static-cache loop (the one compiled on CUDA) run eagerly (sampling with `seeds` when not greedy)."""
     B, P = len(rows), max(map(len, rows))
-    ids = torch.full((B, P + max_new), PAD)
-    mask = torch.zeros((B, P + max_new), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, P - len(r) : P] = torch.tensor(r)
-        mask[i, P - len(r) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, positions = decode.left_padded(rows, max_new, PAD)
     pick = decode._Picker(spec(), greedy, (B, max_new), CPU, record=False, seeds=seeds)
     lengths = decode._static_loop(model, ids, mask, positions, P, max_new, pick, EOS)
     return [r[:n] for r, n in zip(ids[:, P:].tolist(), lengths.tolist())]

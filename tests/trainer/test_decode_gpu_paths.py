@@ -151,12 +151,7 @@ def test_the_eager_loop_can_drop_finished_rows_every_few_steps(lora_model):
     B, P, max_new = len(rows), max(map(len, rows)), 40
 
     def run(check_every):
-        ids = torch.full((B, P + max_new), PAD)
-        mask = torch.zeros((B, P + max_new), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, P - len(r) : P] = torch.tensor(r)
-            mask[i, P - len(r) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = decode.left_padded(rows, max_new, PAD)
         pick = decode._Picker(spec(), True, (B, max_new), CPU, record=False)
         with forward_shapes(lora_model) as shapes:
             lengths = decode._eager_loop(merged, ids, mask, positions, P, max_new, pick, EOS,

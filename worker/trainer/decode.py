@@ -184,6 +184,18 @@ def _pick(logits_BV: Tensor, history_BT: Tensor, procs: LogitsProcessorList, gre
     return torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1).clamp(max=cdf_BV.shape[1] - 1)
 
 
+def left_padded(prompts: list[list[int]], max_new: int, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(ids, attention mask, positions), each (B, P + max_new), prompts left-padded so that every row's next
+    token lands in the same column (P: the longest prompt)."""
+    B, P = len(prompts), max(map(len, prompts))
+    ids = torch.full((B, P + max_new), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, P + max_new), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, P - len(prompt) : P] = torch.tensor(prompt, dtype=torch.long)
+        mask[i, P - len(prompt) :] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 class _Picker:
     """Chooses each step's tokens; when asked, also keeps each token's log-prob under softmax(logits / temperature).
 
@@ -243,14 +255,7 @@ def sample_tokens(
     `model` is a causal LM (fold LoRA in first with `rollout_weights`) in eval mode.
     """
     B, P = len(prompts), max(map(len, prompts))
-    total = P + max_new
-    ids = torch.full((B, total), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, total), dtype=torch.long)
-    for i, prompt in enumerate(prompts):  # left padding: every row's next token lands in the same column
-        ids[i, P - len(prompt) : P] = torch.tensor(prompt, dtype=torch.long)
-        mask[i, P - len(prompt) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, positions = (t.to(device) for t in left_padded(prompts, max_new, pad_id))
     pick = _Picker(sampling, greedy, (B, max_new), device, record=logprobs, seeds=seeds)
     guarded = _FiniteGuard(pick)
     key = _shape_key(B, P + max_new)
