@@ -87,7 +87,7 @@ def test_samples_results_and_estimated_finish_of_a_finished_job(finished):
     assert_error(api.client.post("/v1/fine_tuning/jobs", json=body), 400, "training_file", "fine-tune-results")
     assert api.other.get(f"/v1/files/{file_id}").status_code == 404  # another project's
 
-    # samples: newest step first, at most 4 per step, with the multi reward's parts
+    # samples: newest step first, at most 16 per step, with the multi reward's parts
     r = api.client.get(f"/v1/fine_tuning/jobs/{job_id}/samples", params={"limit": 100})
     assert r.status_code == 200, r.text
     page = r.json()
@@ -102,10 +102,8 @@ def test_samples_results_and_estimated_finish_of_a_finished_job(finished):
         assert d["reward"] == pytest.approx(d["rewards"]["exact"] + d["rewards"]["has"])
         assert "=" in d["prompt"]  # the toy prompt, as the model saw it
     per_step = {s: [d for d in data if d["step"] == s] for s in (1, 2, 3)}
-    for samples in per_step.values():
-        assert 1 <= len(samples) <= 4
-        if len(samples) >= 2:  # a group's best comes before its worst
-            assert samples[0]["reward"] >= samples[1]["reward"]
+    for samples in per_step.values():  # each group's best then worst (one when all score the same), up to 8 groups;
+        assert 1 <= len(samples) <= 16  # which rows are picked is tested in tests/trainer/test_samples.py
 
     # paging with after and filtering by step
     first = api.client.get(f"/v1/fine_tuning/jobs/{job_id}/samples", params={"limit": 2}).json()
