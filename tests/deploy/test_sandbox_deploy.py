@@ -71,6 +71,7 @@ DEFAULTS_SUFFICE = {
     "uploads_total": "64 uploads in flight per API process",
     "judge_max_tokens": "1024 tokens per reply of the service's judge",
     "judge_tokens_per_project_hour": "200 000 judge tokens per project and hour for reward tests",
+    "worker_concurrency": "one job per worker: compose and the chart give each worker one GPU",
     "outage_deadline_s": "30 min of object-store outage before a job's failed runs use attempts",
 }
 
