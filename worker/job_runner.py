@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 import shutil
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.session import session_factory
 from service.models.engine_check import EngineUnsupported
-from service.repositories import job_messages, job_outputs, jobs
+from service.repositories import job_messages, jobs
 from service.repositories import secrets as secrets_repo
 from service.schemas.job_spec import JobSpec
 from service.schemas.rewards import secret_names
@@ -40,184 +38,23 @@ from service.settings import Settings
 from service.queue import enqueue_job
 from service.storage import NotFound as StorageNotFound
 from service.storage import ObjectStore, StorageError, open_store
-from worker.artifacts import MANIFEST, delete_unreferenced, download_checkpoint, upload_checkpoint
+from worker.artifacts import MANIFEST, delete_unreferenced, download_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
 from worker import scratch
 from worker.drain import DRAIN  # set by the worker's graceful shutdown (see worker/drain.py)
 from worker.envs import describe_environment
-from worker.progress import StepClock, reward_trend
+from worker.job_reporter import JobReporter, LeaseLost
+from worker.progress import reward_trend
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
-from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded, summarize
+from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded
 from worker.sandbox_channel import INTERRUPT, Interrupted
 from worker.trainer.data import DataError
-from worker.trainer.learning_signal import NoLearningSignal, no_signal_message, preflight_message
+from worker.trainer.learning_signal import NoLearningSignal
 
 log = logging.getLogger(__name__)
 
-# Metrics worth a line in the job's event stream (all of them go to the metrics table).
-EVENT_METRICS = ("reward_mean", "loss", "clip_fraction", "kl_old", "completion_length_mean", "step_seconds")
-REWARD_WARN_EVERY = 10  # steps between warn events that repeat already-shown reward errors
 STORAGE_UNAVAILABLE = "storage_unavailable"  # the error code of a run stopped by an object-store outage
-
-
-class LeaseLost(Exception):
-    pass
-
-
-def _finite(metrics: dict) -> dict[str, float]:
-    """JSON and SQL cannot hold NaN everywhere; a non-finite metric is left out rather than stored."""
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-
-
-class JobReporter:
-    """Trainer callbacks that write to SQL (fenced) and the object store, and relay control requests."""
-
-    def __init__(self, sessions: sessionmaker[Session], store: ObjectStore, job_id: str, epoch: int,
-                 settings: Settings, total_steps: int, keep_checkpoints: int = 3, environment: str | None = None):
-        """`environment`: the job's environment, described (its failures are reported as its own, not a reward's)."""
-        self.sessions, self.store, self.job_id, self.epoch = sessions, store, job_id, epoch
-        self.environment = environment
-        self.settings, self.total_steps = settings, total_steps
-        self.keep_checkpoints = keep_checkpoints
-        self.cancel = self.pause = self.lost = False
-        self._reward_errors_seen: set[str] = set()  # messages already shown in a warn event
-        self._reward_warned_at: int | None = None
-        self._clock = StepClock(total_steps)
-        self._stop_beat = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{job_id}", daemon=True)
-
-    # -- lease ---------------------------------------------------------------
-
-    def start(self) -> None:
-        self._beat.start()
-
-    def stop(self) -> None:
-        self._stop_beat.set()
-        self._beat.join(timeout=5)
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop_beat.wait(self.settings.heartbeat_s):
-            try:
-                self.heartbeat()
-            except Exception:  # a transient database error: the next beat retries
-                log.exception("heartbeat for %s failed", self.job_id)
-
-    def heartbeat(self) -> None:
-        with self.sessions.begin() as s:
-            control = jobs.heartbeat(s, self.job_id, self.epoch, self.settings.lease_ttl_s)
-        if control is None:
-            self.lost = True
-        else:
-            self.cancel, self.pause = control.cancel, control.pause
-            if self.cancel:  # a cancelled job has no step worth finishing; pause and drain keep theirs
-                INTERRUPT.set()
-
-    def event(self, message: str, *, level: str = "info", type: str = "message", data: dict | None = None) -> None:
-        if self.lost:
-            return
-        with self.sessions.begin() as s:
-            jobs.add_event(s, self.job_id, message, level=level, type=type, data=data)
-
-    # -- trainer callbacks ---------------------------------------------------
-
-    def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        finite = _finite(metrics)
-        with self.sessions.begin() as s:
-            ok = jobs.record_step(s, self.job_id, self.epoch, step, finite,
-                                  trained_tokens=int(metrics.get("trained_tokens", 0)),
-                                  ttl_s=self.settings.lease_ttl_s)
-            if not ok:
-                self.lost = True
-                return
-            summary = ", ".join(f"{k}={finite[k]:.4g}" for k in EVENT_METRICS if k in finite)
-            jobs.add_event(s, self.job_id, f"Step {step}/{self.total_steps}: {summary}", type="metrics",
-                           data={"step": step, "total_steps": self.total_steps, **finite})
-            eta = self._clock.estimate(time.time(), step, finite.get("step_seconds", 0.0))
-            job_outputs.set_estimated_finish(s, self.job_id, self.epoch, eta)
-        self.heartbeat()
-
-    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        metrics = _finite(metrics)
-        with self.sessions.begin() as s:
-            if not jobs.record_step(s, self.job_id, self.epoch, step, metrics, trained_tokens=0,
-                                    ttl_s=self.settings.lease_ttl_s):
-                self.lost = True
-                return
-            jobs.add_event(s, self.job_id, f"Evaluation at step {step}: reward {metrics.get('eval_reward_mean', float('nan')):.4f}",
-                           type="metrics", data={"step": step, **metrics})
-
-    def on_preflight(self, metrics: dict[str, float]) -> None:
-        """The pre-flight's baseline: metrics at step 0 and an event (a warning when no group has a signal)."""
-        metrics = _finite(metrics)
-        with self.sessions.begin() as s:
-            if not jobs.record_step(s, self.job_id, self.epoch, 0, metrics, trained_tokens=0,
-                                    ttl_s=self.settings.lease_ttl_s):
-                self.lost = True
-                return
-            none = metrics.get("preflight_zero_variance_fraction", 0.0) >= 1.0
-            jobs.add_event(s, self.job_id, preflight_message(metrics), level="warn" if none else "info",
-                           data={"step": 0, **metrics})
-
-    def on_no_signal(self, step: int, steps: int) -> None:
-        self.event(no_signal_message(step, steps), level="warn", data={"step": step, "zero_variance_steps": steps})
-
-    def on_warning(self, step: int, message: str) -> None:
-        self.event(f"Step {step}: {message}", level="warn", data={"step": step})
-
-    def on_samples(self, step: int, samples: list[dict]) -> None:
-        if self.lost or not samples:
-            return
-        with self.sessions.begin() as s:
-            if not job_outputs.add_samples(s, self.job_id, self.epoch, step, samples):
-                self.lost = True
-
-    def on_checkpoint(self, step: int, path: Path) -> None:
-        if self.lost:
-            return
-        prefix, files = upload_checkpoint(self.store, self.job_id, self.epoch, path)
-        with self.sessions.begin() as s:
-            metrics = {m.name: m.value for m in jobs.metrics(s, self.job_id, names=None, step_min=step,
-                                                             step_max=step, limit=1000)}
-            ckpt = jobs.add_checkpoint(s, self.job_id, self.epoch, step=step, storage_prefix=prefix,
-                                       files=files, metrics=metrics, ttl_s=self.settings.lease_ttl_s)
-            if ckpt is None:
-                self.lost = True
-                return
-            jobs.add_event(s, self.job_id, f"Checkpoint saved at step {step}", data={"checkpoint": ckpt.id, "step": step})
-            dropped = jobs.prune_checkpoints(s, self.job_id, self.epoch, self.keep_checkpoints)
-        for old in dropped:  # after commit: no row points at them any more
-            try:
-                self.store.delete_prefix(old)
-            except StorageError:  # only space is lost; the next pass does not retry it
-                log.warning("job %s: could not delete the old checkpoint %s", self.job_id, old, exc_info=True)
-
-    def on_reward_errors(self, step: int, errors: list[str]) -> None:
-        """A warn event with the step's most frequent reward errors (up to 5 distinct, truncated) and counts.
-
-        A reward that fails a little on every step would otherwise add a warn event per step: a step whose
-        errors were all shown already gets one only every REWARD_WARN_EVERY steps (every step's count is
-        in the reward_errors metric).
-        """
-        if self.lost or not errors:
-            return
-        top = summarize(errors, limit=5)
-        new = {m for m, _ in top} - self._reward_errors_seen
-        if not new and self._reward_warned_at is not None and step - self._reward_warned_at < REWARD_WARN_EVERY:
-            return
-        self._reward_errors_seen |= new
-        self._reward_warned_at = step
-        listed = "; ".join(f"{message} (x{count})" for message, count in top)
-        more = len({*errors}) - len(top)
-        tail = f"; and {more} other distinct errors" if more > 0 else ""
-        what = f"Environment errors at step {step} ({self.environment}): {len(errors)} episodes failed" \
-            if self.environment else f"Reward errors at step {step}: {len(errors)} samples failed to score"
-        self.event(f"{what}: {listed}{tail}",
-                   level="warn", data={"step": step, "reward_errors": len(errors),
-                                       "errors": [{"message": m, "count": c} for m, c in top]})
-
-    def should_stop(self) -> bool:
-        return self.cancel or self.pause or self.lost or DRAIN.is_set()
 
 
 def _materialize(spec: JobSpec, store: ObjectStore, data_dir: Path) -> JobSpec:

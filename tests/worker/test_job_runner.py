@@ -287,7 +287,7 @@ def test_a_job_asking_more_gpus_than_the_worker_sees_fails_at_once_naming_the_fi
 
 
 def test_repeated_reward_errors_are_throttled_but_new_ones_are_shown(tmp_path):
-    from worker.job_runner import REWARD_WARN_EVERY, JobReporter
+    from worker.job_reporter import REWARD_WARN_EVERY, JobReporter
 
     reporter = JobReporter(None, None, "ftjob-x", 1, Settings(home=tmp_path), total_steps=100)
     shown = []
