@@ -39,9 +39,9 @@ def _one_step(toy_dir, tmp_path, monkeypatch, **advantages) -> tuple[torch.Tenso
     trainer = Trainer(spec, tmp_path, reward_fn=_varied_reward(), resume=False)
     real_run = trainer.updater.run
 
-    def run(rollout, per_token, indices):
+    def run(rollout, per_token, indices, **kwargs):
         seen["per_token"], seen["indices"] = per_token, indices
-        return real_run(rollout, per_token, indices)
+        return real_run(rollout, per_token, indices, **kwargs)
 
     trainer.updater.run = run
     try:

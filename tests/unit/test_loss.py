@@ -349,7 +349,9 @@ def test_tis_cap_of_exactly_one_is_allowed_and_a_weight_at_the_cap_is_not_counte
 def test_default_kl_clamp_is_10_per_token():
     inputs = _one_row([0.0], [0.0], mask=[1.0])
     inputs = LossInputs(**{**inputs.__dict__, "ref_logprobs_BT": torch.tensor([[20.0]])})  # k3 ~ e^20
-    assert cispo_loss(inputs, normalizer=1.0).sums["kl_ref"].item() == 10.0
+    out = cispo_loss(inputs, normalizer=1.0, kl_beta=1.0)
+    assert out.loss.item() == 10.0  # logp 0: the policy term is 0, the penalty is the clamped k3
+    assert out.sums["kl_ref_clamped"].item() == 1.0 and out.sums["kl_ref"].item() > 1e8  # the metric is unclamped
 
 
 def test_sums_are_floats_of_the_policys_dtype_whatever_the_mask_and_advantages_dtypes():

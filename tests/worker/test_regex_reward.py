@@ -77,7 +77,8 @@ def test_a_batch_of_hanging_samples_is_bounded_by_the_batch_budget():
     assert elapsed < 3, elapsed  # 50 x 0.3 s would be 15 s
     assert out.scores == [None] * 50
     assert all(error_kind(e) == "timeout" for e in out.errors)
-    assert out.errors[-1] == "regex: timed out (the batch's 1 s budget was spent)"
+    # Either way the budget ended it: mid-batch, or (on a loaded machine) before the child was even ready.
+    assert out.errors[-1].startswith("regex: timed out") and "the batch's 1 s budget was spent" in out.errors[-1]
 
 
 def test_the_trainer_process_never_runs_the_pattern():
