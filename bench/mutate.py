@@ -30,7 +30,7 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     "cispo-logprobs": (["worker/cispo/logprobs.py"], ["tests/unit/test_logprobs.py"], []),
     "egress": (["service/egress.py"], ["tests/service/test_egress.py", "tests/service/test_egress_edges.py"], []),
     "access": (["service/api/access.py", "service/auth.py"],
-               ["tests/service/test_auth.py", "tests/api/test_access.py", "tests/api/test_errors.py",
+               ["tests/api/test_admission.py", "tests/service/test_auth.py", "tests/api/test_access.py", "tests/api/test_errors.py",
                 "tests/api/test_poll_cache.py",
                 "-k", "not postgresql"], []),
     "update": (["worker/trainer/update.py"], ["tests/trainer/test_update.py"], []),
