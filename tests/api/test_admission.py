@@ -143,3 +143,31 @@ async def test_without_the_lifespan_s_places_everyone_is_admitted():
     with anyio.fail_after(5):
         await Admission(gate)(_scope(None), _receive, _sent)
     assert gate.entered == 1
+
+
+async def test_a_database_failure_during_authentication_is_503_and_logged_with_the_request(caplog):
+    """The key lookup's OperationalError: a 503 to retry, and a log line naming what failed and why."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.orm import sessionmaker
+
+    from service.api.access import Authenticate
+    from service.auth import PrincipalCache
+
+    unreachable = sessionmaker(create_engine("sqlite:////nonexistent-dir/cispo.db"))
+    gate = Gate()
+    middleware = Authenticate(gate, reads=unreachable, writes=unreachable, limits=None,
+                              principals=PrincipalCache(0))
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/v1/jobs", "headers": [(b"authorization", b"Bearer sk-x")]}
+    await middleware(scope, _receive, send)
+    assert gate.entered == 0
+    start = sent[0]
+    assert start["status"] == 503 and (b"retry-after", b"5") in start["headers"]
+    [record] = [r for r in caplog.records if "database failure" in r.getMessage()]
+    assert record.getMessage() == "database failure on GET /v1/jobs"
+    assert isinstance(record.exc_info[1], OperationalError)
