@@ -65,7 +65,10 @@ def _config(paths: list[str], tests: list[str], skip: list[str]) -> str:
             f"do_not_mutate = {quoted(skip)}\n"
             'also_copy = ["service/", "worker/", "tests/", "migrations/", "bench/"]\n'
             f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
-            'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n')
+            'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
+            # mutmut's wall-clock limit is 15x the tests' call time, which leaves out fixture setup: on a loaded
+            # machine, mutants that raise at once (checkpoint's `root = None`) were reported as timeouts.
+            "timeout_multiplier = 60\n")
 
 
 def run(name: str, *, survivors: bool) -> dict:
