@@ -120,13 +120,15 @@ def save_checkpoint(path: Path, *, model, optimizer: torch.optim.Optimizer | dic
 
 def _write_weights(tmp: Path, model, reference_adapter, model_state, reference_state, tokenizer) -> None:
     if not hasattr(model, "peft_config"):  # full fine-tuning: the whole model, as from_pretrained reads it
+        # Taken before saving: save_pretrained empties the state dict it is given (transformers 5).
+        model_dtype, reference_dtype = _held_dtype(model_state), _held_dtype(reference_state)
         model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
-        _record_dtype(tmp / "model", model_state)
+        _record_dtype(tmp / "model", model_dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "model")
         if reference_state is not None:
             model.save_pretrained(tmp / "reference", state_dict=reference_state, safe_serialization=True)
-            _record_dtype(tmp / "reference", reference_state)
+            _record_dtype(tmp / "reference", reference_dtype)
         if not (tmp / MODEL_CONFIG).is_file():
             raise CheckpointError(f"{type(model).__name__}.save_pretrained wrote no config.json")
         return
@@ -144,13 +146,18 @@ def _write_weights(tmp: Path, model, reference_adapter, model_state, reference_s
         raise CheckpointError(f"{type(model).__name__}.save_pretrained wrote no adapter_model.safetensors")
 
 
-def _record_dtype(model_dir: Path, state: dict[str, torch.Tensor] | None) -> None:
-    """config.json's dtype as the files hold it: save_pretrained writes the live model's (float32 master weights)."""
+def _held_dtype(state: dict[str, torch.Tensor] | None) -> torch.dtype | None:
+    """The one floating dtype of a state dict's tensors; None when there are none, or several."""
     dtypes = {v.dtype for v in (state or {}).values() if v.is_floating_point()}
-    if len(dtypes) != 1:
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _record_dtype(model_dir: Path, dtype: torch.dtype | None) -> None:
+    """config.json's dtype as the files hold it: save_pretrained writes the live model's (float32 master weights)."""
+    if dtype is None:
         return
     config = json.loads((model_dir / "config.json").read_text())
-    config["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+    config["dtype"] = str(dtype).removeprefix("torch.")
     (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
