@@ -96,7 +96,7 @@ def stage_decode(fig: Figures, smoke: bool) -> None:
 
     from bench.trl_compare import build_model
     from service.schemas.job_spec import SamplingSpec
-    from worker.trainer import decode
+    from worker.rollout import decode
 
     w = _workload(smoke)
     if not CUDA:  # no CUDA graphs or Inductor here: the same compiled code path through aot_eager

@@ -50,7 +50,7 @@ def decode_ms_per_step(w: Workload, workdir: Path, *, repeats: int) -> tuple[flo
     from transformers import AutoModelForCausalLM
 
     from service.schemas.job_spec import SamplingSpec
-    from worker.trainer import decode
+    from worker.rollout import decode
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = build_model(workdir / "decode-model", w)

@@ -17,8 +17,8 @@ from worker.toy.task import write_jsonl
 from worker.toy.two_turn import environment_spec, plain_chat_model
 from worker.trainer.loop import Trainer
 from worker.trainer.policy import load_policy
-from worker.trainer import rollout as rollout_module
-from worker.trainer.rollout import generate
+from worker.rollout import rollout as rollout_module
+from worker.rollout.rollout import generate
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
 from worker.trainer.turns import chat_ids, environment_turn_ids
 

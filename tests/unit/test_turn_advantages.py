@@ -46,7 +46,7 @@ def test_refuses_ragged_groups_and_nan():
 
 
 def _rollout(action_turns, turn_rewards, errors, turns):
-    from worker.trainer.rollout import Rollout
+    from worker.rollout.rollout import Rollout
 
     n = len(action_turns)
     return Rollout(rows=[{}] * n, token_ids=[[0] * (len(a) + 1) for a in action_turns],

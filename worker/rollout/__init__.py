@@ -32,7 +32,7 @@ from worker.envs.protocol import Environment
 from worker.rollout.hf import HFEngine
 from worker.trainer.policy import Policy
 from worker.trainer.precision import DTYPES
-from worker.trainer.rollout import Rollout
+from worker.rollout.rollout import Rollout
 
 __all__ = ["RolloutEngine", "HFEngine", "make_engine", "refuse_unavailable_engine"]
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from service.schemas.job_spec import AdvantageSpec
 from worker.cispo import group_advantages, rewards_to_go, turn_advantages
 from worker.trainer.rewards import Scorer, Scores
-from worker.trainer.rollout import Rollout
+from worker.rollout.rollout import Rollout
 
 
 @dataclass

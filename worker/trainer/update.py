@@ -35,7 +35,7 @@ from worker.distributed import group
 from worker.distributed.shard import unsharded
 from worker.trainer.metrics import UpdateStats
 from worker.trainer.policy import Policy
-from worker.trainer.rollout import Rollout
+from worker.rollout.rollout import Rollout
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
 from worker.trainer.streams import generator
 
