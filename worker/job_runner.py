@@ -48,7 +48,7 @@ from worker.progress import reward_trend
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded
-from worker.sandbox_channel import INTERRUPT, Interrupted
+from service.sandbox.channel import INTERRUPT, Interrupted
 from worker.trainer.data import DataError
 from worker.trainer.learning_signal import NoLearningSignal
 

@@ -11,7 +11,7 @@ import torch
 from service.schemas.job_spec import JobSpec
 from worker.cispo import LossInputs, cispo_loss
 from worker.envs.protocol import Outcome, failed
-from worker.sandbox import sandbox_level
+from service.sandbox.spawn import sandbox_level
 from worker.toy.__main__ import toy_spec
 from worker.toy.task import write_jsonl
 from worker.toy.two_turn import environment_spec, plain_chat_model
