@@ -95,7 +95,7 @@ def stage_decode(fig: Figures, smoke: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     from bench.trl_compare import build_model
-    from service.schemas.job_spec import SamplingSpec
+    from service.job_spec.spec import SamplingSpec
     from worker.rollout import decode
 
     w = _workload(smoke)
@@ -186,7 +186,7 @@ class _Recorder:
 
 
 def stage_train(fig: Figures, smoke: bool) -> None:
-    from service.schemas.job_spec import JobSpec
+    from service.job_spec.spec import JobSpec
     from worker.toy.__main__ import prepare, toy_spec
     from worker.trainer.loop import train
 

@@ -31,7 +31,7 @@ from service.db.session import session_factory
 from service.models.engine_check import EngineUnsupported
 from service.repositories import job_messages, jobs
 from service.repositories import secrets as secrets_repo
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from service.schemas.rewards import secret_names
 from service.secrets.box import secret_box
 from service.settings import Settings

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file, save_file
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.toy.__main__ import toy_spec
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout the subprocesses import

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.cispo import LossInputs, cispo_loss
 from worker.envs.protocol import Outcome, failed
 from service.sandbox.spawn import sandbox_level

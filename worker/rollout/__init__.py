@@ -27,7 +27,7 @@ import torch
 from peft import PeftModel
 
 from service.models.engine_check import EngineUnsupported, head_size, head_size_refusal
-from service.schemas.job_spec import JobSpec, SamplingSpec
+from service.job_spec.spec import JobSpec, SamplingSpec
 from worker.envs.protocol import Environment
 from worker.rollout.hf import HFEngine
 from worker.trainer.policy import Policy

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.checkpoint import (
     Checkpoint,
     capture_rng,

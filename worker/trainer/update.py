@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.cispo import LossInputs, cispo_loss
 from worker.distributed import group
 from worker.distributed.shard import unsharded
