@@ -32,7 +32,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # tini: PID 1 that forwards SIGTERM (graceful Celery shutdown) and reaps the
 # processes reward code leaves behind. util-linux: `unshare`, which starts the
-# user-code sandbox (worker/sandbox.py); mount: the worker entrypoint's remount
+# user-code sandbox (service/sandbox/spawn.py); mount: the worker entrypoint's remount
 # of its cgroup; Debian ships both already, they are named so that they stay.
 # (psycopg[binary] brings its own libpq.)
 RUN apt-get update \
@@ -108,7 +108,7 @@ RUN pip install --no-deps -e . \
  && sh -n /app/docker/worker-entrypoint.sh
 
 # The worker runs as root, unlike the API. User Python code (python rewards,
-# environments) is only ever run in a sandbox (worker/sandbox.py), and building
+# environments) is only ever run in a sandbox (service/sandbox/spawn.py), and building
 # one takes root: new network/pid/mount/IPC namespaces, mounts, a chroot, a
 # memory+pids cgroup per sandbox, and a switch of the user code to a uid of
 # its own, leased from CISPO_SANDBOX_UID .. +CISPO_SANDBOX_UID_COUNT-1

@@ -95,8 +95,8 @@ def stage_decode(fig: Figures, smoke: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     from bench.trl_compare import build_model
-    from service.schemas.job_spec import SamplingSpec
-    from worker.trainer import decode
+    from service.job_spec.spec import SamplingSpec
+    from worker.rollout import decode
 
     w = _workload(smoke)
     if not CUDA:  # no CUDA graphs or Inductor here: the same compiled code path through aot_eager
@@ -186,7 +186,7 @@ class _Recorder:
 
 
 def stage_train(fig: Figures, smoke: bool) -> None:
-    from service.schemas.job_spec import JobSpec
+    from service.job_spec.spec import JobSpec
     from worker.toy.__main__ import prepare, toy_spec
     from worker.trainer.loop import train
 

@@ -49,8 +49,8 @@ def decode_ms_per_step(w: Workload, workdir: Path, *, repeats: int) -> tuple[flo
     """Median ms per decode step of our sampler on the workload's prompts, and which loop ran."""
     from transformers import AutoModelForCausalLM
 
-    from service.schemas.job_spec import SamplingSpec
-    from worker.trainer import decode
+    from service.job_spec.spec import SamplingSpec
+    from worker.rollout import decode
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = build_model(workdir / "decode-model", w)

@@ -31,7 +31,7 @@ from service.schemas.rewards import RegexReward  # noqa: E402
 from worker.rewards.json_checks import JsonSchemaBatchScorer  # noqa: E402
 from worker.rewards.regex import RegexBatchScorer  # noqa: E402
 from worker.rewards.sandbox import PythonRewardPool, PythonRewardProcess  # noqa: E402
-from worker.sandbox import sandbox_level  # noqa: E402
+from service.sandbox.spawn import sandbox_level  # noqa: E402
 
 SOURCE = """
 SPIN = {spin}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.rollout import HFEngine
 from worker.toy.__main__ import prepare, toy_spec
 from worker.toy.task import make_rows

@@ -112,7 +112,7 @@ def our_trainer(model_dir: Path, data: Path, out: Path, w: Workload):
     """Our Trainer on the workload; full fine-tuning swaps in the bare model where the spec cannot say `lora: null`."""
     from pydantic import ValidationError
 
-    from service.schemas.job_spec import JobSpec
+    from service.job_spec.spec import JobSpec
     from worker.trainer.loop import Trainer
 
     raw = {

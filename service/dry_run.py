@@ -35,8 +35,8 @@ from service.models.check import ModelInfo, ModelProblem, check_model
 from service.models.engine_check import RULES, cpu_accepts, cuda_accepts, head_size, lora_rank_problem
 from service.rewards.fields import FieldUse, fields_read, has_path
 from service.schemas.dataset import row_prompt
-from service.schemas.job_request import JobCreate
-from service.schemas.job_spec import JobSpec
+from service.job_spec.request import JobCreate
+from service.job_spec.spec import JobSpec
 from service.storage import ObjectStore
 
 CHARS_PER_TOKEN = 3  # when no tokenizer is at hand: a cautious average for BPE tokenizers on English text

@@ -18,7 +18,7 @@ from service.db.models import Checkpoint, File, Job
 from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, Unprocessable
 from service.dry_run import check_reward_fields
 from service.environments import resolve_for_job
-from service.jobs_spec import build_spec, grader_reward
+from service.job_spec.build import build_spec, grader_reward
 from service.models import start as starts
 from service.models.source import check_model
 from service.repositories import files as files_repo
@@ -26,8 +26,8 @@ from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
 from service.repositories.pagination import Page
 from service.rewards.references import check_reward_references
-from service.schemas.job_request import JobCreate
-from service.schemas.job_spec import JobSpec
+from service.job_spec.request import JobCreate
+from service.job_spec.spec import JobSpec
 from service.settings import Settings
 from service.storage import ObjectStore
 

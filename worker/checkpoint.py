@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.schemas.job_spec import LoraSpec
+from service.job_spec.spec import LoraSpec
 
 try:  # optional: only its global RNG is checkpointed
     import numpy as np

@@ -31,7 +31,7 @@ def _format_validation_error(e: ValidationError) -> str:
 
 
 def load_spec(path: Path):
-    from service.schemas.job_spec import JobSpec
+    from service.job_spec.spec import JobSpec
 
     try:
         raw = yaml.safe_load(path.read_text())

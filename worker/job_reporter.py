@@ -21,7 +21,7 @@ from worker.artifacts import upload_checkpoint
 from worker.drain import DRAIN
 from worker.progress import StepClock
 from worker.rewards.errors import summarize
-from worker.sandbox_channel import INTERRUPT
+from service.sandbox.channel import INTERRUPT
 from worker.trainer.learning_signal import no_signal_message, preflight_message
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from service.db.session import session_factory
 from service.models.engine_check import EngineUnsupported
 from service.repositories import job_messages, jobs
 from service.repositories import secrets as secrets_repo
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from service.schemas.rewards import secret_names
 from service.secrets.box import secret_box
 from service.settings import Settings
@@ -48,7 +48,7 @@ from worker.progress import reward_trend
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded
-from worker.sandbox_channel import INTERRUPT, Interrupted
+from service.sandbox.channel import INTERRUPT, Interrupted
 from worker.trainer.data import DataError
 from worker.trainer.learning_signal import NoLearningSignal
 

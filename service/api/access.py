@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.envelope import database_unavailable, service_error_response
-from service.api.ratelimit import RateLimit
+from service.api.limits import RateLimit
 from service.auth import PrincipalCache, authenticate
 from service.errors import ServiceError
 

@@ -8,6 +8,8 @@ carries the event's id, and a client that reconnects with Last-Event-ID (as
 EventSource does by itself) resumes right after it. The stream ends with an
 `end` message once the job is terminal and every event is sent, and closes
 after MAX_STREAM_S in any case (the client reconnects and resumes).
+Hand-written, not sse-starlette: the framing is one f-string, and the loop's point is its session-per-poll
+and resume rules, which a library's generator wrapper would not change.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import Any
 
 from service.auth import Principal
 from service.db.models import Checkpoint, File, Job, JobEvent, JobMetric, JobSample, RewardFunction
-from service.jobs_spec import public_hyperparameters
+from service.job_spec.build import public_hyperparameters
 from service.models import fine_tuned
 from service.repositories.job_outputs import sample_id
 from service.repositories.pagination import Page

@@ -9,48 +9,22 @@ Two implementations of each, picked from the settings by `rate_limit` and
 `scoring_slots`: with a Redis broker the counters live in Redis
 (service/api/redis_limits.py), so N API replicas share one limit; the
 embedded default (no Redis) keeps them in this process's memory (below),
-where one event loop thread owns them and plain dicts need no lock. The
-per-project job quota is counted in SQL instead (service/jobs.py).
+where one event loop thread owns them and plain dicts need no lock. Both
+implement the interfaces of service/api/limits.py, which is all either
+imports of the other side. The per-project job quota is counted in SQL
+instead (service/jobs.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from service.errors import TooManyRequests
+from service.api.limits import SCORING, RateLimit, ScoringSlots, owner_full, rate_refused, total_full
+from service.api.redis_limits import RedisSlots, RedisTokenBuckets
 from service.settings import Settings
-
-SCORING = "reward tests and grader runs"  # named in the scoring 429s
-
-
-class RateLimit(Protocol):
-    async def take(self, key: str) -> None:
-        """Spend one of `key`'s requests, or raise TooManyRequests saying when the next one is allowed."""
-
-
-class ScoringSlots(Protocol):
-    def hold(self, owner: str) -> AbstractAsyncContextManager[None]:
-        """Hold one of `owner`'s slots for the block, or raise TooManyRequests at once."""
-
-
-def rate_refused(rate_per_s: float, burst: int, retry_after_s: float) -> TooManyRequests:
-    return TooManyRequests(f"rate limit: this API key may send {rate_per_s:g} requests per second "
-                           f"(bursts of {burst}); retry later", retry_after_s=retry_after_s)
-
-
-def owner_full(what: str, held: int, retry_after_s: float) -> TooManyRequests:
-    return TooManyRequests(f"{what}: this project already runs {held} at once (the limit); retry when one has "
-                           "finished", retry_after_s=retry_after_s, code="concurrency_limit_exceeded")
-
-
-def total_full(what: str, total: int, retry_after_s: float) -> TooManyRequests:
-    return TooManyRequests(f"{what}: the service runs its limit of {total} at once; retry shortly",
-                           retry_after_s=retry_after_s, code="concurrency_limit_exceeded")
-
 
 @dataclass
 class TokenBuckets:
@@ -112,8 +86,6 @@ def rate_limit(settings: Settings) -> RateLimit:
     local = TokenBuckets(settings.rate_limit_per_s, settings.rate_limit_burst)
     if not uses_redis(settings):
         return local
-    from service.api.redis_limits import RedisTokenBuckets
-
     return RedisTokenBuckets(settings, fallback=local)
 
 
@@ -122,6 +94,4 @@ def scoring_slots(settings: Settings) -> ScoringSlots:
                   retry_after_s=min(settings.scoring_timeout_s, 30.0))
     if not uses_redis(settings):
         return local
-    from service.api.redis_limits import RedisSlots
-
     return RedisSlots(settings, fallback=local)

@@ -1,4 +1,4 @@
-"""The rate limit and the scoring caps in Redis, shared by every API replica (see service/api/ratelimit.py).
+"""The rate limit and the scoring caps in Redis, shared by every API replica (see service/api/limits.py).
 
 Each check is one Lua script, so the read-modify-write is atomic across
 replicas, and it reads the clock from Redis (TIME), so replicas with skewed
@@ -34,7 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from service.api.ratelimit import SCORING, Slots, TokenBuckets, owner_full, rate_refused, total_full
+from service.api.limits import SCORING, RateLimit, ScoringSlots, owner_full, rate_refused, total_full
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
 class RedisTokenBuckets:
-    def __init__(self, settings: Settings, *, fallback: TokenBuckets):
+    def __init__(self, settings: Settings, *, fallback: RateLimit):
         self.rate_per_s, self.burst = settings.rate_limit_per_s, settings.rate_limit_burst
         self.redis, self.fallback = _Redis(settings), fallback
 
@@ -131,11 +131,11 @@ class RedisTokenBuckets:
                 if wait > 0:
                     raise rate_refused(self.rate_per_s, self.burst, wait)
                 return
-        self.fallback.take_now(key)
+        await self.fallback.take(key)
 
 
 class RedisSlots:
-    def __init__(self, settings: Settings, *, fallback: Slots):
+    def __init__(self, settings: Settings, *, fallback: ScoringSlots):
         self.per_owner, self.total = settings.scoring_per_project, settings.scoring_total
         self.lease_ms = int((settings.scoring_timeout_s + LEASE_MARGIN_S) * 1000)
         self.retry_after_s = fallback.retry_after_s

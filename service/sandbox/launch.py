@@ -1,6 +1,6 @@
 """The sandbox launcher: pid 1 of a sandbox's fresh namespaces. A script, never imported.
 
-worker/sandbox.py (and the probe in service/sandbox/probe.py) run it, as root, as
+service/sandbox/spawn.py (and the probe in service/sandbox/probe.py) run it, as root, as
 
     unshare --net --pid --fork --mount-proc --ipc --kill-child -- \\
         python -I -S -B launch.py CONFIG_JSON -- ARGV...

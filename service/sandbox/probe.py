@@ -1,6 +1,6 @@
 """Can this host contain untrusted code? Probed through the real launcher; shared by the worker and /readyz.
 
-The sandbox itself is worker/sandbox.py; this module holds what both sides
+The sandbox itself is service/sandbox/spawn.py; this module holds what both sides
 need without importing worker/ or torch: the probe, the launcher's command
 line and configuration, and the interpreter the sandbox runs. The probe does
 not trust flags or kernel versions: it starts a real sandbox (a leased uid,

@@ -1,5 +1,1 @@
-"""Public schemas shared by the API and the worker (torch-free)."""
-
-from service.schemas.job_spec import JobSpec
-
-__all__ = ["JobSpec"]
+"""Public schemas shared by the API and the worker (torch-free). What a job is: service/job_spec/."""

@@ -10,7 +10,7 @@
     multi            -> multi (graders -> rewards by key, calculate_output -> formula); no nesting
 
 Refused by name: label_model, cosine/gleu/meteor metrics, image_tag, image and audio
-inputs, unknown fields. Used by the reinforcement job method (service/jobs_spec.py)
+inputs, unknown fields. Used by the reinforcement job method (service/job_spec/build.py)
 and by /v1/fine_tuning/alpha/graders/{run,validate}.
 """
 

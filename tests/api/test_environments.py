@@ -8,7 +8,7 @@ from sqlalchemy import func, select
 
 from service.api.app import create_app
 from service.db.models import Environment, Job
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from tests.api.conftest import RecordingEnqueue, _key, assert_error, cispo_body, make_settings, uploaded
 
 ENVS = "/v1/environments"

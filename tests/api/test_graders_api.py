@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import select
 
 from service.db.models import Job
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from tests.api.conftest import TRAIN_ROWS, jsonl, running_api
 from tests.worker.reward_servers import reward_server
 

@@ -7,7 +7,7 @@ import math
 from sqlalchemy import func, select
 
 from service.db.models import Job, JobEvent
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from tests.api.conftest import TRAIN_ROWS, assert_error, cispo_body, uploaded
 
 JOBS = "/v1/fine_tuning/jobs"

@@ -11,10 +11,17 @@ from tests.api.trained import train
 TOKEN = "operator-secret-token"
 
 
+LABEL = re.compile(r'(\w+)="((?:[^"\\\\]|\\\\.)*)"')
+
+
 def _sample(text: str, name: str, labels: str = "") -> float:
-    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
-    assert match, f"{name}{labels} not in:\n{text}"
-    return float(match.group(1))
+    """The value of the sample `name{labels}`; labels compare as a set (the exposition may order them otherwise)."""
+    wanted = dict(LABEL.findall(labels))
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample.partition("{")[0] == name and dict(LABEL.findall(sample.partition("{")[2])) == wanted:
+            return float(value)
+    raise AssertionError(f"{name}{labels} not in:\n{text}")
 
 
 def test_metrics_are_off_without_a_token_and_refuse_project_keys(api):

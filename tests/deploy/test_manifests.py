@@ -882,7 +882,7 @@ def test_home_is_writable_under_a_read_only_root():
 
 # -- privileges: only the worker runs as root, with what its sandbox needs ------
 #
-# User Python code runs only in the sandbox of worker/sandbox.py (launched by
+# User Python code runs only in the sandbox of service/sandbox/spawn.py (launched by
 # service/sandbox/launch.py, probed by service/sandbox/probe.py), which the
 # worker builds as root and which drops the user code to an unprivileged uid.
 # These are the capabilities building it takes; the worker is given exactly these.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from service.schemas.job_spec import JobSpec, LoraSpec
+from service.job_spec.spec import JobSpec, LoraSpec
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 

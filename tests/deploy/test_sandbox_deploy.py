@@ -41,7 +41,7 @@ from tests.deploy.test_manifests import (
 
 ENTRYPOINT = REPO / "docker" / "worker-entrypoint.sh"
 SANDBOX_MODULES = ("service/sandbox/launch.py", "service/sandbox/probe.py", "service/sandbox/cgroup.py",
-                   "service/sandbox/uids.py", "worker/sandbox.py")
+                   "service/sandbox/uids.py", "service/sandbox/spawn.py")
 SECRET_SETTINGS = ("CISPO_METRICS_TOKEN", "CISPO_JUDGE_API_KEY")
 # Settings a deployment may leave at their defaults, and why.
 DEFAULTS_SUFFICE = {

@@ -26,7 +26,7 @@ PROBE = "import json; from service.sandbox.probe import probe; p = probe(); prin
 
 
 def host_can_sandbox() -> bool:
-    from worker.sandbox import sandbox_level
+    from service.sandbox.spawn import sandbox_level
 
     return sandbox_level() == "namespaces"
 

@@ -14,7 +14,7 @@ import tarfile
 import pytest
 from safetensors.torch import load_file
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from tests.api.conftest import assert_error, running_api, upload
 from worker.checkpoint import load_checkpoint
 from worker.job_runner import run_job

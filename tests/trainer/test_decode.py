@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from service.schemas.job_spec import SamplingSpec
+from service.job_spec.spec import SamplingSpec
 from tests.trainer.conftest import forward_shapes
-from worker.trainer import decode
+from worker.rollout import decode
 
 EOS, PAD = 2, 0
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.trainer.test_decode import CPU, EOS, PAD, prompts, spec, static_greedy
-from worker.trainer import decode
+from worker.rollout import decode
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_the_trainer_reports_a_compile_fallback_as_a_metric_and_a_warning(toy_di
     """A step whose compiled decode failed says so: decode_compile_fallbacks counts it and on_warning gets the
     message (the job runner makes it a warn event); the next step, compiled fine, reports 0."""
     from tests.trainer.test_trainer import StopAt, small_spec
-    from worker.trainer import rollout
+    from worker.rollout import rollout
     from worker.trainer.loop import train
 
     failures = iter([True])

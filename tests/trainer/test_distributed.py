@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file, save_file
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.toy.__main__ import toy_spec
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout the subprocesses import
@@ -46,7 +46,7 @@ def job_spec(toy_dir: Path, kind: str, *, gpus: int = 1, dtype: str = "auto", **
 
 def fixed_batch():
     """SEQUENCES prompt+completion sequences of uneven lengths, with advantages (deterministic)."""
-    from worker.trainer.rollout import Rollout
+    from worker.rollout.rollout import Rollout
 
     g = torch.Generator().manual_seed(7)
     token_ids, masks = [], []
@@ -63,7 +63,7 @@ def fixed_batch():
 
 def share(rollout, advantages, rank: int, world: int):
     """A rank's contiguous share of the batch, as the trainer splits it."""
-    from worker.trainer.rollout import Rollout
+    from worker.rollout.rollout import Rollout
 
     n = SEQUENCES // world
     part = slice(rank * n, (rank + 1) * n)

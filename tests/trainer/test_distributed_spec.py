@@ -9,9 +9,9 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from service.jobs_spec import build_spec
-from service.schemas.job_request import JobCreate
-from service.schemas.job_spec import JobSpec
+from service.job_spec.build import build_spec
+from service.job_spec.request import JobCreate
+from service.job_spec.spec import JobSpec
 from worker.checkpoint import CheckpointError, load_checkpoint
 from worker.toy.__main__ import toy_spec
 

@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.cispo import LossInputs, cispo_loss
 from worker.envs.protocol import Outcome, failed
-from worker.sandbox import sandbox_level
+from service.sandbox.spawn import sandbox_level
 from worker.toy.__main__ import toy_spec
 from worker.toy.task import write_jsonl
 from worker.toy.two_turn import environment_spec, plain_chat_model
 from worker.trainer.loop import Trainer
 from worker.trainer.policy import load_policy
-from worker.trainer import rollout as rollout_module
-from worker.trainer.rollout import generate
+from worker.rollout import rollout as rollout_module
+from worker.rollout.rollout import generate
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
 from worker.trainer.turns import chat_ids, environment_turn_ids
 

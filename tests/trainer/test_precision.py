@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.toy.__main__ import toy_spec
 
 LR = 1e-5  # many of the toy model's SGD steps are then below half a bf16 step of their weight (counted below)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from tests.trainer.test_trainer import StopAt, small_spec
 from worker.rewards.errors import RewardErrorRateExceeded
 from worker.trainer.loop import Trainer, train

@@ -7,7 +7,7 @@ import torch
 
 from worker.trainer.feedback import Feedback
 from worker.trainer.rewards import Scores
-from worker.trainer.rollout import Rollout
+from worker.rollout.rollout import Rollout
 from worker.trainer.samples import pick_indices, pick_samples
 
 

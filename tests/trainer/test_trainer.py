@@ -11,7 +11,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.checkpoint import CheckpointError, checkpoint_name, latest_checkpoint
 from worker.toy.__main__ import toy_spec
 from worker.trainer.loop import Trainer, train

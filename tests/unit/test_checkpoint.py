@@ -13,7 +13,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from service.schemas.job_spec import LoraSpec
+from service.job_spec.spec import LoraSpec
 from worker.checkpoint import (
     CheckpointError,
     capture_rng,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from service.schemas.job_spec import LoraSpec
+from service.job_spec.spec import LoraSpec
 from tests.unit.test_checkpoint import make_base, make_optimizer, save, train_step, trained  # noqa: F401
 from worker.checkpoint import (
     CheckpointError,

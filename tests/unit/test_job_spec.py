@@ -7,7 +7,7 @@ import warnings
 import pytest
 from pydantic import ValidationError
 
-from service.schemas.job_spec import ConstantSchedule, CosineSchedule, JobSpec
+from service.job_spec.spec import ConstantSchedule, CosineSchedule, JobSpec
 
 
 def _spec(**overrides) -> dict:

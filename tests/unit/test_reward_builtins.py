@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from service.schemas.rewards import (
     ContainsReward,
     ExactMatchReward,

@@ -16,7 +16,7 @@ import pytest
 from service.sandbox import cgroup as sandbox_cgroup
 from service.settings import get_settings
 from worker.rewards.sandbox import PythonRewardProcess
-from worker.sandbox import members, sandbox_level
+from service.sandbox.spawn import members, sandbox_level
 
 SANDBOX_UIDS = range(get_settings().sandbox_uid, get_settings().sandbox_uid + get_settings().sandbox_uid_count)
 needs_sandbox = pytest.mark.skipif(sandbox_level() != "namespaces",

@@ -8,7 +8,7 @@ from service.db.models import Job, JobEvent, JobMetric, Secret
 from service.db.session import session_factory
 from service.repositories import jobs, projects
 from service.repositories import secrets as secrets_repo
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from service.secrets.box import secret_box
 from service.storage import open_store
 from tests.worker.test_http_env import env_server

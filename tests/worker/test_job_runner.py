@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from service.db.models import Checkpoint, Job, JobEvent, JobMetric
 from service.db.session import session_factory
 from service.repositories import jobs, projects
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from service.settings import Settings
 from service.storage import open_store
 from worker.job_runner import run_job

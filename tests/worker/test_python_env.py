@@ -9,8 +9,8 @@ import pytest
 
 from service.schemas.environments import PythonEnvironment
 from worker.envs.python_env import EnvironmentLoadError, PythonEnvironmentProcess
-from worker.sandbox import sandbox_level
-from worker.sandbox_channel import INTERRUPT, Interrupted
+from service.sandbox.spawn import sandbox_level
+from service.sandbox.channel import INTERRUPT, Interrupted
 
 pytestmark = pytest.mark.skipif(sandbox_level() != "namespaces",
                                 reason="this host cannot sandbox user code (sandbox_level() is 'none')")

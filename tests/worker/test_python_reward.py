@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from worker.rewards.sandbox import PythonRewardPool, PythonRewardProcess, RewardLoadError
-from worker.sandbox import sandbox_level
+from service.sandbox.spawn import sandbox_level
 
 pytestmark = pytest.mark.skipif(sandbox_level() != "namespaces",
                                 reason="this host cannot sandbox user code (sandbox_level() is 'none')")

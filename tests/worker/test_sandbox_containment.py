@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from service.sandbox.probe import Probe
-from worker import sandbox
+from service.sandbox import spawn as sandbox
 from worker.rewards.sandbox import PythonRewardProcess
-from worker.sandbox import Limits, SandboxError, SandboxUnavailable, members, python_argv, sandbox_level
+from service.sandbox.spawn import Limits, SandboxError, SandboxUnavailable, members, python_argv, sandbox_level
 from tests.worker.sandbox_attacks import SANDBOX_UIDS, Run, fresh_settings, needs_sandbox, trainer  # noqa: F401
 
 
@@ -296,7 +296,7 @@ def reward(completion, **row):
         script = tmp_path / "parent.py"
         script.write_text(
             "import sys, time\n"
-            "from worker.sandbox import Limits, new_workdir, sandbox_python, spawn\n"
+            "from service.sandbox.spawn import Limits, new_workdir, sandbox_python, spawn\n"
             "proc = spawn([sandbox_python(), '-I', '-S', '-c', 'import time\\nwhile True: time.sleep(1)'],\n"
             "             workdir=new_workdir('cispo-reward-'), limits=Limits())\n"
             "print(proc.pid_ns, proc.workdir, ','.join(map(str, proc.cgroup.paths)), flush=True)\n"

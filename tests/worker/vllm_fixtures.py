@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.toy.__main__ import prepare, toy_spec
 from worker.toy.tiny_model import build_tiny_model
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from service.models.engine_check import EngineUnsupported
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.checkpoint import CheckpointError
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded

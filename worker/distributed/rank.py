@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from service.egress import EgressPolicy
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.distributed import group
 from worker.distributed.launch import CHANNEL_ENV, NO_RESUME
 from worker.rewards.engine import ScoringContext

@@ -1,13 +1,13 @@
 """The environment child: hosts one job's user environment class, one instance per episode.
 
-Started by worker/envs/python_env.py in a sandbox (worker/sandbox.py: its own
-namespaces, uid, cgroup and seccomp filter, rlimits, a private capped tmpfs) as
-``python -I -S -B -c <this source>``. Standard library only: it must not
-import torch or project code.
+Started by worker/envs/python_env.py through service/sandbox/channel.py in a
+sandbox (service/sandbox/spawn.py: its own namespaces, uid, cgroup and seccomp
+filter, rlimits, a private capped tmpfs) as
+``python -I -S -B -c <service/sandbox/child_bootstrap.py + this source>``.
+The bootstrap frames the protocol and loads the source; this file says what
+runs inside. Standard library only: it must not import torch or project code.
 
-Protocol, one JSON object per line on the original stdin/stdout, which are
-moved to private descriptors before user code runs (user prints go to
-/dev/null and cannot corrupt it):
+Protocol, one JSON object per line on private descriptors (see the bootstrap):
 
   parent: {"source", "class_name", "timeout_s"}
   child:  {"ok": true} | {"ok": false, "error": str}
@@ -24,72 +24,17 @@ episode whose call fails is forgotten, as is one that terminated. Values
 must survive json.dumps; the parent checks their types.
 """
 
-import builtins
 import json
-import os
-import resource
-import signal
-import sys
 
-MAX_ERROR_CHARS = 500
-
-
-class CallTimeout(BaseException):
-    """Raised by the SIGALRM handler; a BaseException so `except Exception` in user code lets it through."""
-
-
-def _on_alarm(signum, frame):
-    raise CallTimeout
-
-
-def _cpu_budget(seconds):
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    soft = int(usage.ru_utime + usage.ru_stime + seconds) + 1
-    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    if hard != resource.RLIM_INFINITY:
-        soft = min(soft, hard)
-    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
-
-
-def _describe(exc):
-    try:
-        text = f"{type(exc).__name__}: {exc}"
-    except BaseException:
-        text = type(exc).__name__
-    return text[:MAX_ERROR_CHARS]
-
-
-def _private_protocol():
-    proto_in = os.fdopen(os.dup(0), "rb")
-    proto_out = os.fdopen(os.dup(1), "wb")
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.close(null)
-    sys.stdin = open(os.devnull, "r")
-    sys.stdout = open(os.devnull, "w")
-    sys.stderr = open(os.devnull, "w")
-    return proto_in, proto_out
-
-
-def _send(out, message):
-    out.write(json.dumps(message, allow_nan=False).encode() + b"\n")
-    out.flush()
-
-
-def _timed(timeout, fn, *args):
-    signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        return fn(*args)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+# From service/sandbox/child_bootstrap.py, which runs first in the same program: cpu_budget, describe,
+# guarded, run_child, send, user_namespace.
 
 
 def _jsonable(answer, what):
     try:
         json.dumps(answer, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
-        raise TypeError(f"{what} returned a value JSON cannot carry ({_describe(e)})") from None
+        raise TypeError(f"{what} returned a value JSON cannot carry ({describe(e)})") from None
     return answer
 
 
@@ -114,21 +59,8 @@ def _step(instance, action):
     return _jsonable(answer, "step")
 
 
-def _guarded(timeout, fn, *args):
-    """(value, None) or (None, error message): a user failure is the episode's, never the child's."""
-    try:
-        return _timed(timeout, fn, *args), None
-    except CallTimeout:
-        return None, f"timeout after {timeout:g} s"
-    except BaseException as e:  # user code: SystemExit, KeyboardInterrupt, anything
-        return None, _describe(e)
-
-
-def _load(init):
-    namespace = {"__name__": "__environment__", "__builtins__": builtins}
-    code = compile(init["source"], "<environment>", "exec", dont_inherit=True)
-    _timed(float(init["timeout_s"]), exec, code, namespace)
-    cls = namespace.get(init["class_name"])
+def load(init, timeout):
+    cls = user_namespace(init["source"], "__environment__", timeout).get(init["class_name"])
     if not isinstance(cls, type):
         raise NameError(f"class {init['class_name']!r} is not defined")
     return cls
@@ -145,20 +77,20 @@ def serve(proto_in, proto_out, cls, timeout):
         if op == "release":
             for episode_id in request["ids"]:
                 episodes.pop(episode_id, None)
-            _send(proto_out, {"ok": True})
+            send(proto_out, {"ok": True})
             continue
-        _cpu_budget(float(request["cpu_s"]))
+        cpu_budget(float(request["cpu_s"]))
         results = []
         for item in request["episodes"]:
             episode_id = item[0]
             if op == "reset":
-                value, error = _guarded(timeout, _reset, cls, item[1], item[2])
+                value, error = guarded(timeout, _reset, cls, item[1], item[2])
                 if error is None:
                     episodes[episode_id], answer = value
             elif episode_id not in episodes:
                 value, error = None, f"unknown or finished episode {episode_id!r}"
             else:
-                answer, error = _guarded(timeout, _step, episodes[episode_id], item[1])
+                answer, error = guarded(timeout, _step, episodes[episode_id], item[1])
             if error is not None:
                 episodes.pop(episode_id, None)
                 results.append({"error": error})
@@ -166,27 +98,8 @@ def serve(proto_in, proto_out, cls, timeout):
             if op == "step" and (answer["terminated"] is True or answer["truncated"] is True):
                 episodes.pop(episode_id, None)
             results.append(answer)
-        _send(proto_out, {"results": results})
-
-
-def main():
-    proto_in, proto_out = _private_protocol()
-    signal.signal(signal.SIGALRM, _on_alarm)
-    init = json.loads(proto_in.readline())
-    timeout = float(init["timeout_s"])
-    _cpu_budget(timeout + 1)
-    try:
-        cls = _load(init)
-    except CallTimeout:
-        _send(proto_out, {"ok": False, "error": f"loading the source took more than {timeout:g} s"})
-        return
-    except BaseException as e:
-        _send(proto_out, {"ok": False, "error": _describe(e)})
-        return
-    _send(proto_out, {"ok": True})
-    serve(proto_in, proto_out, cls, timeout)
+        send(proto_out, {"results": results})
 
 
 if __name__ == "__main__":
-    main()
-    os._exit(0)  # skip interpreter teardown: user atexit hooks and finalizers do not run
+    run_child(load, serve)

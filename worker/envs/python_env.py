@@ -1,6 +1,6 @@
 """A user's Python environment class, hosted in one sandboxed child process per job.
 
-The sandbox is worker/sandbox.py's (namespaces, an unprivileged uid, rlimits:
+The sandbox is service/sandbox/spawn.py's (namespaces, an unprivileged uid, rlimits:
 address space ``memory_mb``, 16 MiB files, 64 open files, 64 processes);
 where the host cannot provide it, constructing the environment raises
 SandboxUnavailable and the job fails: user code never runs unconfined.
@@ -27,8 +27,8 @@ import weakref
 from pathlib import Path
 
 from service.schemas.environments import PythonEnvironment
-from worker.sandbox_channel import ChildFailed, JsonLinesChild, describe_death
-from worker.sandbox import Limits, SandboxProcess, require_sandbox
+from service.sandbox.channel import ChildFailed, JsonLinesChild, describe_death
+from service.sandbox.spawn import Limits, SandboxProcess, require_sandbox
 from worker.envs.protocol import Outcome, checked, failed, reset_outcome, step_outcome
 
 CHILD_SCRIPT = Path(__file__).with_name("_env_child.py")

@@ -1,11 +1,11 @@
-"""User Python rewards, run contained in a sandbox (worker/sandbox.py).
+"""User Python rewards, run contained in a sandbox (service/sandbox/spawn.py).
 
 ``PythonRewardProcess`` keeps ONE long-lived child per job (worker/rewards/_child.py,
 standard library only) and sends it batches over JSON lines. User code never
 runs in the API, Celery or trainer process. ``PythonRewardPool`` splits each
 batch over several such children.
 
-The containment is worker/sandbox.py's: own pid, network, mount and IPC
+The containment is service/sandbox/spawn.py's: own pid, network, mount and IPC
 namespaces, an unprivileged uid, a new root with only the system, the
 interpreter and a private size-capped tmpfs working directory (also HOME and
 TMPDIR, the only writable place, gone when that child stops), a uid of its
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.sandbox import Limits, SandboxProcess, require_sandbox
-from worker.sandbox_channel import ChildFailed, JsonLinesChild, describe_death
+from service.sandbox.spawn import Limits, SandboxProcess, require_sandbox
+from service.sandbox.channel import ChildFailed, JsonLinesChild, describe_death
 
 CHILD_SCRIPT = Path(__file__).with_name("_child.py")
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # plus RESPONSE_BYTES_PER_SAMPLE per sample

@@ -27,12 +27,12 @@ import torch
 from peft import PeftModel
 
 from service.models.engine_check import EngineUnsupported, head_size, head_size_refusal
-from service.schemas.job_spec import JobSpec, SamplingSpec
+from service.job_spec.spec import JobSpec, SamplingSpec
 from worker.envs.protocol import Environment
 from worker.rollout.hf import HFEngine
 from worker.trainer.policy import Policy
 from worker.trainer.precision import DTYPES
-from worker.trainer.rollout import Rollout
+from worker.rollout.rollout import Rollout
 
 __all__ = ["RolloutEngine", "HFEngine", "make_engine", "refuse_unavailable_engine"]
 

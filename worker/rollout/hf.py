@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from service.schemas.job_spec import SamplingSpec
+from service.job_spec.spec import SamplingSpec
 from worker.envs.protocol import Environment
 from worker.trainer.policy import Policy
-from worker.trainer.rollout import Rollout, generate, transformers_sampler
+from worker.rollout.rollout import Rollout, generate, transformers_sampler
 
 
 class HFEngine:

@@ -35,11 +35,11 @@ import torch
 from peft import PeftModel
 
 from service.models.engine_check import EngineUnsupported
-from service.schemas.job_spec import JobSpec, SamplingSpec
+from service.job_spec.spec import JobSpec, SamplingSpec
 from worker.envs.protocol import Environment
 from worker.trainer.policy import Policy
 from worker.trainer.precision import compute_dtype
-from worker.trainer.rollout import Rollout, generate
+from worker.rollout.rollout import Rollout, generate
 
 
 def _configure_vllm_process() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from service.schemas.dataset import row_problem
-from service.schemas.job_spec import DataSpec
+from service.job_spec.spec import DataSpec
 
 
 class DataError(ValueError):

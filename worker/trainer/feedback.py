@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from service.schemas.job_spec import AdvantageSpec
+from service.job_spec.spec import AdvantageSpec
 from worker.cispo import group_advantages, rewards_to_go, turn_advantages
 from worker.trainer.rewards import Scorer, Scores
-from worker.trainer.rollout import Rollout
+from worker.rollout.rollout import Rollout
 
 
 @dataclass

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.checkpoint import (
     Checkpoint,
     capture_rng,
@@ -53,7 +53,8 @@ from worker.distributed.shard import unsharded
 from worker.distributed.state import full_model_state, full_optimizer_state, load_full_optimizer_state
 from worker.trainer.data import PromptSampler, load_splits
 from worker.trainer.metrics import UpdateStats
-from worker.trainer import decode, precision
+from worker.rollout import decode
+from worker.trainer import precision
 from worker.trainer.policy import MASTER_PREFIX, REFERENCE, Policy, load_policy
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded, error_rate_message

@@ -31,7 +31,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from service.schemas.job_spec import JobSpec, LoraSpec
+from service.job_spec.spec import JobSpec, LoraSpec
 from worker.checkpoint import Checkpoint, CheckpointError, check_lora_config
 from worker.distributed import group
 from worker.distributed.shard import shard_model

@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from service.schemas.job_spec import ImportReward, Reward
+from service.job_spec.spec import ImportReward, Reward
 from service.schemas.rewards import PythonReward
 from worker.rewards.engine import FunctionBatchScorer, ScoringContext, build_scorer
 from worker.rewards.outcome import BatchScorer, Outcome

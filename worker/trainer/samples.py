@@ -16,7 +16,7 @@ import math
 from torch import Tensor
 
 from worker.trainer.feedback import Feedback
-from worker.trainer.rollout import Rollout
+from worker.rollout.rollout import Rollout
 
 SAMPLE_GROUPS_PER_STEP = 8
 MAX_SAMPLE_CHARS = 4000

@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from worker.cispo import token_logprobs
-from worker.trainer.decode import CACHE_ARG
+from worker.rollout.decode import CACHE_ARG
 
 
 @dataclass

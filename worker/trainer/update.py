@@ -29,13 +29,13 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.cispo import LossInputs, cispo_loss
 from worker.distributed import group
 from worker.distributed.shard import unsharded
 from worker.trainer.metrics import UpdateStats
 from worker.trainer.policy import Policy
-from worker.trainer.rollout import Rollout
+from worker.rollout.rollout import Rollout
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
 from worker.trainer.streams import generator
 

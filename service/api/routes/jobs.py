@@ -19,7 +19,7 @@ from service.auth import Principal
 from service.db.models import Job
 from service.repositories import job_messages
 from service.schemas.api import DryRunCheck, DryRunObject, JobObject, ListObject
-from service.schemas.job_request import JobCreate
+from service.job_spec.request import JobCreate
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning jobs"])

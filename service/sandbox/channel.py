@@ -3,7 +3,7 @@
 Shared by the user Python environments (worker/envs/python_env.py) and the
 user Python rewards (worker/rewards/sandbox.py).
 
-The containment is worker/sandbox.py's (own pid, network, mount and IPC
+The containment is service/sandbox/spawn.py's (own pid, network, mount and IPC
 namespaces, a uid of its own, a seccomp filter, a cgroup bounding its memory
 and processes, a new root where only a size-capped private tmpfs is
 writable, rlimits, an allow-listed environment); where
@@ -30,7 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.sandbox import Limits, exit_status, kill, new_workdir, python_argv, spawn
+from service.sandbox.spawn import Limits, exit_status, kill, new_workdir, python_argv, spawn
+
+
+CHILD_BOOTSTRAP = Path(__file__).with_name("child_bootstrap.py")  # runs before every child's own source
 
 
 class ChildFailed(Exception):
@@ -52,7 +55,7 @@ class JsonLinesChild:
     def __init__(self, script: Path, *, limits: Limits, prefix: str = "cispo-child-"):
         self.workdir = new_workdir(prefix)
         try:
-            self.proc = spawn(python_argv(script), workdir=self.workdir, limits=limits)
+            self.proc = spawn(python_argv(CHILD_BOOTSTRAP, script), workdir=self.workdir, limits=limits)
         except BaseException:
             _remove(self.workdir)
             raise

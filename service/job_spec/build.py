@@ -25,8 +25,8 @@ from pydantic import ValidationError
 from service.errors import InvalidRequest, Unprocessable, unprocessable
 from service.models.start import Start
 from service.schemas import graders
-from service.schemas.job_request import JobCreate, ReinforcementMethod
-from service.schemas.job_spec import JobSpec, LoraSpec, TrainingSpec
+from service.job_spec.request import JobCreate, ReinforcementMethod
+from service.job_spec.spec import JobSpec, LoraSpec, TrainingSpec
 
 BASE_LR = 1e-5
 DEFAULT_MINI_BATCHES = TrainingSpec.model_fields["mini_batches"].default

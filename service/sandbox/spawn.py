@@ -136,13 +136,14 @@ def require_sandbox() -> None:
                                  f"{found.reason}")
 
 
-def python_argv(script: Path) -> list[str]:
-    """argv running a stdlib-only script in the sandbox's interpreter, isolated (-I -S -B).
+def python_argv(*scripts: Path) -> list[str]:
+    """argv running stdlib-only scripts, joined in order as one program, in the sandbox's interpreter, isolated
+    (-I -S -B).
 
     The source goes on the command line, so the sandbox uid needs no access to
-    the project's files (they are not in its file system anyway).
+    the project's files (they are not in its file system anyway, and -I leaves no path to import them from).
     """
-    return [sandbox_python(), "-I", "-S", "-B", "-c", Path(script).read_text()]
+    return [sandbox_python(), "-I", "-S", "-B", "-c", "\n".join(Path(script).read_text() for script in scripts)]
 
 
 def new_workdir(prefix: str = "cispo-sandbox-") -> Path:

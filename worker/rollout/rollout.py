@@ -45,9 +45,9 @@ from typing import Protocol
 import torch
 
 from service.schemas.dataset import row_prompt
-from service.schemas.job_spec import SamplingSpec
+from service.job_spec.spec import SamplingSpec
 from worker.envs.protocol import Environment
-from worker.trainer.decode import rollout_weights, sample_tokens
+from worker.rollout.decode import rollout_weights, sample_tokens
 from worker.trainer.policy import Policy
 from worker.trainer.streams import stream_seed
 from worker.trainer.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages

@@ -3,7 +3,7 @@
 `method.type` picks one of two sections:
 - `cispo`: our knobs. Its hyperparameters are the JobSpec sections themselves,
   so the API applies exactly the bounds the worker relies on.
-- `reinforcement`: OpenAI's RFT shape, mapped onto CISPO by service/jobs_spec.py.
+- `reinforcement`: OpenAI's RFT shape, mapped onto CISPO by service/job_spec/build.py.
 The choice is a plain `type` plus two optional fields (not a pydantic tagged
 union) so error paths read like the JSON the client wrote:
 "method.cispo.hyperparameters.training.group_size".
@@ -17,7 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from service.schemas.api import Metadata, Request, ServiceReward, Text
 from service.schemas.environments import EnvironmentRef
-from service.schemas.job_spec import (
+from service.job_spec.spec import (
     AdvantageSpec,
     CispoLossSpec,
     LoraSpec,
