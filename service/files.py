@@ -1,8 +1,8 @@
 """Dataset files: validate an upload completely before anything is stored.
 
 Every row is checked with the worker's rule (service/schemas/dataset.py: a
-JSON object with our `prompt` or OpenAI's `messages`; blank lines are
-skipped), so a job never fails hours later on line 90 000. Errors carry line
+JSON object with our `prompt` or OpenAI's `messages`, which may end with the
+assistant's turn for supervised jobs; blank lines are skipped), so a job never fails hours later on line 90 000. Errors carry line
 numbers; the first few are reported with a count of all. Memory stays bounded
 whatever the file: it is read in chunks, only those first errors are kept,
 and a line longer than `max_line_bytes` is refused as soon as the scan passes
@@ -87,7 +87,7 @@ def row_error(line: bytes) -> str | None:
         return "not valid UTF-8"
     except json.JSONDecodeError as e:
         return f"invalid JSON ({e.msg} at column {e.colno})"
-    return row_problem(row)
+    return row_problem(row, "upload")
 
 
 def scan_jsonl(src: BinaryIO, copy_to: Path, *, max_line_bytes: int = MAX_LINE_BYTES) -> Scan:

@@ -18,7 +18,7 @@ def test_wilson_matches_the_hand_computed_interval():
     low, high = wilson(0, 10)
     assert low == 0.0 and high == pytest.approx(0.27753, abs=1e-5)
     low, high = wilson(10, 10)
-    assert low == pytest.approx(1 - 0.27753, abs=1e-5) and high == 1.0
+    assert low == pytest.approx(1 - 0.27753, abs=1e-5) and high == pytest.approx(1.0)
 
 
 def test_zero_one_rewards_use_wilson_and_others_the_bootstrap():
