@@ -86,6 +86,8 @@ def _supervised_sections(hp, training_rows: int) -> dict:
         sections["optimizer"] = {"lr": BASE_LR * hp.learning_rate_multiplier}
     if hp.dtype is not None:
         sections["dtype"] = hp.dtype
+    if hp.sampling is not None:
+        sections["sampling"] = hp.sampling.model_dump()
     if "lora" in hp.model_fields_set:
         sections["lora"] = None if hp.lora is None else hp.lora.model_dump()
     return sections
@@ -108,7 +110,7 @@ def _request_path(method_type: str, spec_path: str) -> str:
             return f"{SFT_HP}.batch_size" if spec_path.endswith("batch_size") else f"{SFT_HP}.n_epochs"
         if spec_path.startswith("optimizer"):
             return f"{SFT_HP}.learning_rate_multiplier"
-        return f"{SFT_HP}.{spec_path}" if head in ("training", "lora", "dtype") else "method.supervised"
+        return f"{SFT_HP}.{spec_path}" if head in ("training", "lora", "dtype", "sampling") else "method.supervised"
     if method_type == "reinforcement":
         for prefix in sorted(_RFT_SOURCES, key=len, reverse=True):
             if spec_path == prefix or spec_path.startswith(prefix + "."):

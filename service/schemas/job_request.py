@@ -113,6 +113,7 @@ class SupervisedHyperparameters(Request):
     n_epochs: Annotated[int, Field(ge=1, le=50)] | Auto = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     lora: LoraSpec | None = Field(None, description="Left out: the default adapter; null: full fine-tuning.")
+    sampling: SamplingSpec | None = Field(None, description="How evaluations sample (greedy; lengths).")
     training: TrainingSpec | None = Field(None, description="Our training section (checkpoint_interval, "
                                           "eval_max_rows, micro_batch_size...); batch_size and n_epochs win.")
 
