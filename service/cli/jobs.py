@@ -366,8 +366,9 @@ def add_jobs_command(sub: argparse._SubParsersAction) -> None:
         command(action, cmd_control, f"{action} the job").set_defaults(action=action)
     from service.cli.evals import add_eval_arguments, cmd_eval  # it builds on this module's client
 
-    add_eval_arguments(command("eval", cmd_eval, "score the job's fine-tuned model (or --checkpoint, or --base) on "
-                               "a file with its reward: the mean with its 95-percent interval, and a per-row results file"))
+    add_eval_arguments(command("eval", cmd_eval, "score the job's fine-tuned model (or --checkpoint, or --base) "
+                               "on a file with its reward: the mean with its 95-percent interval, and a per-row "
+                               "results file"))
     download = command("download", cmd_download, "download a checkpoint's tar (its adapter/ loads with PEFT; unpacked, a local init_from), verified by sha256")
     download.add_argument("--checkpoint", help="a checkpoint id (default: the latest)")
     download.add_argument("--output", "-o", help="where to save it (default: <checkpoint>-adapter.tar)")

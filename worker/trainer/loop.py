@@ -204,7 +204,7 @@ class Trainer:
         if self.rank:  # sampling draws from keyed streams; the global RNG is left to dropout masks, per rank
             seed_everything(spec.seed + 1_000_003 * self.rank + self.step)
         self.updater = Updater(self.policy, self.optimizer, spec)
-        generates = self.scorer is not None or self.environment is not None  # a supervised job without a reward not
+        generates = self.scorer is not None or self.environment is not None  # an SFT job without a reward never samples
         if engine is None and generates:
             say(f"Starting the rollout engine ({spec.rollout.engine})")
         self.engine: RolloutEngine | None = engine or (make_engine(spec, self.policy) if generates else None)
