@@ -3,8 +3,9 @@
 Every row is checked with the worker's rule (service/schemas/dataset.py: a
 JSON object with our `prompt` or OpenAI's `messages`, which may end with the
 assistant's turn for supervised jobs; blank lines are skipped), so a job
-never fails hours later on line 90 000. Errors carry line numbers; the first few are reported with a count of all. Memory stays bounded
-whatever the file: it is read in chunks, only those first errors are kept,
+never fails hours later on line 90 000. Errors carry line numbers; the
+first few are reported with a count of all. Memory stays bounded whatever
+the file: it is read in chunks, only those first errors are kept,
 and a line longer than `max_line_bytes` is refused as soon as the scan passes
 that length, without being read whole. Only a file that passes gets a storage
 object and a row; the caller commits.
