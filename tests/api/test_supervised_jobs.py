@@ -47,3 +47,11 @@ def test_supervised_errors_name_the_request_field(api):
     body = _body(file_id)
     body["method"]["supervised"]["reward_function"] = "rwfn-nope"
     assert_error(api.client.post(JOBS, json=body), 400, "method.supervised.reward_function")
+
+
+def test_a_supervised_dry_run_checks_and_creates_nothing(api):
+    file_id = uploaded(api.client, CHATS)
+    r = api.client.post(JOBS, params={"dry_run": "true"}, json=_body(file_id, n_epochs=1))
+    assert r.status_code == 200, r.text
+    assert r.json()["spec"]["method"] == "supervised"
+    assert api.client.get(JOBS).json()["data"] == []
