@@ -74,9 +74,11 @@ def enqueue_job(job_id: str, delay_s: float = 0.0, settings: Settings | None = N
     app.send_task(RUN_JOB, args=[job_id], queue=JOBS_QUEUE, countdown=delay_s or None)
 
 
-def enqueue_eval(eval_id: str, *, app: Celery | None = None) -> None:
+def enqueue_eval(eval_id: str, *, app: Celery | None = None, settings: Settings | None = None) -> None:
     """Ask a worker to run the eval run; call only after its row is committed."""
-    (app or celery_app()).send_task(RUN_EVAL, args=[eval_id], queue=JOBS_QUEUE)
+    if app is None:
+        app = celery_app() if settings is None or settings is get_settings() else make_celery(settings)
+    app.send_task(RUN_EVAL, args=[eval_id], queue=JOBS_QUEUE)
 
 
 def ping(app: Celery) -> None:

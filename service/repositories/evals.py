@@ -45,3 +45,9 @@ def finish(session: Session, eval_id: str, owner: str, *, status: str, result: d
                            .values(status=status, result=result, result_file_id=result_file_id,
                                    error_code=error_code, error_message=error_message, finished_at=now()))
     return done.rowcount == 1
+
+
+def queued_before(session: Session, created_before: int) -> list[str]:
+    """Eval runs queued since before a moment: candidates for a lost broker message."""
+    return list(session.scalars(select(EvalRun.id).where(EvalRun.status == "queued",
+                                                         EvalRun.created_at < created_before)))
