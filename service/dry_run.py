@@ -121,6 +121,9 @@ def reward_param(body: JobCreate) -> str:
     """Where the request names the reward (errors about what it reads point there)."""
     if body.method.type == "reinforcement":
         return "method.reinforcement.grader"
+    if body.method.type == "supervised":
+        sft = body.method.supervised
+        return "method.supervised.reward_function" if sft.reward_function else "method.supervised.reward"
     return "method.cispo.reward_function" if body.method.cispo.reward_function else "method.cispo.reward"
 
 

@@ -1,10 +1,11 @@
 """Dataset files: validate an upload completely before anything is stored.
 
 Every row is checked with the worker's rule (service/schemas/dataset.py: a
-JSON object with our `prompt` or OpenAI's `messages`; blank lines are
-skipped), so a job never fails hours later on line 90 000. Errors carry line
-numbers; the first few are reported with a count of all. Memory stays bounded
-whatever the file: it is read in chunks, only those first errors are kept,
+JSON object with our `prompt` or OpenAI's `messages`, which may end with the
+assistant's turn for supervised jobs; blank lines are skipped), so a job
+never fails hours later on line 90 000. Errors carry line numbers; the
+first few are reported with a count of all. Memory stays bounded whatever
+the file: it is read in chunks, only those first errors are kept,
 and a line longer than `max_line_bytes` is refused as soon as the scan passes
 that length, without being read whole. Only a file that passes gets a storage
 object and a row; the caller commits.
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 PURPOSE = "fine-tune"
 RESULTS_PURPOSE = "fine-tune-results"  # a job's metrics CSV, written by the worker (worker/results.py), never uploaded
+EVAL_RESULTS_PURPOSE = "evals"  # an eval run's per-row JSONL, written by the worker (worker/evals/runner.py)
 MAX_REPORTED_ROWS = 10
 MAX_FILENAME = 512
 MAX_LINE_BYTES = 8 * 1024 * 1024  # one row (prompt or messages); a longer line is refused
@@ -87,7 +89,7 @@ def row_error(line: bytes) -> str | None:
         return "not valid UTF-8"
     except json.JSONDecodeError as e:
         return f"invalid JSON ({e.msg} at column {e.colno})"
-    return row_problem(row)
+    return row_problem(row, "upload")
 
 
 def scan_jsonl(src: BinaryIO, copy_to: Path, *, max_line_bytes: int = MAX_LINE_BYTES) -> Scan:

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from service.db.models import Checkpoint, File, Job
 from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, Unprocessable
 from service.dry_run import check_reward_fields
+from service.row_shapes import check_rows_fit_method
 from service.environments import resolve_for_job
 from service.job_spec.build import build_spec, grader_reward
 from service.models import start as starts
@@ -76,6 +77,15 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
             reward, reward_function_id = fn.spec, fn.id
         else:
             reward = cispo.reward.model_dump(mode="json")
+    elif body.method.type == "supervised":  # a reward is optional: it scores the evaluations
+        sft = body.method.supervised
+        reward = sft.reward.model_dump(mode="json") if sft.reward is not None else None
+        if sft.reward_function is not None:
+            fn = rf_repo.get(session, project_id, sft.reward_function)
+            if fn is None:
+                raise InvalidRequest(f"method.supervised.reward_function: no such reward function: "
+                                     f"{sft.reward_function}", param="method.supervised.reward_function")
+            reward, reward_function_id = fn.spec, fn.id
     else:
         reward = grader_reward(body.method.reinforcement.grader)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
@@ -83,6 +93,8 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
                       start=start)
     if spec.reward is not None:
         where = {"cispo": "method.cispo.reward_function" if reward_function_id else "method.cispo.reward",
+                 "supervised": "method.supervised.reward_function" if reward_function_id
+                 else "method.supervised.reward",
                  "reinforcement": "method.reinforcement.grader"}[body.method.type]
         check_reward_references(session, project_id, spec.reward, param=where, settings=settings)
     return Prepared(spec=spec, reward_function_id=reward_function_id, environment_id=environment_id)
@@ -122,6 +134,7 @@ def create(session: Session, project_id: str, body: JobCreate, *, idempotency_ke
         return earlier, False
     prepared = prepare(session, project_id, body, settings=settings)
     if store is not None:
+        check_rows_fit_method(session, store, project_id, prepared.spec)
         check_reward_fields(session, store, project_id, body, prepared.spec)
     check_quota(session, project_id, settings)
     spec = prepared.spec

@@ -13,6 +13,7 @@ from service.private_paths import private_file, sqlite_file
 from service.settings import Settings, get_settings
 
 RUN_JOB = "worker.run_job"
+RUN_EVAL = "worker.run_eval"
 JOBS_QUEUE = "jobs"
 
 
@@ -71,6 +72,13 @@ def enqueue_job(job_id: str, delay_s: float = 0.0, settings: Settings | None = N
     `settings` other than the process's name another broker (tests, tools)."""
     app = celery_app() if settings is None or settings is get_settings() else make_celery(settings)
     app.send_task(RUN_JOB, args=[job_id], queue=JOBS_QUEUE, countdown=delay_s or None)
+
+
+def enqueue_eval(eval_id: str, *, app: Celery | None = None, settings: Settings | None = None) -> None:
+    """Ask a worker to run the eval run; call only after its row is committed."""
+    if app is None:
+        app = celery_app() if settings is None or settings is get_settings() else make_celery(settings)
+    app.send_task(RUN_EVAL, args=[eval_id], queue=JOBS_QUEUE)
 
 
 def ping(app: Celery) -> None:

@@ -31,7 +31,7 @@ from celery.exceptions import Reject, WorkerShutdown
 from celery.signals import task_prerun, worker_process_init, worker_ready, worker_shutting_down
 from celery.worker import state as worker_state
 
-from service.queue import RUN_JOB, make_celery
+from service.queue import RUN_EVAL, RUN_JOB, make_celery
 from service.settings import get_settings
 from worker.drain import DRAIN
 from worker.gpus import pin_gpu
@@ -56,6 +56,18 @@ def run_job(job_id: str) -> str | None:
 
     status = run(job_id, get_settings())
     log.info("job %s ended as %s", job_id, status)
+    return status
+
+
+@app.task(name=RUN_EVAL, acks_late=True)
+def run_eval(eval_id: str) -> str | None:
+    """An eval run (worker/evals/runner.py): a model scored on a file, in this fresh child like a job."""
+    if DRAIN.is_set():
+        raise Reject("the worker is shutting down", requeue=True)
+    from worker.evals.runner import run_eval as run
+
+    status = run(eval_id, get_settings())
+    log.info("eval run %s ended as %s", eval_id, status)
     return status
 
 

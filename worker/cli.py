@@ -60,11 +60,13 @@ class ProgressCallbacks:
     def on_step(self, step, metrics):
         self._write("train", step, metrics)
         self.bar.update(step - self.bar.n)
-        self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics.get('loss', 0.0):.4f}")
+        shown = {"reward": f"{metrics['reward_mean']:.3f}"} if "reward_mean" in metrics else {}  # not for SFT
+        self.bar.set_postfix(**shown, loss=f"{metrics.get('loss', 0.0):.4f}")
 
     def on_eval(self, step, metrics):
         self._write("eval", step, metrics)
-        self.bar.write(f"step {step}: eval reward {metrics['eval_reward_mean']:.3f}")
+        self.bar.write(f"step {step}: eval " + ", ".join(f"{k[5:]} {metrics[k]:.3f}" for k in
+                                                         ("eval_reward_mean", "eval_loss") if k in metrics))
 
     def on_checkpoint(self, step, path):
         self.bar.write(f"step {step}: checkpoint {path}")
@@ -133,7 +135,7 @@ def cmd_train(args) -> int:
     finally:
         if callbacks is not None:
             callbacks.close()
-    if result.first_eval and result.last_eval:
+    if result.first_eval and result.last_eval and "eval_reward_mean" in result.last_eval:
         print(
             f"eval reward: {result.first_eval['eval_reward_mean']:.3f} before, "
             f"{result.last_eval['eval_reward_mean']:.3f} after {result.steps_done} steps"

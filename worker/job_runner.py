@@ -300,7 +300,8 @@ def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claim
         else:
             ended = jobs.finish(s, job_id, epoch, status)
             message = {"succeeded": "Job succeeded", "cancelled": "Job cancelled", "paused": "Job paused"}[status]
-        data = _reward_trend(s, job_id, claimed.spec) if status == "succeeded" else None
+        data = _reward_trend(s, job_id, claimed.spec) if status == "succeeded" and claimed.spec.method == "cispo" \
+            else None
         if data is not None:
             message = f"{message}; {data['reward_trend']}"
         if ended:

@@ -7,7 +7,8 @@ it is re-queued after a backoff (or failed, once it used up its attempts); a
 job whose enqueue failed (marked on its row, service/repositories/job_messages.py)
 is sent on the next pass; and any job queued for longer than `resend_after_s`
 is sent again, for a message lost without anyone noticing (a duplicate
-message is harmless: the lease admits one runner).
+message is harmless: the lease admits one runner). Eval runs queued that long
+are sent again too (their claim admits one runner).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import threading
 import time
 
 from service.db.session import session_factory
-from service.queue import enqueue_job
-from service.repositories import job_messages, jobs
+from service.queue import enqueue_eval, enqueue_job
+from service.repositories import evals, job_messages, jobs
 from service.settings import Settings
 from worker import scratch
 
@@ -35,6 +36,7 @@ def reconcile_once(settings: Settings, *, resend_after_s: float = 300.0, sent: d
         owed = dict(job_messages.unsent(s))
         waiting = jobs.queued_before(s, int(t - resend_after_s))
         due = {**{j: nb for j, nb in owed.items() if nb}, **{j: jobs.get_for_worker(s, j).not_before for j in requeued}}
+        waiting_evals = evals.queued_before(s, int(t - resend_after_s))
     for job_id in requeued:
         log.warning("job %s: lease expired; re-queued", job_id)
     resend = list(dict.fromkeys(requeued + list(owed) + [
@@ -53,6 +55,16 @@ def reconcile_once(settings: Settings, *, resend_after_s: float = 300.0, sent: d
         if job_id in owed:
             with sessions.begin() as s:
                 job_messages.mark_sent(s, job_id)
+    for eval_id in waiting_evals:
+        if t - sent.get(eval_id, 0.0) <= resend_after_s:
+            continue
+        try:
+            enqueue_eval(eval_id, settings=settings)
+        except Exception:  # the next pass tries again
+            log.warning("eval run %s: could not send its message; the next pass retries", eval_id, exc_info=True)
+            continue
+        sent[eval_id] = t
+        done.append(eval_id)
     return done
 
 

@@ -23,27 +23,28 @@ from service.api.poll_cache import PollCache
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.ratelimit import rate_limit, scoring_slots
 from service.api.request_metrics import RecordRequests, RequestMetrics
-from service.api.routes import (environments, files, graders, health, job_outputs, jobs, models, prometheus,
+from service.api.routes import (environments, evals, files, graders, health, job_outputs, jobs, models, prometheus,
                                 reward_functions, secrets, webhooks)
 from service.dashboard import routes as dashboard
 from service.auth import PrincipalCache
 from service.db.session import read_session_factory, session_factory
-from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_job, make_celery, ping
+from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_eval, enqueue_job, make_celery, ping
 from service.secrets.box import secret_box
 from service.settings import Settings, get_settings
 from service.storage import open_store
 
 
-def _broker(settings: Settings) -> tuple[Callable[[str], None], Callable[[], None]]:
-    """(enqueue, ping) for the settings' broker; service.queue's own when they are the process settings."""
+def _broker(settings: Settings) -> tuple[Callable[[str], None], Callable[[str], None], Callable[[], None]]:
+    """(enqueue a job, enqueue an eval run, ping) for the settings' broker; service.queue's own when they are
+    the process settings."""
     if settings is get_settings():
-        return enqueue_job, broker_ping
+        return enqueue_job, enqueue_eval, broker_ping
     celery = make_celery(settings)
 
     def enqueue(job_id: str) -> None:
         celery.send_task(RUN_JOB, args=[job_id], queue=JOBS_QUEUE)
 
-    return enqueue, lambda: ping(celery)
+    return enqueue, lambda eval_id: enqueue_eval(eval_id, app=celery), lambda: ping(celery)
 
 
 def _lifespan(threads: int):
@@ -57,11 +58,12 @@ def _lifespan(threads: int):
     return lifespan
 
 
-def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], None] | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], None] | None = None,
+               enqueue_eval: Callable[[str], None] | None = None) -> FastAPI:
     settings = settings or get_settings()
     app = FastAPI(title="CISPO fine-tuning service", version="1", summary="OpenAI-compatible reinforcement "
                   "fine-tuning with CISPO", lifespan=_lifespan(settings.api_threads))
-    default_enqueue, probe = _broker(settings)
+    default_enqueue, default_enqueue_eval, probe = _broker(settings)
     app.state.settings = settings
     # Every API thread may hold a connection (+4 for /readyz and the auth middleware's touch).
     pool = {"pool_size": min(settings.db_pool_size, settings.api_threads),
@@ -70,6 +72,7 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.read_sessions = read_session_factory(settings.resolved_database_url(), **pool)
     app.state.store = open_store(settings.resolved_storage_url())
     app.state.enqueue = enqueue or default_enqueue
+    app.state.enqueue_eval = enqueue_eval or default_enqueue_eval
     app.state.broker_ping = probe
     app.state.scoring_slots = scoring_slots(settings)
     app.state.judge_budget = JudgeBudget(settings.judge_tokens_per_project_hour)
@@ -88,7 +91,7 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.add_middleware(RefuseNulInUrl)
     app.state.request_metrics = RequestMetrics()
     app.add_middleware(RecordRequests, metrics=app.state.request_metrics)  # outermost: times everything
-    for module in (health, files, reward_functions, environments, jobs, job_outputs, secrets, graders, models,
+    for module in (health, files, reward_functions, environments, jobs, job_outputs, evals, secrets, graders, models,
                    prometheus, dashboard, webhooks):
         app.include_router(module.router)
     return app

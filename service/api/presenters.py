@@ -83,11 +83,28 @@ def event(row: JobEvent) -> EventObject:
                        type=row.type, data=finite(row.data))
 
 
+def checkpoint_eval(metrics: dict[str, float]) -> dict | None:
+    """The eval a checkpoint's step recorded (worker/trainer/evaluation.py), as one object; None without one."""
+    out: dict = {}
+    if "eval_reward_mean" in metrics:
+        out = {"mean": metrics["eval_reward_mean"], "n": int(metrics.get("eval_rows", 0)),
+               "interval": [metrics.get("eval_reward_ci_low"), metrics.get("eval_reward_ci_high")]}
+        if "eval_reward_diff" in metrics:
+            out["difference_to_baseline"] = {"mean": metrics["eval_reward_diff"],
+                                             "interval": [metrics.get("eval_reward_diff_ci_low"),
+                                                          metrics.get("eval_reward_diff_ci_high")]}
+    if "eval_loss" in metrics:
+        out["loss"] = metrics["eval_loss"]
+    return finite(out) or None
+
+
 def checkpoint(row: Checkpoint, job_row: Job, who: Principal) -> CheckpointObject:
+    metrics = row.metrics or {}
     return CheckpointObject(
         id=row.id, created_at=row.created_at,
         fine_tuned_model_checkpoint=f"{model_name(job_row, who)}:ckpt-step-{row.step}",
-        fine_tuning_job_id=row.job_id, step_number=row.step, metrics=finite(row.metrics or {}),
+        fine_tuning_job_id=row.job_id, step_number=row.step, metrics=finite(metrics),
+        eval=checkpoint_eval(metrics),
     )
 
 

@@ -1,4 +1,5 @@
-"""`cispo jobs`: a command-line client of the fine-tuning API (create, list, get, watch, events, control, download).
+"""`cispo jobs`: a command-line client of the fine-tuning API (create, list, get, watch, events, control, download,
+eval: service/cli/evals.py).
 
 It talks HTTP only, so it runs wherever the API is reachable and imports
 neither torch nor the worker. The API URL and key come from --api-url and
@@ -363,6 +364,11 @@ def add_jobs_command(sub: argparse._SubParsersAction) -> None:
                         help="seconds between polls with --follow")
     for action in ("cancel", "pause", "resume"):
         command(action, cmd_control, f"{action} the job").set_defaults(action=action)
+    from service.cli.evals import add_eval_arguments, cmd_eval  # it builds on this module's client
+
+    add_eval_arguments(command("eval", cmd_eval, "score the job's fine-tuned model (or --checkpoint, or --base) "
+                               "on a file with its reward: the mean with its 95-percent interval, and a per-row "
+                               "results file"))
     download = command("download", cmd_download, "download a checkpoint's tar (its adapter/ loads with PEFT; unpacked, a local init_from), verified by sha256")
     download.add_argument("--checkpoint", help="a checkpoint id (default: the latest)")
     download.add_argument("--output", "-o", help="where to save it (default: <checkpoint>-adapter.tar)")

@@ -277,3 +277,27 @@ class Checkpoint(Base):
     storage_prefix: Mapped[str] = mapped_column(String(512))
     files: Mapped[dict] = mapped_column(JSON)  # relative path -> {sha256, bytes}
     metrics: Mapped[dict] = mapped_column(JSON)
+
+
+class EvalRun(Base):
+    """An eval run: a model (base, fine-tuned or a checkpoint) scored on a file, run by a worker (worker/evals/)."""
+
+    __tablename__ = "eval_run"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("evalrun_"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    status: Mapped[str] = mapped_column(String(24), index=True)  # queued, running, succeeded, failed
+    model: Mapped[str] = mapped_column(String(512))  # as the request named it
+    checkpoint_id: Mapped[str | None] = mapped_column(String(40))  # None: the base model itself
+    file_id: Mapped[str] = mapped_column(String(40))
+    reward_function_id: Mapped[str | None] = mapped_column(String(40))
+    spec: Mapped[dict] = mapped_column(JSON)  # the JobSpec the worker's eval harness runs
+    result: Mapped[dict | None] = mapped_column(JSON)  # mean, interval, n, method, errors
+    result_file_id: Mapped[str | None] = mapped_column(String(40))  # per-row JSONL (purpose "evals")
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
+    owner: Mapped[str | None] = mapped_column(String(200))  # the worker running it
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    started_at: Mapped[int | None] = mapped_column(BigInteger)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger)

@@ -32,6 +32,7 @@ BASE_LR = 1e-5
 DEFAULT_MINI_BATCHES = TrainingSpec.model_fields["mini_batches"].default
 GRADER = "method.reinforcement.grader"
 RFT_HP = "method.reinforcement.hyperparameters"
+SFT_HP = "method.supervised.hyperparameters"
 
 # Where each spec field came from in a reinforcement request.
 _RFT_SOURCES = {
@@ -73,6 +74,25 @@ def _reinforcement_sections(method: ReinforcementMethod, training_rows: int) -> 
     return sections
 
 
+def _supervised_sections(hp, training_rows: int) -> dict:
+    """OpenAI's SFT hyperparameters over our training section: one optimizer step per batch of rows."""
+    training = hp.training.model_dump() if hp.training is not None else {}
+    batch = min(8, training_rows) if hp.batch_size == "auto" else hp.batch_size
+    epochs = 3 if hp.n_epochs == "auto" else hp.n_epochs  # OpenAI's usual choice for small files
+    training |= {"batch_size": batch, "steps": max(1, math.ceil(epochs * training_rows / batch)),
+                 "mini_batches": 1, "preflight_groups": 0}
+    sections: dict = {"method": "supervised", "training": training}
+    if hp.learning_rate_multiplier != "auto":
+        sections["optimizer"] = {"lr": BASE_LR * hp.learning_rate_multiplier}
+    if hp.dtype is not None:
+        sections["dtype"] = hp.dtype
+    if hp.sampling is not None:
+        sections["sampling"] = hp.sampling.model_dump()
+    if "lora" in hp.model_fields_set:
+        sections["lora"] = None if hp.lora is None else hp.lora.model_dump()
+    return sections
+
+
 def _request_path(method_type: str, spec_path: str) -> str:
     if spec_path == "data.train_file":
         return "training_file"
@@ -82,6 +102,15 @@ def _request_path(method_type: str, spec_path: str) -> str:
         return spec_path
     if spec_path == "init_from":  # set from a fine-tuned model or checkpoint named as the model
         return "model"
+    if method_type == "supervised":
+        head = spec_path.split(".")[0]
+        if head == "reward":
+            return "method.supervised." + spec_path
+        if spec_path in ("training.batch_size", "training.steps"):
+            return f"{SFT_HP}.batch_size" if spec_path.endswith("batch_size") else f"{SFT_HP}.n_epochs"
+        if spec_path.startswith("optimizer"):
+            return f"{SFT_HP}.learning_rate_multiplier"
+        return f"{SFT_HP}.{spec_path}" if head in ("training", "lora", "dtype", "sampling") else "method.supervised"
     if method_type == "reinforcement":
         for prefix in sorted(_RFT_SOURCES, key=len, reverse=True):
             if spec_path == prefix or spec_path.startswith(prefix + "."):
@@ -100,7 +129,8 @@ def _start_sections(sections: dict, start: Start, method_type: str) -> dict:
         return {**sections, "lora": start.lora}
     given = None if sections["lora"] is None else LoraSpec.model_validate(sections["lora"]).model_dump(mode="json")
     if given != start.lora:
-        param = "method.cispo.hyperparameters.lora" if method_type == "cispo" else "model"
+        param = {"cispo": "method.cispo.hyperparameters.lora",
+                 "supervised": f"{SFT_HP}.lora"}.get(method_type, "model")
         raise InvalidRequest(f"{param}: the starting checkpoint (job {start.source_job_id}) holds "
                              f"{'a whole model' if start.lora is None else 'the adapter ' + str(start.lora)}; "
                              "leave lora out to train it on, or give exactly that", param=param)
@@ -119,6 +149,8 @@ def build_spec(body: JobCreate, *, seed: int, training_rows: int, reward: dict |
         sections = {name: value.model_dump() if hasattr(value, "model_dump") else value
                     for name in type(hp).model_fields
                     if (value := getattr(hp, name)) is not None or (name == "lora" and name in hp.model_fields_set)}
+    elif method.type == "supervised":
+        sections = _supervised_sections(method.supervised.hyperparameters, training_rows)
     else:
         sections = _reinforcement_sections(method.reinforcement, training_rows)
     if start is not None:

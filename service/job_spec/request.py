@@ -4,6 +4,8 @@
 - `cispo`: our knobs. Its hyperparameters are the JobSpec sections themselves,
   so the API applies exactly the bounds the worker relies on.
 - `reinforcement`: OpenAI's RFT shape, mapped onto CISPO by service/job_spec/build.py.
+- `supervised`: OpenAI's SFT shape (chat rows ending with the assistant's turn), a warm start that a
+  `cispo` job continues by naming the fine-tuned model as its `model`.
 The choice is a plain `type` plus two optional fields (not a pydantic tagged
 union) so error paths read like the JSON the client wrote:
 "method.cispo.hyperparameters.training.group_size".
@@ -103,19 +105,54 @@ class ReinforcementMethod(Request):
     response_format: None = Field(None, description="Structured outputs are not supported yet; must be null.")
 
 
+class SupervisedHyperparameters(Request):
+    """OpenAI's SFT hyperparameters (each a value or "auto"), plus the adapter and precision of ours."""
+
+    batch_size: Annotated[int, Field(ge=1, le=256)] | Auto = "auto"
+    learning_rate_multiplier: Annotated[float, Field(gt=0, le=10000)] | Auto = "auto"
+    n_epochs: Annotated[int, Field(ge=1, le=50)] | Auto = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    lora: LoraSpec | None = Field(None, description="Left out: the default adapter; null: full fine-tuning.")
+    sampling: SamplingSpec | None = Field(None, description="How evaluations sample (greedy; lengths).")
+    training: TrainingSpec | None = Field(None, description="Our training section (checkpoint_interval, "
+                                          "eval_max_rows, micro_batch_size...); batch_size and n_epochs win.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _no_float16_training(cls, value: str | None) -> str | None:
+        return refuse_float16_training(value)
+
+
+class SupervisedMethod(Request):
+    hyperparameters: SupervisedHyperparameters = SupervisedHyperparameters()
+    reward_function: Text | None = Field(None, description="Optional: a registered reward that scores the job's "
+                                         "evaluations (greedy completions of the validation prompts).")
+    reward: ServiceReward | None = Field(None, description="Optional: an inline reward for the evaluations.")
+
+    @model_validator(mode="after")
+    def _at_most_one_reward(self) -> SupervisedMethod:
+        if self.reward_function is not None and self.reward is not None:
+            raise ValueError("give at most one of reward_function or reward")
+        return self
+
+
+METHODS = ("cispo", "reinforcement", "supervised")
+
+
 class Method(Request):
-    type: Literal["cispo", "reinforcement"]
+    type: Literal["cispo", "reinforcement", "supervised"]
     cispo: CispoMethod | None = None
     reinforcement: ReinforcementMethod | None = None
+    supervised: SupervisedMethod | None = None
 
     @model_validator(mode="after")
     def _section_matches_type(self) -> Method:
         given = getattr(self, self.type)
-        other = "reinforcement" if self.type == "cispo" else "cispo"
         if given is None:
             raise ValueError(f"method.type is {self.type!r}, so method.{self.type} is required")
-        if getattr(self, other) is not None:
-            raise ValueError(f"method.type is {self.type!r}, so method.{other} must be left out")
+        for other in METHODS:
+            if other != self.type and getattr(self, other) is not None:
+                raise ValueError(f"method.type is {self.type!r}, so method.{other} must be left out")
         return self
 
 

@@ -295,8 +295,12 @@ class ResourcesSpec(Strict):
 
 
 class JobSpec(Strict):
-    """A whole CISPO fine-tuning job."""
+    """A whole fine-tuning job: CISPO (the default), or supervised (a warm start to continue with CISPO)."""
 
+    method: Literal["cispo", "supervised"] = Field(
+        "cispo", description="'cispo': reinforcement from a reward or environment; 'supervised': token-mean "
+        "cross-entropy on the assistant turns of chat rows (worker/trainer/supervised.py); a reward, if given, "
+        "scores its evaluations.")
     model: str = Field(min_length=1, description="Hub id or local directory of a causal LM.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = Field(0, ge=0, le=2**32 - 1)
@@ -325,6 +329,12 @@ class JobSpec(Strict):
 
     @model_validator(mode="after")
     def _one_feedback(self) -> JobSpec:
+        if self.method == "supervised":
+            if self.environment is not None:
+                raise ValueError("a supervised job learns from its rows' assistant turns; leave environment out")
+            if self.resources.gpus > 1:
+                raise ValueError("a supervised job trains in one process: set resources.gpus to 1")
+            return self
         if (self.reward is None) == (self.environment is None):
             raise ValueError("give exactly one of reward (scores a single completion) or environment (multi-turn)")
         if self.reward is not None and self.training.max_turns > 1:

@@ -112,6 +112,10 @@ class CheckpointObject(BaseModel):
     fine_tuning_job_id: str
     step_number: int
     metrics: dict[str, Any]
+    eval: dict[str, Any] | None = Field(
+        None, description="The eval at this step: mean reward over `n` rows with its 95% interval, and "
+        "`difference_to_baseline` (paired, on the same rows as the step-0 eval) with its interval; "
+        "eval_loss for a supervised job.")
 
 
 class MetricPoint(BaseModel):

@@ -235,7 +235,7 @@ def test_bad_job_bodies_are_refused_naming_the_field(api):
         ({"integrations": [{"type": "wandb"}]}, "integrations", "not supported"),
         ({"hyperparameters": {"n_epochs": 3}}, "hyperparameters", "deprecated"),
         ({"model": ""}, "model", "at least 1"),
-        ({"method": {"type": "dpo"}}, "method.type", "'cispo' or 'reinforcement'"),
+        ({"method": {"type": "dpo"}}, "method.type", "'cispo', 'reinforcement' or 'supervised'"),
         ({"method": {"type": "cispo"}}, "method", "method.cispo is required"),
         ({"method": {"type": "cispo", "cispo": {}}}, "method.cispo", "exactly one of"),
         ({"method": {"type": "cispo", "cispo": {"reward": {"type": "import", "path": "os:system"}}}},

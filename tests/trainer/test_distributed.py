@@ -346,7 +346,7 @@ def test_torchrun_job_reports_and_resumes_at_one(toy_dir, tmp_path):
     result = run_distributed(spec, tmp_path, calls)
     assert result.steps_done == 2 and not result.stopped
     assert [s for s, _ in calls.steps] == [1, 2] and [s for s, _ in calls.checkpoints] == [1, 2]
-    assert [s for s, _ in calls.evals] == [0, 2]
+    assert [s for s, _ in calls.evals] == [0, 1, 2]  # every checkpoint carries its eval
     # the pre-flight's groups come from both ranks (one each), relayed once; rank 0 says what it loads
     assert [p["preflight_groups"] for p in calls.preflights] == [2.0]
     assert calls.events[:2] == [f"Loading the model {spec.model}", "Starting the rollout engine (hf)"]

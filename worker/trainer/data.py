@@ -15,7 +15,8 @@ class DataError(ValueError):
     """A dataset row or file is unusable; the message names the file and line."""
 
 
-def read_rows(path: str | Path) -> list[dict]:
+def read_rows(path: str | Path, use: str = "cispo") -> list[dict]:
+    """The rows of a JSONL file, each checked for `use` ("cispo" prompts or "supervised" conversations)."""
     rows = []
     path = Path(path)
     if not path.is_file():
@@ -28,7 +29,7 @@ def read_rows(path: str | Path) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
-            problem = row_problem(row)
+            problem = row_problem(row, use)
             if problem:
                 raise DataError(f"{path}:{line_no}: {problem}")
             rows.append(row)
@@ -37,11 +38,11 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def load_splits(spec: DataSpec, *, seed: int) -> tuple[list[dict], list[dict]]:
+def load_splits(spec: DataSpec, *, seed: int, use: str = "cispo") -> tuple[list[dict], list[dict]]:
     """(train rows, validation rows); the held-out fraction is drawn with the job's seed."""
-    train = read_rows(spec.train_file)
+    train = read_rows(spec.train_file, use)
     if spec.validation_file:
-        return train, read_rows(spec.validation_file)
+        return train, read_rows(spec.validation_file, use)
     n_val = int(len(train) * spec.validation_fraction)
     if n_val == 0:
         return train, []

@@ -63,7 +63,9 @@ from worker.envs import Environment, describe_environment, make_environment
 from worker.trainer.feedback import Feedback, assign_advantages, collect_feedback
 from worker.rollout import RolloutEngine, make_engine, refuse_unavailable_engine
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message, preflight_rows
+from worker.trainer.evaluation import EvalRows, eval_rows_metrics, generate_and_score
 from worker.trainer.samples import pick_samples
+from worker.trainer import supervised
 from worker.trainer.schedule import lr_multiplier
 from worker.trainer.streams import stream_seed
 from worker.trainer.update import Updater
@@ -169,9 +171,10 @@ class Trainer:
         elif spec.environment is not None:
             self.environment = make_environment(spec.environment, egress=scoring.egress if scoring else None,
                                                 secrets=scoring.secrets if scoring else None)
-        else:
+        elif spec.reward is not None:  # a supervised job may have none: its evals then report only eval_loss
             self.scorer = make_scorer(spec.reward, scoring)
-        self.train_rows, self.val_rows = load_splits(spec.data, seed=spec.seed)
+        self.supervised = spec.method == "supervised"
+        self.train_rows, self.val_rows = load_splits(spec.data, seed=spec.seed, use=spec.method)
 
         found = latest_checkpoint(self.checkpoint_root) if resume else None
         resumed: Checkpoint | None = load_checkpoint(found) if found else None
@@ -197,12 +200,15 @@ class Trainer:
             self.sampler = PromptSampler(self.train_rows, seed=spec.seed, **resumed.state["data"])
             self.step = int(resumed.state["step"])
             restore_rng(resumed.state["rng"], {k[4:]: v for k, v in resumed.tensors.items() if k.startswith("rng.")})
+        # The step-0 eval's per-row rewards: every later eval reports its paired difference to them.
+        self.eval_baseline: list[float] | None = resumed.state.get("eval_baseline") if resumed is not None else None
         if self.rank:  # sampling draws from keyed streams; the global RNG is left to dropout masks, per rank
             seed_everything(spec.seed + 1_000_003 * self.rank + self.step)
         self.updater = Updater(self.policy, self.optimizer, spec)
-        if engine is None:
+        generates = self.scorer is not None or self.environment is not None  # an SFT job without a reward never samples
+        if engine is None and generates:
             say(f"Starting the rollout engine ({spec.rollout.engine})")
-        self.engine: RolloutEngine = engine or make_engine(spec, self.policy)
+        self.engine: RolloutEngine | None = engine or (make_engine(spec, self.policy) if generates else None)
         self._owns_engine = engine is None
         self.last_checkpoint: Path | None = resumed.path if resumed else None
 
@@ -214,27 +220,41 @@ class Trainer:
             return {}
         return {"environment": self.environment, "max_turns": self.spec.training.max_turns, "seeds": seeds}
 
-    def evaluate(self) -> dict[str, float]:
-        """Greedy completions on the held-out rows (or the first training rows when there are none)."""
-        rows = (self.val_rows or self.train_rows)[: self.spec.training.eval_max_rows]
+    def eval_rows(self, rows: list[dict]) -> EvalRows:
+        """Greedy completions of `rows`, scored, in row order (worker/trainer/evaluation.py)."""
         seeds = [(self.spec.seed + i) % 2**31 for i in range(len(rows))]  # the same episodes at every evaluation
         mine = list(range(self.rank, len(rows), self.world))  # the ranks split the rows
-        local = {"rewards": [], "errors": [], "lengths": [], "turns": []}
+        local = {name: [] for name in ("rewards", "errors", "lengths", "turns", "prompts", "completions")}
         with unsharded(self.policy.model):
             if mine:
-                rollout = self.engine.generate(self.policy, [rows[i] for i in mine], self.spec.sampling,
-                                               group_size=1, greedy=True, **self._episodes([seeds[i] for i in mine]))
-                feedback = collect_feedback(rollout, self.scorer, failure_score=self.spec.training.reward_failure_score)
-                local = {"rewards": feedback.rewards.tolist(), "errors": feedback.errors,
-                         "lengths": rollout.action_counts, "turns": rollout.turns}
+                local = generate_and_score(self.engine, self.policy, self.scorer, [rows[i] for i in mine],
+                                           self.spec.sampling, failure_score=self.spec.training.reward_failure_score,
+                                           episodes=self._episodes([seeds[i] for i in mine]),
+                                           multi_turn=self.environment is not None)
         every = _concat_ranks(local)
-        return {
-            "eval_reward_mean": sum(every["rewards"]) / len(rows),
-            "eval_reward_errors": float(len(every["errors"])),
-            "eval_completion_length": sum(every["lengths"]) / len(rows),
-            "eval_turns_mean": sum(every["turns"]) / len(rows),
-            "eval_rows": float(len(rows)),
-        }
+        order = [i for r in range(self.world) for i in range(r, len(rows), self.world)]  # rank-major -> row order
+        back = sorted(range(len(order)), key=order.__getitem__)
+        return EvalRows(**{k: [v[j] for j in back] if k != "errors" else v for k, v in every.items()})
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions on the held-out rows (or the first training rows when there are none), with the
+        interval and the paired difference to the step-0 baseline; a supervised job's eval_loss too."""
+        rows = (self.val_rows or self.train_rows)[: self.spec.training.eval_max_rows]
+        metrics: dict[str, float] = {}
+        if self.supervised:
+            examples = [supervised.encode_conversation(self.policy.tokenizer, r["messages"]) for r in rows]
+            metrics["eval_loss"], _ = supervised.cross_entropy(
+                self.policy, examples, micro_batch_size=self.spec.training.micro_batch_size,
+                chunk_size=self.spec.training.logprob_chunk_size)
+        if self.engine is None:
+            return metrics
+        if self.supervised:  # the conversation before its first assistant turn is the prompt
+            rows = [{**r, "messages": r["messages"][:next(i for i, m in enumerate(r["messages"])
+                                                          if m["role"] == "assistant")]} for r in rows]
+        every = self.eval_rows(rows)
+        if self.step == 0 and self.eval_baseline is None:
+            self.eval_baseline = list(every.rewards)
+        return {**metrics, **eval_rows_metrics(every, self.eval_baseline)}
 
     def preflight(self) -> dict[str, float]:
         """Sample `preflight_groups` groups from the starting policy and score them; nothing is trained.
@@ -281,6 +301,8 @@ class Trainer:
         lr = spec.optimizer.lr * lr_multiplier(spec.schedule, self.step, tc.steps)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
+        if self.supervised:
+            return self._supervised_step(lr, started)
 
         rows = _share(self.sampler.next_batch(tc.batch_size), self.rank, self.world)
         # Streams keyed by each prompt's index in the whole batch (this rank holds a contiguous share), so
@@ -353,6 +375,18 @@ class Trainer:
             "tokens_per_second": all_tokens / max(step_s, 1e-9),
         }
 
+    def _supervised_step(self, lr: float, started: float) -> dict[str, float]:
+        tc = self.spec.training
+        rows = self.sampler.next_batch(tc.batch_size)
+        examples = [supervised.encode_conversation(self.policy.tokenizer, r["messages"]) for r in rows]
+        stats = supervised.supervised_step(self.policy, self.optimizer, examples, micro_batch_size=tc.micro_batch_size,
+                                           chunk_size=tc.logprob_chunk_size,
+                                           max_grad_norm=self.spec.optimizer.max_grad_norm)
+        self.step += 1
+        step_s = time.perf_counter() - started
+        return {**stats, "lr": lr, "trained_tokens": stats["sequence_tokens"], "step_seconds": step_s,
+                "tokens_per_second": stats["sequence_tokens"] / max(step_s, 1e-9)}
+
     def _check_reward_errors(self, step: int, scores: Scores | Feedback, samples: int) -> None:
         """Report a step's reward errors; stop the job when more than the threshold's share of samples failed."""
         if not scores.errors:
@@ -398,6 +432,7 @@ class Trainer:
             state={
                 "step": self.step,
                 "data": self.sampler.state(),
+                "eval_baseline": self.eval_baseline,
                 "rng": rng_json,
                 "spec": self.spec.model_dump(mode="json"),
             },
@@ -413,18 +448,22 @@ class Trainer:
         try:
             return self._run(callbacks)
         finally:
-            for owner in (self.scorer, self.environment):  # sandboxed children, connection pools
-                if owner is not None:
-                    owner.close()
-            if self._owns_engine:
-                self.engine.close()
+            self.close()
+
+    def close(self) -> None:
+        """Stop the sandboxed children, connection pools and the rollout engine this trainer started."""
+        for owner in (self.scorer, self.environment):
+            if owner is not None:
+                owner.close()
+        if self._owns_engine and self.engine is not None:
+            self.engine.close()
 
     def _run(self, callbacks: Callbacks | None) -> TrainResult:
         cb = self.callbacks = callbacks or NoCallbacks()
         tc = self.spec.training
         first_eval = last_eval = None
         if self.step == 0:
-            if tc.preflight_groups:
+            if tc.preflight_groups and not self.supervised:
                 self._check_preflight(cb)
             first_eval = last_eval = self.evaluate()
             cb.on_eval(0, first_eval)
@@ -433,18 +472,20 @@ class Trainer:
         while self.step < tc.steps:
             metrics = self.train_step()
             cb.on_step(self.step, metrics)
-            if watch.update(metrics["zero_advantage_group_fraction"]):
+            if not self.supervised and watch.update(metrics["zero_advantage_group_fraction"]):
                 if tc.fail_on_no_signal:
                     raise NoLearningSignal(f"{no_signal_message(self.step, watch.streak)} "
                                            "(training.fail_on_no_signal is set)")
                 if (warn := getattr(cb, "on_no_signal", None)) is not None:
                     warn(self.step, watch.streak)
             final = self.step == tc.steps
-            if final or (tc.eval_interval and self.step % tc.eval_interval == 0):
+            due = final or (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0)
+            # Every scheduled checkpoint carries its eval (not a cancel's or pause's: those stop promptly).
+            if due or (tc.eval_interval and self.step % tc.eval_interval == 0):
                 last_eval = self.evaluate()
                 cb.on_eval(self.step, last_eval)
             stopped = cb.should_stop()
-            if final or stopped or (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0):
+            if due or stopped:
                 cb.on_checkpoint(self.step, self.save())
             if stopped:
                 break

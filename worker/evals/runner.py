@@ -1,0 +1,114 @@
+"""Runs one eval run: claim it, fetch the file (and the checkpoint), score greedy completions, publish.
+
+The same harness as a job's evals (Trainer.eval_rows, worker/trainer/evaluation.py): the spec's model
+with the checkpoint loaded as the warm start, greedy completions of the file's first `eval_max_rows` rows,
+each scored by the spec's reward in its sandbox. The result is the mean with its 95% interval
+(worker/evals/intervals.py) and a per-row JSONL file (prompt, completion, reward) of purpose "evals".
+
+A duplicate broker message finds the run claimed and returns. A run that fails is failed with the
+error, not retried (an eval is cheap to ask for again). A worker that dies mid-run leaves it `running`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from service.db.models import File, new_id
+from service.db.session import session_factory
+from service.files import EVAL_RESULTS_PURPOSE
+from service.repositories import evals as evals_repo
+from service.repositories import files as files_repo
+from service.repositories import jobs as jobs_repo
+from service.repositories import secrets as secrets_repo
+from service.job_spec.spec import JobSpec
+from service.schemas.rewards import secret_names
+from service.secrets.box import secret_box
+from service.settings import Settings
+from service.storage import ObjectStore, open_store
+from worker.artifacts import download_checkpoint
+from worker.evals.intervals import mean_interval
+
+log = logging.getLogger(__name__)
+
+
+def work_dir(settings: Settings, eval_id: str) -> Path:
+    """Outside the jobs' scratch root, whose sweep removes what no job lease holds."""
+    return settings.resolved_work_dir().with_name("eval-work") / eval_id
+
+
+def _results_jsonl(results: list[dict]) -> bytes:
+    return "".join(json.dumps({"row": i, **r}) + "\n" for i, r in enumerate(results)).encode()
+
+
+def _publish(sessions, store: ObjectStore, run, results: list[dict]) -> str:
+    content = _results_jsonl(results)
+    file_id = new_id("file-")
+    key = f"files/{file_id}"
+    store.put_bytes(key, content)
+    with sessions.begin() as s:
+        files_repo.add(s, File(id=file_id, project_id=run.project_id, filename=f"{run.id}-results.jsonl",
+                               purpose=EVAL_RESULTS_PURPOSE, bytes=len(content),
+                               sha256=hashlib.sha256(content).hexdigest(), rows=len(results), storage_key=key))
+    return file_id
+
+
+def _evaluate(run, spec: JobSpec, store: ObjectStore, settings: Settings, secrets: dict, start, work: Path):
+    from worker.rewards.engine import ScoringContext
+    from worker.trainer.loop import Trainer  # torch loads here, not at worker import
+
+    data = work / "data" / "rows.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    store.get_file(f"files/{run.file_id}", data)
+    update = {"data": spec.data.model_copy(update={"train_file": str(data), "validation_file": None})}
+    if start is not None:
+        prefix, files = start
+        update["init_from"] = str(download_checkpoint(store, prefix, files, work / "start" / run.checkpoint_id))
+    local = spec.model_copy(update=update)
+    trainer = Trainer(local, work / "run", resume=False, scoring=ScoringContext.from_settings(settings, secrets))
+    try:
+        return trainer.eval_rows(trainer.train_rows[: local.training.eval_max_rows])
+    finally:
+        trainer.close()
+
+
+def run_eval(eval_id: str, settings: Settings, *, owner: str | None = None) -> str | None:
+    """Run the eval if it is still queued; returns the status it ended in (None if not ours)."""
+    from worker.job_runner import _failure
+
+    sessions = session_factory(settings.resolved_database_url())
+    store = open_store(settings.resolved_storage_url())
+    owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+    with sessions.begin() as s:
+        if not evals_repo.claim(s, eval_id, owner):
+            return None
+        run = evals_repo.get_for_worker(s, eval_id)
+        spec = JobSpec.model_validate(run.spec)
+        secrets = secrets_repo.values(s, run.project_id, secret_names(spec.reward), secret_box(settings))
+        start = jobs_repo.project_checkpoint(s, run.project_id, run.checkpoint_id) if run.checkpoint_id else None
+        start = (start.storage_prefix, dict(start.files)) if start is not None else None
+        s.expunge(run)
+    work = work_dir(settings, eval_id)
+    try:
+        if run.checkpoint_id and start is None:
+            raise ValueError(f"the checkpoint {run.checkpoint_id} no longer exists (its model was deleted)")
+        rows = _evaluate(run, spec, store, settings, secrets, start, work)
+        interval = mean_interval(rows.rewards)
+        result = {**interval.as_dict(), "errors": len(rows.errors)}
+        file_id = _publish(sessions, store, run, rows.as_results())
+        with sessions.begin() as s:
+            evals_repo.finish(s, eval_id, owner, status="succeeded", result=result, result_file_id=file_id)
+        return "succeeded"
+    except Exception as e:  # the run fails with a message; the worker lives on
+        log.exception("eval run %s failed", eval_id)
+        code, message, _ = _failure(e)
+        with sessions.begin() as s:
+            evals_repo.finish(s, eval_id, owner, status="failed", error_code=code, error_message=message[:2000])
+        return "failed"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
