@@ -381,6 +381,9 @@ class JobSpec(Strict):
         if self.advantages.scale == "batch_std" and self.advantages.per_turn:
             raise ValueError("advantages.scale 'batch_std' is not supported with advantages.per_turn: use "
                              "'none' or 'group_std' for per-turn advantages")
+        if self.training.lm_head_float32 and self.resources.gpus > 1:
+            raise ValueError("training.lm_head_float32 runs in one process: with resources.gpus > 1 FSDP casts the "
+                             "head's weights to the compute dtype itself")
         if self.lora is not None and self.lora.base_quantization != "none":
             if self.rollout.engine != "hf" or self.resources.gpus > 1:
                 raise ValueError("lora.base_quantization 'nf4' runs with rollout.engine 'hf' and resources.gpus 1 "

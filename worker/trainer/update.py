@@ -65,6 +65,7 @@ class Updater:
         self.policy, self.optimizer, self.spec = policy, optimizer, spec
         self.training = spec.training
         self.temperature = spec.sampling.temperature
+        self.head_dtype = torch.float32 if spec.training.lm_head_float32 else None  # ScaleRL's FP32 logits
         # A group's shared prompt is scored once per micro-batch (worker/trainer/scoring.py). Not with gradient
         # checkpointing (transformers then keeps no cache to carry the prompt's keys and values) nor under FSDP
         # (tried: FSDP2 reshards after each forward, and the backward through the earlier prompt pass then
@@ -102,7 +103,8 @@ class Updater:
                 batch = self._batch(rollout, idx)
                 with self._frozen(reference) as scorer, self.policy.autocast():
                     logp, _ = sequence_logprobs(scorer, batch, temperature=self.temperature,
-                                                chunk_size=self.training.logprob_chunk_size)
+                                                chunk_size=self.training.logprob_chunk_size,
+                                                head_dtype=self.head_dtype)
                 result.update(zip(idx, _per_sequence(logp, batch.action_mask_BT)))
         model.train(was_training)
         return result
@@ -168,7 +170,8 @@ class Updater:
                     batch = self._batch(rollout, micro)
                     with self.policy.autocast():  # the backward below runs outside it, as torch advises
                         logp, entropy = sequence_logprobs(
-                            model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size
+                            model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size,
+                            head_dtype=self.head_dtype,
                         )
                     mask = batch.action_mask_BT.bool()
                     old_logp = logp.detach() if old is None else _scatter(old, micro, mask, logp)
@@ -208,7 +211,7 @@ class Updater:
         batch = self._batch(rollout, [0])
         with self.policy.autocast():
             logp, _ = sequence_logprobs(self.policy.model, batch, temperature=self.temperature,
-                                        chunk_size=self.training.logprob_chunk_size)
+                                        chunk_size=self.training.logprob_chunk_size, head_dtype=self.head_dtype)
         (logp.sum() * 0.0).backward()
 
 
