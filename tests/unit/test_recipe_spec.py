@@ -52,3 +52,15 @@ def test_bad_values_name_the_field(overrides, loc, words):
     errors = _errors(**overrides)
     assert len(errors) == 1 and errors[0]["loc"] == loc, errors
     assert words in errors[0]["msg"], errors[0]["msg"]
+
+
+def test_a_worker_without_bitsandbytes_refuses_qlora_naming_the_field(monkeypatch):
+    """Before anything is loaded (invalid_job): the message names lora.base_quantization and what to do."""
+    from worker.trainer import quantization
+
+    monkeypatch.setattr(quantization, "bitsandbytes_installed", lambda: False)
+    spec = JobSpec.model_validate(_spec(lora={"base_quantization": "nf4"}))
+    with pytest.raises(ValueError, match="lora.base_quantization is 'nf4'.*bitsandbytes is not installed"):
+        quantization.refuse_unavailable_quantization(spec)
+    quantization.refuse_unavailable_quantization(JobSpec.model_validate(_spec()))  # no knob: nothing to refuse
+    assert quantization.base_load_kwargs(JobSpec.model_validate(_spec()), None, None) == {}
