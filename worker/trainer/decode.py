@@ -155,7 +155,9 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
                 if copy is None or copy.shape != current.shape:
                     copy = kept["weight.float32"] = torch.nn.Parameter(
                         torch.empty_like(current, dtype=torch.float32), requires_grad=False)
-                head._parameters["weight"] = copy.copy_(current)
+                # From the model's own weight (float32 masters stay unrounded), not a `dtype` copy made above.
+                own = next((o for m, n, o in swapped if m is head and n == "weight"), current)
+                head._parameters["weight"] = copy.copy_(own)
                 swapped.append((head, "weight", current))
                 hooks.append(head.register_forward_pre_hook(lambda _m, args: (args[0].float(), *args[1:])))
         if peft:
