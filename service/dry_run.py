@@ -11,6 +11,7 @@ checks what would otherwise fail or mislead hours later:
   tokenizer.json are at hand, else estimated from characters (stated);
 - engine: with rollout.engine vllm, what vLLM would refuse at engine start
   (service/models/engine_check.py): the attention head size, the LoRA rank;
+- quantization: lora.base_quantization nf4 (QLoRA) needs bitsandbytes;
 - estimate: the run's duration from the step rate this project's earlier jobs
   on the same model measured, scaled by the tokens they really sampled per
   step, plus their time outside the steps.
@@ -21,6 +22,7 @@ lists every check with what it found, including what was not checked.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -203,6 +205,23 @@ def _engine(report: Report, spec: JobSpec, model: ModelInfo | None, param: str) 
         report.add("engine", "passed", f"rollout.engine vllm: attention head size {head} runs on CPU and CUDA")
 
 
+def _quantization(report: Report, spec: JobSpec, param: str) -> None:
+    """QLoRA needs bitsandbytes (not a dependency of this project): refused where it is not installed."""
+    if spec.lora is None or spec.lora.base_quantization == "none":
+        return
+    try:
+        found = importlib.util.find_spec("bitsandbytes") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        report.add("quantization", "passed", "lora.base_quantization nf4: bitsandbytes is installed here; the worker "
+                   "needs it too, with a CUDA GPU")
+    else:
+        report.add("quantization", "failed", "lora.base_quantization is 'nf4' (QLoRA) but bitsandbytes is not "
+                   "installed: install it on a CUDA worker, or set lora.base_quantization to 'none'",
+                   f"{param}.lora.base_quantization")
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -280,6 +299,7 @@ def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCrea
     _scan(report, _rows(session, store, project_id, spec), spec, uses, _Counter(model), where)
 
     _engine(report, spec, model, "method.cispo.hyperparameters")
+    _quantization(report, spec, "method.cispo.hyperparameters")
     report.estimated_seconds, how = _estimate(session, project_id, body, spec)
     report.add("estimate", "passed" if report.estimated_seconds is not None else "skipped", how)
 

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.schemas.environments import EnvironmentSpec
+from service.schemas.recipe import OffPolicyMaskSpec, PassRateFilterSpec
 from service.schemas.rewards import AnyReward
 
 
@@ -40,6 +41,11 @@ class LoraSpec(Strict):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         description="Module names to adapt, or 'all-linear'.",
     )
+    base_quantization: Literal["none", "nf4"] = Field(
+        "none",
+        description="'nf4': QLoRA, the frozen base held in 4-bit NF4 by bitsandbytes (a quarter of bf16's memory; "
+        "the adapters train in float32 on top). Needs bitsandbytes on the worker (a CUDA GPU); refused otherwise.",
+    )
 
     @model_validator(mode="after")
     def _non_empty(self) -> LoraSpec:
@@ -57,6 +63,10 @@ class SamplingSpec(Strict):
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     max_output_tokens: int = Field(256, ge=1, le=131072)
+    min_output_tokens: int = Field(
+        0, ge=0, le=131072,
+        description="EOS is suppressed until a completion (each turn) has this many tokens; 0: no minimum.",
+    )
     max_model_len: int = Field(1024, ge=2, le=1048576, description="Prompt plus completion, in tokens.")
 
     @model_validator(mode="after")
@@ -66,6 +76,9 @@ class SamplingSpec(Strict):
                 f"max_output_tokens ({self.max_output_tokens}) must be smaller than "
                 f"max_model_len ({self.max_model_len}), which also holds the prompt"
             )
+        if self.min_output_tokens > self.max_output_tokens:
+            raise ValueError(f"min_output_tokens ({self.min_output_tokens}) exceeds max_output_tokens "
+                             f"({self.max_output_tokens})")
         return self
 
 
@@ -110,8 +123,9 @@ class RolloutSpec(Strict):
 class AdvantageSpec(Strict):
     """Group-relative advantages (MiniMax-M1 Eq. 2; mean-only as in Dr.GRPO and AgileRL)."""
 
-    scale: Literal["none", "group_std"] = Field(
-        "none", description="'none': A = r - mean(group); 'group_std': divide by std(group) + eps."
+    scale: Literal["none", "group_std", "batch_std"] = Field(
+        "none", description="'none': A = r - mean(group); 'group_std': divide by std(group) + eps; 'batch_std' "
+        "(ScaleRL): divide by the std of every reward of the step's batch + eps."
     )
     eps: float = Field(1e-6, gt=0.0)
     clip: float | None = Field(None, gt=0.0, description="Clip advantages to [-clip, clip].")
@@ -136,10 +150,19 @@ class CispoLossSpec(Strict):
 
     type: Literal["cispo"] = "cispo"
     ratio_max: float = Field(5.0, ge=1.0, le=100.0)
-    normalization: Literal["token", "sequence"] = Field(
+    normalization: Literal["token", "sequence", "prompt"] = Field(
         "token",
         description="'token': divide by all action tokens of the optimizer step (the paper); "
-        "'sequence': mean over tokens, then over sequences.",
+        "'sequence': mean over tokens, then over sequences; 'prompt' (ScaleRL): mean over the tokens of each "
+        "prompt's completions in the optimizer step, then over prompts.",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="'token': each token's ratio exp(logp - logp_old); 'sequence' (GSPO): every token of a "
+        "sequence gets exp(mean over its action tokens of logp - logp_old). Capped at ratio_max either way.",
+    )
+    off_policy_mask: OffPolicyMaskSpec | None = Field(
+        None, description="AgileRL's token and sequence masks for off-policy tokens; null: none."
     )
     kl_beta: float = Field(0.0, ge=0.0, description="Weight of the k3 KL penalty to the reference.")
     kl_clamp: float = Field(10.0, gt=0.0, description="Per-token cap on the k3 KL estimate.")
@@ -268,6 +291,15 @@ class TrainingSpec(Strict):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory, about a third more compute."
     )
+    lm_head_float32: bool = Field(
+        False,
+        description="Run the LM head's matmul in float32 when the job computes in bfloat16 (ScaleRL's FP32 logits): "
+        "log-probs and ratios without bf16 rounding of the logits, in the update and in the hf sampler. "
+        "Logits are float32 after the head either way; this also makes the matmul float32.",
+    )
+    pass_rate_filter: PassRateFilterSpec | None = Field(
+        None, description="ScaleRL's no-positive-resampling: retire prompts the policy solves; null: off."
+    )
 
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainingSpec:
@@ -352,6 +384,20 @@ class JobSpec(Strict):
         if tc.mini_batches > per_process:
             raise ValueError(f"training.mini_batches ({tc.mini_batches}) exceeds the sequences per process "
                              f"(batch_size / resources.gpus * group_size = {per_process})")
+        return self
+
+    @model_validator(mode="after")
+    def _recipe_knobs_fit(self) -> JobSpec:
+        if self.advantages.scale == "batch_std" and self.advantages.per_turn:
+            raise ValueError("advantages.scale 'batch_std' is not supported with advantages.per_turn: use "
+                             "'none' or 'group_std' for per-turn advantages")
+        if self.training.lm_head_float32 and self.resources.gpus > 1:
+            raise ValueError("training.lm_head_float32 runs in one process: with resources.gpus > 1 FSDP casts the "
+                             "head's weights to the compute dtype itself")
+        if self.lora is not None and self.lora.base_quantization != "none":
+            if self.rollout.engine != "hf" or self.resources.gpus > 1:
+                raise ValueError("lora.base_quantization 'nf4' runs with rollout.engine 'hf' and resources.gpus 1 "
+                                 "(vLLM and FSDP are not given the 4-bit base)")
         return self
 
     @model_validator(mode="after")

@@ -141,15 +141,17 @@ class NumericMatchReward(_RewardBase):
     """1.0 if the completion's answer number is within ``tolerance`` (absolute) of ``float(row[field])``.
 
     ``source`` picks the answer: ``last_number``, the last number in the
-    completion (``-3``, ``2.5``, ``1,234.5``, ``1e-3``); or ``boxed``, the
-    content of the last ``\\boxed{...}``, which must be a single number. No
-    number found gives 0.0; a row value that is not a number is a sample error.
+    completion (``-3``, ``2.5``, ``1,234.5``, ``1e-3``); ``boxed``, the
+    content of the last ``\\boxed{...}``, which must be a single number; or
+    ``after_hashes``, the number right after the last ``####`` (GSM8K's answer
+    format, as verl's strict GSM8K score reads it). No number found gives 0.0;
+    a row value that is not a number is a sample error.
     """
 
     type: Literal["numeric_match"] = "numeric_match"
     field: str = Field("answer", min_length=1, description="Row field holding the expected number.")
     tolerance: float = Field(1e-6, ge=0.0, allow_inf_nan=False, description="Absolute tolerance.")
-    source: Literal["last_number", "boxed"] = "last_number"
+    source: Literal["last_number", "boxed", "after_hashes"] = "last_number"
 
 
 SingleReward = (

@@ -37,3 +37,34 @@ def test_a_messages_row_prompts_exactly_like_the_same_prompt_list(toy_dir):
     ours, openai = {"prompt": CHAT}, {"messages": CHAT}
     assert encode_prompt(tok, row_prompt(openai)) == encode_prompt(tok, row_prompt(ours))
     assert first_messages(None, openai) == first_messages(None, ours) == CHAT  # environment jobs too
+
+
+def test_retired_rows_are_skipped_and_survive_a_resume():
+    """Without retirement the sampler draws its plain permutation; retired rows are left out of later draws, the
+    state carries them (and only then), and the last row left is never retired."""
+    import torch
+
+    from service.schemas.recipe import PassRateFilterSpec
+    from worker.trainer.data import PromptSampler
+    from worker.trainer.prompt_filter import retire_solved
+
+    rows = [{"prompt": str(i)} for i in range(6)]
+    plain = PromptSampler(rows, seed=3)
+    first = plain.next_batch(3)
+    assert plain.state() == {"epoch": 0, "index": 3}
+    assert first == [rows[i] for i in plain.last_indices]
+
+    sampler = PromptSampler(rows, seed=3)
+    assert sampler.next_batch(3) == first
+    # Group pass rates 1.0, 0.5 and 0.0 at threshold 0.9: only the first prompt is retired.
+    rewards = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+    assert retire_solved(sampler, rewards, PassRateFilterSpec()) == 1
+    solved = sampler.last_indices[0]
+    assert sampler.state()["retired"] == [solved]
+    resumed = PromptSampler(rows, seed=3, **sampler.state())
+    drawn = [resumed.next_batch(2) for _ in range(6)]
+    assert all(rows[solved] not in batch for batch in drawn)
+    assert drawn == [sampler.next_batch(2) for _ in range(6)]
+
+    sampler.retire(list(range(6)))
+    assert len(sampler.retired) == 5 and len(sampler.next_batch(4)) == 4  # the one row left fills the batch

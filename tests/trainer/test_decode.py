@@ -217,3 +217,41 @@ def test_reported_logprobs_are_what_the_trainer_scores(lora_model, dtype, tolera
     assert gaps.max() < tolerance
     if dtype is not None:
         assert gaps.mean() > 1e-4  # the bfloat16 sampler really is a different computation
+
+
+def test_min_output_tokens_suppresses_eos_until_then():
+    """EOS is the best token by far: without a minimum greedy picks it at once; with min_output_tokens 2 the runner-up
+    is picked at steps 0 and 1 and EOS at step 2; the recorded log-prob is the unmasked distribution's."""
+    logits = torch.tensor([[0.0, 0.0, 5.0, 1.0, 0.0]])  # EOS = 2
+    history = torch.zeros((1, 1), dtype=torch.long)
+    plain = decode._Picker(spec(), True, (1, 4), CPU, record=True, eos_id=EOS)
+    assert plain(logits, history, slice(None), 0).tolist() == [EOS]
+    held = decode._Picker(spec(min_output_tokens=2), True, (1, 4), CPU, record=True, eos_id=EOS)
+    assert [held(logits, history, slice(None), t).item() for t in range(3)] == [3, 3, EOS]
+    expected = torch.log_softmax(logits, -1)[0]
+    torch.testing.assert_close(held.logprobs_BT[0, :3], expected[[3, 3, EOS]])
+
+
+def test_min_output_tokens_in_the_decode_loop(lora_model):
+    rows = prompts()
+    with decode.rollout_weights(lora_model) as merged:
+        free, _ = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(), greedy=True, eos_id=EOS,
+                                       pad_id=PAD, device=CPU)
+        held, _ = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(min_output_tokens=4), greedy=True,
+                                       eos_id=EOS, pad_id=PAD, device=CPU)
+    assert any(len(r) < 4 for r in free)  # some rows end early without a minimum
+    assert all(len(r) >= 4 and EOS not in r[:4] for r in held)
+
+
+def test_a_float32_head_in_a_bf16_rollout(lora_model):
+    """The head's weight is a float32 copy and its input is cast up, so the logits are float32 matmuls; the
+    model is left as it was."""
+    ids = torch.tensor(prompts(4)[0])[None]
+    head = lora_model.get_output_embeddings()
+    before = head.weight
+    with decode.rollout_weights(lora_model, torch.bfloat16, head_float32=True) as low:
+        assert low.get_output_embeddings().weight.dtype == torch.float32
+        assert low.get_input_embeddings().weight.dtype == torch.bfloat16
+        logits = low(input_ids=ids).logits
+    assert logits.dtype == torch.float32
+    assert head.weight is before and not head._forward_pre_hooks

@@ -97,4 +97,4 @@ def test_wrong_shapes_raise(shape):
 def test_unknown_scale_raises():
     """An unknown scale name is refused rather than silently ignored."""
     with pytest.raises(ValueError, match="scale"):
-        group_advantages(_t([[0, 1]]), scale="batch_std")
+        group_advantages(_t([[0, 1]]), scale="batch_mean")

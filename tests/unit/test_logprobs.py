@@ -138,3 +138,22 @@ def test_backward_runs_its_matmuls_in_the_autocast_dtype():
     ref.sum().backward()
     torch.testing.assert_close(grads[0], head.weight.grad, rtol=0.05, atol=0.05)
     torch.testing.assert_close(grads[1], hidden.grad, rtol=0.05, atol=0.05)
+
+
+def test_a_float32_head_under_bf16_autocast_is_exact_and_so_is_its_gradient():
+    """Under a bf16 autocast the head's matmul rounds every logit to bf16; head_dtype=float32 computes it in float32:
+    log-probs and the gradient to the hidden states then match a float64 reference to float32's precision."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    hidden = (3 * torch.randn(1, 40, 16)).requires_grad_()
+    targets = torch.randint(0, 50, (1, 40))
+    ref = torch.log_softmax(hidden.double() @ head.weight.double().T + head.bias.double(), -1)
+    ref = ref.gather(-1, targets[..., None]).squeeze(-1)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), hidden)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rounded, _ = token_logprobs(head, hidden, targets, chunk_size=7)
+        exact, _ = token_logprobs(head, hidden, targets, chunk_size=7, head_dtype=torch.float32)
+    assert (rounded.double() - ref).abs().max() > 1e-2  # bf16 logits: visibly off
+    torch.testing.assert_close(exact.double(), ref, rtol=0, atol=1e-4)
+    (grad,) = torch.autograd.grad(exact.sum(), hidden)
+    torch.testing.assert_close(grad.double(), ref_grad.double(), rtol=0, atol=1e-4)

@@ -142,6 +142,17 @@ def test_numeric_match_boxed():
     assert last_boxed(r"\boxed{1} then \boxed{2") == "1"  # an unclosed box is skipped
 
 
+def test_numeric_match_after_hashes_reads_gsm8k_answers():
+    """GSM8K's format: the number right after the last ####; later numbers and numbers without #### do not count."""
+    spec = NumericMatchReward(source="after_hashes")
+    assert numeric_match("3 + 4 = 7 apples\n#### 7", {"answer": "7"}, spec) == 1.0
+    assert numeric_match("#### 5 wrong\n#### $1,234.", {"answer": "1234"}, spec) == 1.0
+    assert numeric_match("#### -3 because 10 - 13", {"answer": -3}, spec) == 1.0
+    assert numeric_match("the answer is 7", {"answer": 7}, spec) == 0.0  # no ####: no answer
+    assert numeric_match("#### seven", {"answer": 7}, spec) == 0.0
+    assert numeric_match("#### 8\nso 7", {"answer": 7}, spec) == 0.0  # last_number would say 1.0 here
+
+
 def test_missing_field_and_bad_row_value_raise_clearly():
     with pytest.raises(KeyError, match="row has no field 'answer'.*'solution'"):
         exact_match("x", {"solution": "x"}, ExactMatchReward())

@@ -9,10 +9,17 @@ d logp / d logits = onehot(target) - softmax(logits): backward recomputes
 each chunk's logits once and nothing of size V is saved between the passes.
 Any other head (say, one with its own adapter) goes through activation
 checkpointing per chunk, which is slower but equally frugal.
+
+Logits are float32 after the head in every case, but under a bf16 autocast
+the head's matmul itself runs in bf16, so each logit is rounded to bf16's
+8 bits before the softmax. ``head_dtype=torch.float32`` (the spec's
+training.lm_head_float32, ScaleRL's FP32 logits) runs the plain linear head's
+matmul, forward and backward, in float32 instead.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -33,17 +40,26 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     """Chunked log_softmax(h @ W^T + b)[target] with its exact gradient and no saved logits."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, temperature: float, chunk_size: int):
+    def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, temperature: float, chunk_size: int,
+                head_dtype: torch.dtype | None = None):
         # Backward runs outside autocast: it redoes the head's matmuls in the dtype the forward ran them in
         # (bf16 under a bf16 autocast, not float32 master weights at a fraction of the speed).
-        ctx.compute_dtype = (torch.get_autocast_dtype(hidden_NH.device.type)
-                             if torch.is_autocast_enabled(hidden_NH.device.type) else weight_VH.dtype)
+        device = hidden_NH.device.type
+        ctx.compute_dtype = head_dtype or (torch.get_autocast_dtype(device)
+                                           if torch.is_autocast_enabled(device) else weight_VH.dtype)
+        weight, bias = weight_VH, bias_V
+        if head_dtype is not None:  # the matmul in head_dtype, whatever autocast is on
+            weight = weight_VH.to(head_dtype)
+            bias = bias_V.to(head_dtype) if bias_V is not None else None
         logps, entropies = [], []
-        for s in range(0, hidden_NH.shape[0], chunk_size):
-            logits = torch.nn.functional.linear(hidden_NH[s : s + chunk_size], weight_VH, bias_V).float() / temperature
-            logp, _, entropy = _chunk_stats(logits, targets_N[s : s + chunk_size])
-            logps.append(logp)
-            entropies.append(entropy)
+        with torch.autocast(device, enabled=False) if head_dtype is not None else nullcontext():
+            for s in range(0, hidden_NH.shape[0], chunk_size):
+                h = hidden_NH[s : s + chunk_size]
+                logits = torch.nn.functional.linear(h if head_dtype is None else h.to(head_dtype), weight,
+                                                    bias).float() / temperature
+                logp, _, entropy = _chunk_stats(logits, targets_N[s : s + chunk_size])
+                logps.append(logp)
+                entropies.append(entropy)
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         entropy_N = torch.cat(entropies)
@@ -77,7 +93,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
                 grad_b += g_NV.sum(0)
         grad_w = grad_w.to(weight_VH.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias_V.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def _checkpointed_chunk(head: Callable[[Tensor], Tensor], hidden_NH: Tensor, targets_N: Tensor, temperature: float):
@@ -97,17 +113,19 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    head_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """log softmax(head(hidden) / temperature)[target] per token, and the entropy (detached).
 
-    hidden_BTH[:, t] must be the state that predicts targets_BT[:, t].
+    hidden_BTH[:, t] must be the state that predicts targets_BT[:, t]. ``head_dtype``: the dtype of a plain
+    linear head's matmul (None: autocast's, or the weights'); other heads ignore it.
     """
     B, T, H = hidden_BTH.shape
     hidden_NH = hidden_BTH.reshape(B * T, H)
     targets_N = targets_BT.reshape(B * T)
     if type(head) is torch.nn.Linear:
         logp_N, entropy_N = _LinearHeadLogprobs.apply(hidden_NH, head.weight, head.bias, targets_N, temperature,
-                                                      chunk_size)
+                                                      chunk_size, head_dtype)
         return logp_N.view(B, T), entropy_N.view(B, T).detach()
     use_checkpoint = torch.is_grad_enabled() and hidden_NH.requires_grad
     logps, entropies = [], []

@@ -36,6 +36,14 @@ sampler's log-probs, each policy-gradient term is also multiplied by
 mismatch is reported whenever sampler log-probs are given, with or without
 the correction: mean |logp_old - logp_sampler| and the k3 estimate of
 KL(sampler || old) from the sampler's own tokens.
+
+Recipe knobs (all off by default): the ratio may be taken per sequence
+(GSPO's ``importance_sampling_level='sequence'``), tokens too far off-policy
+may be masked out (AgileRL's ``token_mask_bounds`` and
+``sequence_mask_threshold``, worker/cispo/off_policy.py), and each
+sequence's terms may carry a weight with ``sequence_weights_B`` (prompt-level
+aggregation, worker/cispo/aggregation.py), ``normalizer`` then being the
+matching count.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from worker.cispo.off_policy import log_importance_ratio, sequence_mask_keep, token_band_keep
 
 
 @dataclass(frozen=True)
@@ -83,8 +93,15 @@ def cispo_loss(
     kl_clamp: float = 10.0,
     per_sequence: bool = False,
     tis_cap: float | None = None,
+    sequence_weights_B: Tensor | None = None,
+    importance_sampling_level: str = "token",
+    token_mask_bounds: tuple[float, float] | None = None,
+    sequence_mask_threshold: float | None = None,
 ) -> LossOutput:
-    """``tis_cap`` None or 0 leaves the truncated IS correction off (mismatch metrics are still reported)."""
+    """``tis_cap`` None or 0 leaves the truncated IS correction off (mismatch metrics are still reported).
+
+    ``sequence_weights_B``: each sequence's terms are multiplied by its weight before the sum (replaces
+    ``per_sequence``); the masks and the level are described in the module docstring."""
     if ratio_max < 1.0:
         raise ValueError(f"ratio_max must be >= 1, got {ratio_max}")
     if tis_cap and tis_cap < 1.0:
@@ -94,10 +111,16 @@ def cispo_loss(
     logp = inputs.logprobs_BT
     mask = inputs.action_mask_BT.to(logp.dtype)
     log_ratio = (logp.detach() - inputs.old_logprobs_BT).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_importance_ratio(log_ratio, mask, importance_sampling_level))
     weight = ratio.clamp(max=ratio_max)  # detached: built from logp.detach()
     adv = inputs.advantages_B.to(logp.dtype)
     adv_BT = adv[:, None] if adv.ndim == 1 else adv
+    loss_mask = mask  # the action tokens the loss sums over: all of them unless a mask drops some
+    masking = token_mask_bounds is not None or sequence_mask_threshold is not None
+    if masking:
+        keep = token_band_keep(ratio, token_mask_bounds) & sequence_mask_keep(
+            log_ratio, adv_BT.expand_as(log_ratio), mask, sequence_mask_threshold)
+        loss_mask = mask * keep.to(mask.dtype)
     pg_weight = weight
     sampler = inputs.sampler_logprobs_BT
     tis = None
@@ -114,11 +137,13 @@ def cispo_loss(
     elif kl_beta > 0.0:
         raise ValueError("kl_beta > 0 needs ref_logprobs_BT")
 
-    if per_sequence:
+    if sequence_weights_B is not None:
+        loss = ((per_token * loss_mask).sum(-1) * sequence_weights_B.to(logp.dtype)).sum() / normalizer
+    elif per_sequence:
         tokens_B = mask.sum(-1).clamp(min=1.0)
-        loss = ((per_token * mask).sum(-1) / tokens_B).sum() / normalizer
+        loss = ((per_token * loss_mask).sum(-1) / tokens_B).sum() / normalizer
     else:
-        loss = (per_token * mask).sum() / normalizer
+        loss = (per_token * loss_mask).sum() / normalizer
 
     with torch.no_grad():
         active = mask.bool()
@@ -126,8 +151,10 @@ def cispo_loss(
             "tokens": mask.sum(),
             "clipped": ((ratio > ratio_max) & active).sum().to(logp.dtype),
             "kl_old": (k3_kl(logp.detach(), inputs.old_logprobs_BT) * mask).sum(),
-            "pg_loss": (-pg_weight * adv_BT * logp.detach() * mask).sum(),
+            "pg_loss": (-pg_weight * adv_BT * logp.detach() * loss_mask).sum(),
         }
+        if masking:
+            sums["off_policy_masked"] = (mask - loss_mask).sum()
         if sampler is not None:
             old = inputs.old_logprobs_BT.detach()
             sums["sampler_abs_diff"] = ((old - sampler).abs() * mask).sum()

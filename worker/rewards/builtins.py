@@ -123,6 +123,19 @@ def _boxed_number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def number_after_hashes(text: str) -> float | None:
+    """The number right after the last ``####`` (spaces and a ``$`` may come between), or None."""
+    start = text.rfind("####")
+    if start == -1:
+        return None
+    rest = text[start + 4 :].lstrip().lstrip("$").lstrip()
+    match = _NUMBER.match(rest)
+    if match is None or not match.group():
+        return None
+    value = float(match.group().replace(",", ""))
+    return value if math.isfinite(value) else None
+
+
 def numeric_match(completion: str, row: Mapping[str, Any], spec: NumericMatchReward) -> float:
     raw = _field(row, spec.field)
     try:
@@ -131,7 +144,8 @@ def numeric_match(completion: str, row: Mapping[str, Any], spec: NumericMatchRew
         expected = float(raw.replace(",", "") if isinstance(raw, str) else raw)
     except (TypeError, ValueError):
         raise ValueError(f"row field {spec.field!r} is not a number: {raw!r:.100}") from None
-    got = _boxed_number(completion) if spec.source == "boxed" else last_number(completion)
+    read = {"boxed": _boxed_number, "after_hashes": number_after_hashes}.get(spec.source, last_number)
+    got = read(completion)
     if got is None:
         return 0.0
     return 1.0 if abs(got - expected) <= spec.tolerance else 0.0

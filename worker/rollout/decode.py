@@ -89,7 +89,7 @@ class NonFiniteLogits(RuntimeError):
 
 
 @contextmanager
-def rollout_weights(model, dtype: torch.dtype | None = None):
+def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bool = False):
     """Run `model` as a plain causal LM on its effective weights: active LoRA adapters folded in, cast to `dtype`.
 
     Each adapted layer gets a weight of its own holding W + delta (kept for
@@ -99,12 +99,16 @@ def rollout_weights(model, dtype: torch.dtype | None = None):
     is swapped for a kept copy in that dtype too (tied weights stay tied),
     so the whole forward runs in it. The model's own parameters are never
     written: the optimizer's tensors, and what checkpoints save, are
-    untouched. Buffers (rotary frequencies) stay as they are.
+    untouched. Buffers (rotary frequencies) stay as they are. With
+    `head_float32` the LM head runs on a float32 copy of its weight and its
+    input is cast up (training.lm_head_float32), so sampling sees the logits
+    the trainer scores.
     """
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    hooks: list = []
     copies: dict[int, torch.nn.Parameter] = {}  # id(original) -> its copy, so a tied weight is copied once
 
     def swap(module: torch.nn.Module, name: str, value: Tensor) -> None:
@@ -120,6 +124,9 @@ def rollout_weights(model, dtype: torch.dtype | None = None):
         swapped.append((module, name, original))
 
     peft = isinstance(model, PeftModel)
+    if peft and _quantized_base(model, LoraLayer):  # QLoRA: a 4-bit weight cannot take the adapter folded in
+        yield model  # the adapters run unmerged, the base in its own 4-bit kernels
+        return
     try:
         with torch.no_grad():
             for module in model.modules() if peft else ():
@@ -140,14 +147,35 @@ def rollout_weights(model, dtype: torch.dtype | None = None):
                     for pname, p in list(module._parameters.items()):
                         if p is not None and p.is_floating_point() and p.dtype != dtype:
                             swap(module, pname, p)
+            head = model.get_output_embeddings()
+            if head_float32 and head.weight.dtype != torch.float32:
+                current = head._parameters["weight"]  # maybe already a copy in `dtype`; a tied twin keeps it
+                kept = _rollout_copies.setdefault(head, {})
+                copy = kept.get("weight.float32")
+                if copy is None or copy.shape != current.shape:
+                    copy = kept["weight.float32"] = torch.nn.Parameter(
+                        torch.empty_like(current, dtype=torch.float32), requires_grad=False)
+                # From the model's own weight (float32 masters stay unrounded), not a `dtype` copy made above.
+                own = next((o for m, n, o in swapped if m is head and n == "weight"), current)
+                head._parameters["weight"] = copy.copy_(own)
+                swapped.append((head, "weight", current))
+                hooks.append(head.register_forward_pre_hook(lambda _m, args: (args[0].float(), *args[1:])))
         if peft:
             with model.disable_adapter():
                 yield model
         else:
             yield model
     finally:
+        for hook in hooks:
+            hook.remove()
         for module, name, original in reversed(swapped):
             module._parameters[name] = original
+
+
+def _quantized_base(model, lora_layer) -> bool:
+    """Whether any adapted layer's base weight is quantised (bitsandbytes' Params4bit carries a quant_state)."""
+    return any(getattr(m.get_base_layer().weight, "quant_state", None) is not None
+               for m in model.modules() if isinstance(m, lora_layer))
 
 
 def logits_processors(sampling: SamplingSpec, *, greedy: bool) -> LogitsProcessorList:
@@ -204,15 +232,21 @@ class _Picker:
     """
 
     def __init__(self, sampling: SamplingSpec, greedy: bool, shape: tuple[int, int], device, record: bool,
-                 seeds: list[int] | None = None):
+                 seeds: list[int] | None = None, eos_id: int | None = None):
         self.procs, self.greedy = logits_processors(sampling, greedy=greedy), greedy
         self.temperature = sampling.temperature
+        # sampling.min_output_tokens: EOS cannot be picked before then (its recorded log-prob is unaffected)
+        self.eos_id, self.min_tokens = eos_id, sampling.min_output_tokens if eos_id is not None else 0
         self.logprobs_BT = torch.zeros(shape, dtype=torch.float32, device=device) if record else None
         self.uniforms_BT = None if greedy else _row_uniforms(seeds, shape, device)
 
     def __call__(self, logits_BV: Tensor, history_BT: Tensor, rows: Tensor | slice, t: int) -> Tensor:
         uniform_B = None if self.uniforms_BT is None else self.uniforms_BT[rows, t]
-        token_B = _pick(logits_BV, history_BT, self.procs, self.greedy, uniform_B)
+        scores_BV = logits_BV
+        if t < self.min_tokens:
+            scores_BV = logits_BV.clone()
+            scores_BV[:, self.eos_id] = float("-inf")
+        token_B = _pick(scores_BV, history_BT, self.procs, self.greedy, uniform_B)
         if self.logprobs_BT is not None:
             logp_BV = torch.log_softmax(logits_BV.float() / self.temperature, dim=-1)
             self.logprobs_BT[rows, t] = logp_BV.gather(1, token_B[:, None]).squeeze(1)
@@ -256,7 +290,7 @@ def sample_tokens(
     """
     B, P = len(prompts), max(map(len, prompts))
     ids, mask, positions = (t.to(device) for t in left_padded(prompts, max_new, pad_id))
-    pick = _Picker(sampling, greedy, (B, max_new), device, record=logprobs, seeds=seeds)
+    pick = _Picker(sampling, greedy, (B, max_new), device, record=logprobs, seeds=seeds, eos_id=eos_id)
     guarded = _FiniteGuard(pick)
     key = _shape_key(B, P + max_new)
     if compiled and _compile_failures.get(model, {}).get(key, 0) < MAX_COMPILE_TRIES:

@@ -171,6 +171,7 @@ class VLLMEngine:
             seeds = [first + i for i in range(len(seqs))]
         params = [
             SamplingParams(**knobs, repetition_penalty=s.repetition_penalty, max_tokens=budget, logprobs=0,
+                           min_tokens=min(s.min_output_tokens, budget),
                            seed=None if greedy else seed % 2**31, detokenize=False)
             for budget, seed in zip(budgets, seeds, strict=True)
         ]

@@ -52,14 +52,19 @@ def load_splits(spec: DataSpec, *, seed: int, use: str = "cispo") -> tuple[list[
 
 
 class PromptSampler:
-    """Yields batches of rows in a fresh seeded permutation each epoch.
+    """Yields batches of rows in a fresh seeded permutation each epoch, skipping retired rows.
 
-    Its whole state is (epoch, index), so a resumed run draws exactly the
-    batches the uninterrupted run would have drawn.
+    Its whole state is (epoch, index, retired rows), so a resumed run draws
+    exactly the batches the uninterrupted run would have drawn. Rows are
+    retired by training.pass_rate_filter (worker/trainer/prompt_filter.py);
+    without it none are, and the draws are those of a plain permutation.
     """
 
-    def __init__(self, rows: list[dict], *, seed: int, epoch: int = 0, index: int = 0):
+    def __init__(self, rows: list[dict], *, seed: int, epoch: int = 0, index: int = 0,
+                 retired: list[int] | tuple[int, ...] = ()):
         self.rows, self.seed, self.epoch, self.index = rows, seed, epoch, index
+        self.retired: set[int] = set(retired)
+        self.last_indices: list[int] = []  # the row indices of the last batch, in order
         self._order = self._permutation(epoch)
 
     def _permutation(self, epoch: int) -> list[int]:
@@ -67,14 +72,25 @@ class PromptSampler:
         return torch.randperm(len(self.rows), generator=g).tolist()
 
     def next_batch(self, size: int) -> list[dict]:
-        batch = []
-        while len(batch) < size:
+        self.last_indices = []
+        while len(self.last_indices) < size:
             if self.index == len(self.rows):
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
-            batch.append(self.rows[self._order[self.index]])
+            row = self._order[self.index]
             self.index += 1
-        return batch
+            if row not in self.retired:
+                self.last_indices.append(row)
+        return [self.rows[i] for i in self.last_indices]
+
+    def retire(self, indices: list[int]) -> None:
+        """Stop drawing these rows; the last row that is left is never retired (a batch must come from somewhere)."""
+        for i in indices:
+            if i not in self.retired and len(self.retired) + 1 < len(self.rows):
+                self.retired.add(i)
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        state = {"epoch": self.epoch, "index": self.index}
+        if self.retired:  # only then, so a job without the filter saves exactly what it always did
+            state["retired"] = sorted(self.retired)
+        return state

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from service.job_spec.spec import AdvantageSpec
 from worker.cispo import group_advantages, rewards_to_go, turn_advantages
+from worker.distributed import group
 from worker.trainer.rewards import Scorer, Scores
 from worker.rollout.rollout import Rollout
 
@@ -58,9 +59,20 @@ class Advantages:
     zero_P: Tensor  # groups that carry no signal (every advantage is exactly zero)
 
 
-def assign_advantages(rollout: Rollout, feedback: Feedback, spec: AdvantageSpec, group_size: int) -> Advantages:
+def batch_reward_std(rewards: Tensor) -> float:
+    """The population std of the whole step's rewards, every process's share included (ScaleRL's batch scale).
+    A collective: every process calls it."""
+    values = rewards.double()
+    n = group.sum_all(float(values.numel()))
+    mean = group.sum_all(float(values.sum())) / n
+    return max(group.sum_all(float(((values - mean) ** 2).sum())) / n, 0.0) ** 0.5
+
+
+def assign_advantages(rollout: Rollout, feedback: Feedback, spec: AdvantageSpec, group_size: int, *,
+                      batch_std: float | None = None) -> Advantages:
+    """`batch_std`: for scale 'batch_std', the whole step's reward std (batch_reward_std; default: this share's)."""
     episode_PG, zero_P = group_advantages(feedback.rewards.view(-1, group_size), scale=spec.scale, eps=spec.eps,
-                                          clip=spec.clip)
+                                          clip=spec.clip, batch_std=batch_std)
     if spec.per_turn:
         per_turn = turn_advantages([rewards_to_go(r) for r in feedback.turn_rewards], group_size,
                                    scale=spec.scale, eps=spec.eps, clip=spec.clip)

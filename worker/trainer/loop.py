@@ -60,10 +60,11 @@ from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded, error_rate_message
 from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, Scores, component_metrics, make_scorer
 from worker.envs import Environment, describe_environment, make_environment
-from worker.trainer.feedback import Feedback, assign_advantages, collect_feedback
+from worker.trainer.feedback import Feedback, assign_advantages, batch_reward_std, collect_feedback
 from worker.rollout import RolloutEngine, make_engine, refuse_unavailable_engine
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message, preflight_rows
 from worker.trainer.evaluation import EvalRows, eval_rows_metrics, generate_and_score
+from worker.trainer.prompt_filter import retire_solved
 from worker.trainer.samples import pick_samples
 from worker.trainer import supervised
 from worker.trainer.schedule import lr_multiplier
@@ -327,7 +328,8 @@ class Trainer:
         self._check_reward_errors(self.step + 1, SimpleNamespace(errors=errors), len(rollout) * self.world)
         rewards = feedback.rewards
         adv = spec.advantages
-        advantages = assign_advantages(rollout, feedback, adv, tc.group_size)
+        advantages = assign_advantages(rollout, feedback, adv, tc.group_size, batch_std=batch_reward_std(
+            feedback.rewards) if adv.scale == "batch_std" else None)
         advantages_PG, zero_P = advantages.episode_PG, advantages.zero_P
         keep_P = ~zero_P if adv.drop_zero_groups else torch.ones_like(zero_P)
         indices = [i for i in range(len(rollout)) if keep_P[i // tc.group_size]]
@@ -352,6 +354,8 @@ class Trainer:
         all_tokens = sum(every["all_tokens"])
         components = {name: [v for c in every["components"] for v in c[name]] for name in
                       (every["components"][0] if every["components"] else {})}
+        retired = {} if tc.pass_rate_filter is None else {"retired_prompts": float(retire_solved(
+            self.sampler, rewards.view(-1, tc.group_size), tc.pass_rate_filter))}
         self.step += 1
         return {
             "reward_mean": float(rewards.mean()),
@@ -373,6 +377,7 @@ class Trainer:
             "step_seconds": step_s,
             "sampled_tokens_per_second": completion_tokens / max(rollout_s, 1e-9),
             "tokens_per_second": all_tokens / max(step_s, 1e-9),
+            **retired,
         }
 
     def _supervised_step(self, lr: float, started: float) -> dict[str, float]:

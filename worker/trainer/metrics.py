@@ -62,6 +62,8 @@ class UpdateStats:
         if "kl_ref" in self.sums:
             out["kl_ref"] = self.sums["kl_ref"] / tokens
             out["kl_ref_clamped_fraction"] = self.sums["kl_ref_clamped"] / tokens
+        if "off_policy_masked" in self.sums:  # loss.off_policy_mask is set
+            out["off_policy_masked_fraction"] = self.sums["off_policy_masked"] / tokens
         if self.grad_norms:
             out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
         return out

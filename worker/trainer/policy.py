@@ -36,7 +36,7 @@ from worker.checkpoint import Checkpoint, CheckpointError, check_lora_config
 from worker.distributed import group
 from worker.distributed.shard import shard_model
 from worker.distributed.state import receive_from_rank0
-from worker.trainer import precision
+from worker.trainer import precision, quantization
 
 REFERENCE = "reference"
 MASTER_PREFIX = "master."  # a whole model's float32 weights among a checkpoint's trainer-state tensors
@@ -50,6 +50,7 @@ class Policy:
     reference_model: torch.nn.Module | None = None  # full fine-tuning with a KL term: frozen starting weights
     pinned_full_reference: bool = False  # reference_model came from a checkpoint (saved with checkpoints)
     compute_dtype: torch.dtype = torch.float32  # forwards run in it; trainable weights stay float32
+    lm_head_float32: bool = False  # training.lm_head_float32: the sampler's LM head runs in float32 too
 
     def autocast(self):
         """The context every forward pass runs in (bf16 compute on float32 master weights in one process)."""
@@ -103,6 +104,7 @@ def pick_device() -> torch.device:
 
 def load_policy(spec: JobSpec, *, resume_from: Checkpoint | None, warm_start: Checkpoint | None) -> Policy:
     """The model to train. A resumed job restores weights and reference from its checkpoint."""
+    quantization.refuse_unavailable_quantization(spec)  # before anything is loaded
     device = pick_device()
     precision.enable_fast_matmul(device)
     tokenizer = AutoTokenizer.from_pretrained(spec.model)
@@ -112,10 +114,10 @@ def load_policy(spec: JobSpec, *, resume_from: Checkpoint | None, warm_start: Ch
     dtype = precision.compute_dtype(spec.dtype, spec.model, device)
     reads = group.rank() == 0  # the other ranks build on meta and receive rank 0's weights after sharding
 
-    def from_pretrained(where, load_dtype: torch.dtype) -> torch.nn.Module:
+    def from_pretrained(where, load_dtype: torch.dtype, **extra) -> torch.nn.Module:
         if reads:
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=load_dtype)
-            if not group.active():
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=load_dtype, **extra)
+            if not group.active() and not extra:  # a 4-bit model is placed by its device_map
                 model = model.to(device)  # under FSDP fully_shard moves only this rank's shard to the device
         else:
             with torch.device("meta"):
@@ -136,7 +138,7 @@ def load_policy(spec: JobSpec, *, resume_from: Checkpoint | None, warm_start: Ch
                         compute_dtype=dtype)
     else:
         # The frozen base in the compute dtype; PEFT keeps the adapters float32 (autocast_adapter_dtype).
-        base = from_pretrained(spec.model, dtype)
+        base = from_pretrained(spec.model, dtype, **quantization.base_load_kwargs(spec, dtype, device))
         with nullcontext() if reads else torch.device("meta"):
             model = _lora_model(spec, base, resume_from, warm_start, reads)
         policy = Policy(model, tokenizer, device, compute_dtype=dtype)
@@ -147,6 +149,7 @@ def load_policy(spec: JobSpec, *, resume_from: Checkpoint | None, warm_start: Ch
                 shard_model(module, device, dtype)
                 receive_from_rank0(module, whole, device)
                 del whole
+    policy.lm_head_float32 = spec.training.lm_head_float32
     return policy
 
 

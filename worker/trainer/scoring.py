@@ -104,7 +104,8 @@ def collate(prompt_ids: list[list[int]], completion_ids: list[list[int]], *, pad
                              pad_id=pad_id, device=device)
 
 
-def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
+def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: int,
+                      head_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """(logp_BT, entropy_BT) of each action target, 0 elsewhere; logits never exist for the whole batch at once.
 
     Only action positions go through the LM head: prompt and environment
@@ -119,6 +120,7 @@ def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_siz
         batch.targets_BT[action_BT][None],
         temperature=temperature,
         chunk_size=chunk_size,
+        head_dtype=head_dtype,  # training.lm_head_float32
     )
     zeros_BT = logp_1N.new_zeros(action_BT.shape)
     return zeros_BT.index_put((action_BT,), logp_1N[0]), zeros_BT.index_put((action_BT,), entropy_1N[0])

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from service.job_spec.spec import JobSpec
-from worker.cispo import LossInputs, cispo_loss
+from worker.cispo import LossInputs, cispo_loss, sequence_weights
 from worker.distributed import group
 from worker.distributed.shard import unsharded
 from worker.trainer.metrics import UpdateStats
@@ -65,6 +65,7 @@ class Updater:
         self.policy, self.optimizer, self.spec = policy, optimizer, spec
         self.training = spec.training
         self.temperature = spec.sampling.temperature
+        self.head_dtype = torch.float32 if spec.training.lm_head_float32 else None  # ScaleRL's FP32 logits
         # A group's shared prompt is scored once per micro-batch (worker/trainer/scoring.py). Not with gradient
         # checkpointing (transformers then keeps no cache to carry the prompt's keys and values) nor under FSDP
         # (tried: FSDP2 reshards after each forward, and the backward through the earlier prompt pass then
@@ -102,7 +103,8 @@ class Updater:
                 batch = self._batch(rollout, idx)
                 with self._frozen(reference) as scorer, self.policy.autocast():
                     logp, _ = sequence_logprobs(scorer, batch, temperature=self.temperature,
-                                                chunk_size=self.training.logprob_chunk_size)
+                                                chunk_size=self.training.logprob_chunk_size,
+                                                head_dtype=self.head_dtype)
                 result.update(zip(idx, _per_sequence(logp, batch.action_mask_BT)))
         model.train(was_training)
         return result
@@ -146,13 +148,17 @@ class Updater:
         old = None if on_policy_only else self._frozen_logprobs(rollout, indices, reference=False)
         ref = self._frozen_logprobs(rollout, indices, reference=True) if loss_spec.kl_beta > 0 else None
         per_sequence = loss_spec.normalization == "sequence"
+        by_prompt = loss_spec.normalization == "prompt"
         model = self.policy.model
         model.train()
         params = self.policy.trainable_parameters()
         world = group.world_size()
         for epoch in range(self.training.update_epochs):
             for mini in self._mini_batches(indices, len(rollout), step, epoch):
-                normalizer = group.sum_all(float(len(mini)) if per_sequence else float(sum(counts[i] for i in mini)))
+                weights, share = sequence_weights(loss_spec.normalization, [counts[i] for i in mini],
+                                                  [i // self.training.group_size for i in mini])
+                normalizer = group.sum_all(share)
+                weight_of = dict(zip(mini, weights)) if by_prompt else None
                 if normalizer == 0:  # no rank has a sequence for this step
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
@@ -164,7 +170,8 @@ class Updater:
                     batch = self._batch(rollout, micro)
                     with self.policy.autocast():  # the backward below runs outside it, as torch advises
                         logp, entropy = sequence_logprobs(
-                            model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size
+                            model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size,
+                            head_dtype=self.head_dtype,
                         )
                     mask = batch.action_mask_BT.bool()
                     old_logp = logp.detach() if old is None else _scatter(old, micro, mask, logp)
@@ -184,6 +191,8 @@ class Updater:
                         kl_clamp=loss_spec.kl_clamp,
                         per_sequence=per_sequence,
                         tis_cap=self.spec.rollout.tis_cap,
+                        sequence_weights_B=None if weight_of is None else logp.new_tensor([weight_of[i] for i in micro]),
+                        **off_policy_options(loss_spec),
                     )
                     (out.loss * world).backward()  # FSDP averages gradients over ranks; the sum is wanted
                     step_loss += float(out.loss.detach())
@@ -202,8 +211,16 @@ class Updater:
         batch = self._batch(rollout, [0])
         with self.policy.autocast():
             logp, _ = sequence_logprobs(self.policy.model, batch, temperature=self.temperature,
-                                        chunk_size=self.training.logprob_chunk_size)
+                                        chunk_size=self.training.logprob_chunk_size, head_dtype=self.head_dtype)
         (logp.sum() * 0.0).backward()
+
+
+def off_policy_options(loss_spec) -> dict:
+    """cispo_loss's importance-ratio level and AgileRL masks, from the spec's loss section."""
+    mask = loss_spec.off_policy_mask
+    return {"importance_sampling_level": loss_spec.importance_sampling_level,
+            "token_mask_bounds": None if mask is None else mask.token_bounds,
+            "sequence_mask_threshold": None if mask is None else mask.sequence_threshold}
 
 
 def _scatter(per_seq: dict[int, Tensor], idx: list[int], mask_BT: Tensor, like_BT: Tensor) -> Tensor:
