@@ -107,6 +107,8 @@ class Settings(BaseSettings):
     # Serving (POST /v1/chat/completions, /v1/completions; service/serving, worker/serving).
     serve_base_models: str = Field("", description="Comma-separated base models served as they are to every "
                                    "project (a project may always call the bases its own jobs trained on).")
+    serve_models: str = Field("", description="Comma-separated bases `cispo serve` keeps resident when given no "
+                              "--model; empty: whichever base a request names, loaded on first use.")
     serve_accept_timeout_s: float = Field(10.0, gt=0, le=600, description="Seconds a serving worker has to "
                                           "take a request before the API answers 503.")
     serve_reply_timeout_s: float = Field(300.0, gt=0, description="Seconds the API waits for a serving "
@@ -148,6 +150,9 @@ class Settings(BaseSettings):
 
     def resolved_serve_base_models(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.serve_base_models.split(",") if m.strip())
+
+    def resolved_serve_models(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.serve_models.split(",") if m.strip())
 
     def resolved_model_dirs(self) -> tuple[Path, ...]:
         return tuple(Path(d.strip()).resolve() for d in self.model_dirs.split(",") if d.strip())

@@ -171,7 +171,7 @@ def cmd_serve(args) -> int:
     from worker.serving.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    code = serve(get_settings(), args.model or [])
+    code = serve(get_settings(), args.model or list(get_settings().resolved_serve_models()))
     exit_without_teardown(code)  # torch's interpreter teardown would add seconds to every stop
 
 
@@ -201,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_worker)
     p = sub.add_parser("serve", help="serve fine-tuned and base models to /v1/chat/completions and /v1/completions")
     p.add_argument("--model", action="append", metavar="BASE",
-                   help="a base model to keep resident and serve (repeatable); none: load whichever base a "
-                        "request names, keeping the last one")
+                   help="a base model to keep resident and serve (repeatable; default CISPO_SERVE_MODELS); none: "
+                        "load whichever base a request names, keeping the last one")
     p.set_defaults(func=cmd_serve)
     add_commands(sub)
     return parser

@@ -107,7 +107,7 @@ def parse(kind: type[_Body], body: object) -> _Body:
 def sampling(request: _Body) -> dict:
     """The sampling part of a worker message; temperature 0 is greedy decoding."""
     return {"max_tokens": request.budget(), "temperature": request.temperature, "top_p": request.top_p,
-            "n": request.n, "stop": request.stop, "seed": request.seed}
+            "n": request.n, "stop": request.stop or [], "seed": request.seed}
 
 
 def prompts(request: _Body) -> list[dict]:

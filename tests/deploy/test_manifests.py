@@ -211,6 +211,7 @@ def test_compose_cispo_commands_parse_with_the_real_parser():
     assert seen.get("migrate") == "db upgrade"
     assert seen.get("api") == "api"
     assert seen.get("worker") == "worker"
+    assert seen.get("serve") == "serve"
     api_args = parse_cispo(cispo_tail(as_argv(services["api"]["command"])))
     assert api_args.host == "0.0.0.0", "the API must listen on all interfaces inside its container"
     worker_args = parse_cispo(cispo_tail(as_argv(services["worker"]["command"])))
@@ -692,6 +693,7 @@ def test_cispo_commands_in_templates_parse_with_the_real_parser():
     assert seen == {
         ("Deployment", "api"): "api",
         ("Deployment", "worker"): "worker",
+        ("Deployment", "serve"): "serve",
         ("Job", "migrations"): "db upgrade",
     }, seen
     notes = (TEMPLATES / "NOTES.txt").read_text()

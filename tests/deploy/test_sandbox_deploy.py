@@ -60,6 +60,7 @@ DEFAULTS_SUFFICE = {
     "scoring_total": "8 reward tests at once in all",
     "limits_timeout_s": "0.25 s on the limits' Redis, then each replica's own limits",
     "model_hub_url": "the Hugging Face hub, for dry runs' config checks",
+    "serve_models": "set on the serving deployments only (chart serving.models, compose CISPO_SERVE_MODEL)",
     "serve_base_models": "no base model served to every project; each its own jobs' bases",
     "serve_accept_timeout_s": "10 s for a serving worker to take a request, then 503",
     "serve_reply_timeout_s": "5 min between a serving worker's messages",

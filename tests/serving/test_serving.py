@@ -155,12 +155,16 @@ def test_sampling_with_a_seed_repeats_and_n_gives_distinct_choices(served):
 
 
 def test_stop_sequences_cut_the_text_before_them(served):
-    full = local_greedy(served.model_dir, None, "abc", 12)["text"]
-    stop = full[3:5]
-    assert len(stop) == 2 and full.find(stop) == 3, full
-    r = served.sdk().completions.create(model=str(served.model_dir), prompt="abc", max_tokens=12, temperature=0,
-                                        stop=[stop])
-    assert r.choices[0].text == full[:3] and r.choices[0].finish_reason == "stop"
+    full = local_greedy(served.model_dir, served.checkpoints[2][1] / "adapter", CHAT, 12)["text"]
+    cut = next(i for i in range(1, len(full) - 1) if full.find(full[i:i + 2]) == i)  # its first occurrence
+    stop = [full[cut:cut + 2], "\u2603never"]
+    sdk = served.sdk()
+    r = sdk.chat.completions.create(model=served.ft_model, messages=CHAT, max_tokens=12, temperature=0, stop=stop)
+    assert r.choices[0].message.content == full[:cut] and r.choices[0].finish_reason == "stop"
+    # Streamed, the stop sequence's first character is held back until the next token shows it is one.
+    chunks = sdk.chat.completions.create(model=served.ft_model, messages=CHAT, max_tokens=12, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full[:cut]
 
 
 def test_another_project_cannot_call_the_model_or_its_base(served):

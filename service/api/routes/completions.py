@@ -79,7 +79,9 @@ def _first_reply(channel: Channel, settings, base: str, message: dict):
     """Sent and answered up to the worker's first word (start or error), so a refusal is a plain HTTP error."""
     reply_key = dispatch.send(channel, settings, base, message)
     messages = dispatch.replies(channel, settings, reply_key)
-    first = next(messages)
+    first = next(messages, None)
+    if first is None:  # ended before a word: only a worker that broke its protocol does that
+        raise dispatch.ServingUnavailable("the serving worker ended the reply without an answer")
     return itertools.chain([first], messages)
 
 
