@@ -30,6 +30,7 @@ from tests.serving.served import local_greedy, random_adapter_checkpoint, record
 
 CHAT = [{"role": "user", "content": "Say abc"}]
 UNSERVED_BASE = "org/no-worker-serves-this"
+ACCEPT_TIMEOUT_S = 8
 
 
 class Served:
@@ -47,7 +48,7 @@ def served(tmp_path_factory, toy_dir):
     root = tmp_path_factory.mktemp("serving")
     model_dir = toy_dir / "model"
     env = {"CISPO_MODEL_DIRS": str(toy_dir), "CISPO_SERVE_BASE_MODELS": UNSERVED_BASE,
-           "CISPO_SERVE_ACCEPT_TIMEOUT_S": "20", "CISPO_RATE_LIMIT_BURST": "1000"}
+           "CISPO_SERVE_ACCEPT_TIMEOUT_S": str(ACCEPT_TIMEOUT_S), "CISPO_RATE_LIMIT_BURST": "1000"}
     with live_api(root, **env) as api:
         with api.client() as http:
             f = http.post("/v1/files", files={"file": ("t.jsonl", jsonl([{"prompt": "Say a", "answer": "a"}] * 4))},
@@ -199,3 +200,15 @@ def test_a_base_no_worker_serves_is_a_503_with_retry_after(served):
         r = http.post("/v1/chat/completions", json={"model": UNSERVED_BASE, "messages": CHAT})
     assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
     assert "cispo serve" in r.json()["error"]["message"]
+
+
+def test_a_worker_that_never_takes_the_request_is_a_503_after_the_accept_timeout(served):
+    # A worker announced for the base that never pops its queue (hung, or busy for good).
+    redis.Redis.from_url(REDIS_TEST_URL).set(presence_key(UNSERVED_BASE), "1", ex=60)
+    started = time.monotonic()
+    with httpx.Client(base_url=served.api.base, headers={"Authorization": f"Bearer {served.api.key}"},
+                      timeout=60) as http:
+        r = http.post("/v1/completions", json={"model": UNSERVED_BASE, "prompt": "a"})
+    assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
+    assert "within" in r.json()["error"]["message"]
+    assert ACCEPT_TIMEOUT_S <= time.monotonic() - started < ACCEPT_TIMEOUT_S + 10
