@@ -106,7 +106,9 @@ def parse(kind: type[_Body], body: object) -> _Body:
 
 def sampling(request: _Body) -> dict:
     """The sampling part of a worker message; temperature 0 is greedy decoding."""
-    return {"max_tokens": request.budget(), "temperature": request.temperature, "top_p": request.top_p,
+    asked = request.max_tokens is not None or getattr(request, "max_completion_tokens", None) is not None
+    return {"max_tokens": request.budget(), "max_tokens_asked": asked,
+            "temperature": request.temperature, "top_p": request.top_p,
             "n": request.n, "stop": request.stop or [], "seed": request.seed}
 
 

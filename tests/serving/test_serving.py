@@ -188,10 +188,13 @@ def test_a_bad_field_is_a_400_naming_it(served, field, value):
     assert e.value.status_code == 400 and e.value.body["param"] == field, e.value.body
 
 
-def test_a_prompt_longer_than_the_model_takes_is_a_400(served):
+def test_a_prompt_longer_than_the_model_takes_is_a_400_and_the_default_length_fits(served):
     with pytest.raises(openai.BadRequestError) as e:
         served.sdk().completions.create(model=served.ft_model, prompt="a" * 300, max_tokens=4)
     assert e.value.body["param"] == "prompt" and "256" in e.value.body["message"]
+    # Without max_tokens the default (16) is cut to what the prompt leaves: 250 characters + <s> leave 5.
+    r = served.sdk().completions.create(model=served.ft_model, prompt="a" * 250)
+    assert r.usage.prompt_tokens == 251 and 1 <= r.usage.completion_tokens <= 5
 
 
 def test_a_base_no_worker_serves_is_a_503_with_retry_after(served):

@@ -17,7 +17,7 @@ class Refused(ValueError):
 def answer(resident: ResidentModel, request: dict, send: Callable[..., None]) -> None:
     sampling, prompts = request["sampling"], request["prompts"]
     try:
-        encoded = _encode(resident, prompts, sampling["max_tokens"])
+        encoded, max_new = _encode(resident, prompts, sampling["max_tokens"], asked=sampling["max_tokens_asked"])
     except Refused as e:
         send(type="error", status=400, message=str(e), param=e.param, code="context_length_exceeded")
         return
@@ -29,7 +29,7 @@ def answer(resident: ResidentModel, request: dict, send: Callable[..., None]) ->
                 index = p * n + j
                 seed = None if sampling["seed"] is None else sampling["seed"] + index
                 deltas, count, reason = TextDeltas(tok, sampling["stop"]), 0, "length"
-                for token in stream_tokens(model, ids, max_new=sampling["max_tokens"],
+                for token in stream_tokens(model, ids, max_new=max_new,
                                            temperature=sampling["temperature"], top_p=sampling["top_p"],
                                            seed=seed, eos_id=tok.eos_token_id, device=resident.device):
                     count += 1
@@ -46,16 +46,21 @@ def answer(resident: ResidentModel, request: dict, send: Callable[..., None]) ->
                 send(type="finish", index=index, reason=reason, tokens=count)
 
 
-def _encode(resident: ResidentModel, prompts: list[dict], max_tokens: int) -> list[list[int]]:
+def _encode(resident: ResidentModel, prompts: list[dict], max_tokens: int, *, asked: bool
+            ) -> tuple[list[list[int]], int]:
+    """The prompts' ids and the tokens each completion may have: max_tokens when the client asked for it (a
+    400 if it does not fit), else the default cut to what the longest prompt leaves of the model's length."""
     out = []
     for prompt in prompts:
         param = "messages" if "messages" in prompt else "prompt"
         try:
-            ids = resident.prompt_ids(prompt)
+            out.append(resident.prompt_ids(prompt))
         except ValueError as e:
             raise Refused(f"{param}: {e}", param) from None
-        if len(ids) + max_tokens > resident.max_len:
-            raise Refused(f"{param}: the prompt is {len(ids)} tokens and max_tokens asks for {max_tokens} more; "
-                          f"{resident.base} takes at most {resident.max_len} in all", param)
-        out.append(ids)
-    return out
+    longest = max(map(len, out))
+    room = resident.max_len - longest
+    if room < 1 or (asked and max_tokens > room):
+        param = "messages" if "messages" in prompts[0] else "prompt"
+        raise Refused(f"{param}: the prompt is {longest} tokens" + (f" and max_tokens asks for {max_tokens} more"
+                      if asked else "") + f"; {resident.base} takes at most {resident.max_len} in all", param)
+    return out, min(max_tokens, room)
