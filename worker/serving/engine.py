@@ -85,7 +85,6 @@ class ResidentModel:
             self.model.delete_adapter(old)
             log.info("serving %s: dropped adapter %s (least recently used)", self.base, old)
 
-    @torch.no_grad()
     def prompt_ids(self, prompt: dict) -> list[int]:
         if "messages" in prompt:
             from worker.trainer.turns import chat_ids
