@@ -7,8 +7,6 @@ project sees nothing; bad fields are 400s naming the field; a base no worker ser
 
 from __future__ import annotations
 
-import io
-import os
 import signal
 import subprocess
 import sys

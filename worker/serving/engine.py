@@ -17,7 +17,6 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.storage import ObjectStore
