@@ -104,6 +104,18 @@ class Settings(BaseSettings):
                                     "limits: past it a request is checked against this replica's own limits.")
     model_dirs: str = Field("", description="Comma-separated directories under which jobs may name a local "
                             "model; empty: only hub ids are accepted.")
+    # Serving (POST /v1/chat/completions, /v1/completions; service/serving, worker/serving).
+    serve_base_models: str = Field("", description="Comma-separated base models served as they are to every "
+                                   "project (a project may always call the bases its own jobs trained on).")
+    serve_models: str = Field("", description="Comma-separated bases `cispo serve` keeps resident when given no "
+                              "--model; empty: whichever base a request names, loaded on first use.")
+    serve_accept_timeout_s: float = Field(10.0, gt=0, le=600, description="Seconds a serving worker has to "
+                                          "take a request before the API answers 503.")
+    serve_reply_timeout_s: float = Field(300.0, gt=0, description="Seconds the API waits for a serving "
+                                         "worker's next message (loading a base, a token) before giving up.")
+    serve_adapters_cached: int = Field(8, ge=1, description="LoRA adapters a serving worker keeps loaded on "
+                                       "its resident base (least recently used are dropped).")
+    serve_max_tokens: int = Field(4096, ge=1, description="The most tokens one completion may ask for.")
     secret_key: str = Field("", description="Fernet key that encrypts project secrets at rest; empty: a key "
                             "file HOME/secret.key (mode 0600) is created and used.")
 
@@ -135,6 +147,12 @@ class Settings(BaseSettings):
 
     def resolved_judge_models(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.judge_models.split(",") if m.strip())
+
+    def resolved_serve_base_models(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.serve_base_models.split(",") if m.strip())
+
+    def resolved_serve_models(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.serve_models.split(",") if m.strip())
 
     def resolved_model_dirs(self) -> tuple[Path, ...]:
         return tuple(Path(d.strip()).resolve() for d in self.model_dirs.split(",") if d.strip())

@@ -2,6 +2,7 @@
 
     cispo train SPEC.yaml [--output DIR] [--no-resume]   a job locally, no service (resources.gpus processes)
     cispo worker [--concurrency N]                      a Celery worker for service jobs (one job per GPU)
+    cispo serve [--model BASE]...                       a serving worker for /v1/chat/completions, /v1/completions
     cispo up | api | db upgrade | keys create           see service/cli/main.py
 
 Heavy imports (torch, transformers) happen inside the commands that need
@@ -165,6 +166,17 @@ def cmd_worker(args) -> int:
     exit_without_teardown(code)
 
 
+def cmd_serve(args) -> int:
+    import logging
+
+    from service.settings import get_settings
+    from worker.serving.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    code = serve(get_settings(), args.model or list(get_settings().resolved_serve_models()))
+    exit_without_teardown(code)  # torch's interpreter teardown would add seconds to every stop
+
+
 def _jobs_at_once(text: str) -> int:
     n = int(text) if text.isdigit() else 0
     if not 1 <= n <= 64:
@@ -189,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jobs run at once (prefork), one per GPU: child i sees only GPU i "
                         "(default CISPO_WORKER_CONCURRENCY, 1)")
     p.set_defaults(func=cmd_worker)
+    p = sub.add_parser("serve", help="serve fine-tuned and base models to /v1/chat/completions and /v1/completions")
+    p.add_argument("--model", action="append", metavar="BASE",
+                   help="a base model to keep resident and serve (repeatable; default CISPO_SERVE_MODELS); none: "
+                        "load whichever base a request names, keeping the last one")
+    p.set_defaults(func=cmd_serve)
     add_commands(sub)
     return parser
 

@@ -23,8 +23,8 @@ from service.api.poll_cache import PollCache
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.ratelimit import rate_limit, scoring_slots
 from service.api.request_metrics import RecordRequests, RequestMetrics
-from service.api.routes import (environments, evals, files, graders, health, job_outputs, jobs, models, prometheus,
-                                reward_functions, secrets, webhooks)
+from service.api.routes import (completions, environments, evals, files, graders, health, job_outputs, jobs, models,
+                                prometheus, reward_functions, secrets, webhooks)
 from service.dashboard import routes as dashboard
 from service.auth import PrincipalCache
 from service.db.session import read_session_factory, session_factory
@@ -92,6 +92,6 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.request_metrics = RequestMetrics()
     app.add_middleware(RecordRequests, metrics=app.state.request_metrics)  # outermost: times everything
     for module in (health, files, reward_functions, environments, jobs, job_outputs, evals, secrets, graders, models,
-                   prometheus, dashboard, webhooks):
+                   prometheus, dashboard, webhooks, completions):
         app.include_router(module.router)
     return app

@@ -85,7 +85,7 @@ class SamplingSpec(Strict):
 class RolloutSpec(Strict):
     """Which engine samples the rollouts, and the correction for its log-prob mismatch with the trainer.
 
-    'hf' generates inside the trainer's own model (worker/trainer/decode.py). 'vllm' runs a
+    'hf' generates inside the trainer's own model (worker/rollout/decode.py). 'vllm' runs a
     vLLM engine in the worker (the optional `vllm` extra): the LoRA adapter is
     hot-loaded each step, and its sampling log-probs feed the truncated
     importance-sampling (TIS) correction.

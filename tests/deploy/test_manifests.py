@@ -211,6 +211,7 @@ def test_compose_cispo_commands_parse_with_the_real_parser():
     assert seen.get("migrate") == "db upgrade"
     assert seen.get("api") == "api"
     assert seen.get("worker") == "worker"
+    assert seen.get("serve") == "serve"
     api_args = parse_cispo(cispo_tail(as_argv(services["api"]["command"])))
     assert api_args.host == "0.0.0.0", "the API must listen on all interfaces inside its container"
     worker_args = parse_cispo(cispo_tail(as_argv(services["worker"]["command"])))
@@ -303,13 +304,14 @@ def test_compose_only_the_api_publishes_ports():
 
 
 def test_compose_worker_reserves_a_gpu():
-    worker = compose_services()["worker"]
-    devices = (((worker.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
-    gpus = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
-    assert gpus, "the worker reserves no nvidia GPU"
-    assert all(d.get("count") == 1 or d.get("device_ids") for d in gpus), "one GPU per worker (concurrency 1)"
+    for gpu_user in ("worker", "serve"):  # the serving worker keeps its base resident on a GPU of its own
+        svc = compose_services()[gpu_user]
+        devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
+        gpus = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
+        assert gpus, f"the {gpu_user} reserves no nvidia GPU"
+        assert all(d.get("count") == 1 or d.get("device_ids") for d in gpus), f"one GPU per {gpu_user}"
     for name, svc in compose_services().items():
-        if name != "worker":
+        if name not in ("worker", "serve"):
             assert "deploy" not in svc or "devices" not in str(svc["deploy"]), f"{name} reserves devices"
 
 
@@ -692,6 +694,7 @@ def test_cispo_commands_in_templates_parse_with_the_real_parser():
     assert seen == {
         ("Deployment", "api"): "api",
         ("Deployment", "worker"): "worker",
+        ("Deployment", "serve"): "serve",
         ("Job", "migrations"): "db upgrade",
     }, seen
     notes = (TEMPLATES / "NOTES.txt").read_text()
@@ -770,8 +773,11 @@ def test_worker_gets_one_gpu_and_time_to_stop():
     assert spec["terminationGracePeriodSeconds"] >= 600
     assert doc["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, "a rollout would need a spare GPU"
     assert parse_cispo(cispo_tail(c["args"])).pool == "prefork"
+    _, serve, _ = one("Deployment", "serve")  # the serving worker keeps its base resident on a GPU of its own
+    assert containers(serve)[0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert serve["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, "a rollout would need a spare GPU"
     for path, other, _ in manifests():
-        if other["kind"] in ("Deployment", "Job") and component_of(other) != "worker":
+        if other["kind"] in ("Deployment", "Job") and component_of(other) not in ("worker", "serve"):
             for oc in containers(other):
                 assert "nvidia.com/gpu" not in str(oc.get("resources")), f"{path.name} asks for a GPU"
 

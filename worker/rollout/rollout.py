@@ -1,4 +1,4 @@
-"""Rollouts: group_size episodes per prompt, one or more turns each, sampled by worker/trainer/decode.py.
+"""Rollouts: group_size episodes per prompt, one or more turns each, sampled by worker/rollout/decode.py.
 
 One path for both kinds of job. Without an environment an episode is one
 assistant turn after the row's prompt (the reward function then scores the
@@ -14,7 +14,7 @@ environment turns, which therefore never get a gradient.
 
 The sampling itself is pluggable: ``sampler`` (a rollout engine's, see
 worker/rollout/; by default the policy's own model through
-worker/trainer/decode.py) samples every turn and may
+worker/rollout/decode.py) samples every turn and may
 return the sampler's log-prob of each generated token, kept per sequence in
 ``sampler_logprobs`` (aligned with the action tokens).
 
@@ -116,7 +116,7 @@ class _Episode:
 
 def transformers_sampler(policy: Policy, sampling: SamplingSpec, *, dtype: torch.dtype | None = None,
                          logprobs: bool = False) -> TokenSampler:
-    """Sampling in the policy's own model by worker/trainer/decode.py: its effective weights (LoRA folded in),
+    """Sampling in the policy's own model by worker/rollout/decode.py: its effective weights (LoRA folded in),
     in `dtype` (None: the weights' own), with each token's log-prob when `logprobs`.
 
     No autocast here: the weights are cast once per rollout instead of at every decode step."""

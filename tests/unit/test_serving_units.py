@@ -1,0 +1,83 @@
+"""The serving pieces that need no model: the embedded (SQLite) channel, and text deltas around stop sequences."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from service.serving.channel import SqliteChannel, presence_key, request_queue
+from service.serving.replies import CHAT, Reply
+from worker.serving.stream import TextDeltas
+
+
+def test_sqlite_channel_pops_in_order_across_keys_and_times_out(tmp_path):
+    channel = SqliteChannel(tmp_path / "serve.db")
+    a, b = request_queue("org/a"), request_queue("org/b")
+    assert a != b and channel.pop([a, b], 0.05) is None
+    channel.push(a, {"n": 1}, ttl_s=60)
+    channel.push(b, {"n": 2}, ttl_s=60)
+    channel.push(a, {"n": 3}, ttl_s=60)
+    assert [channel.pop([a, b], 1)[1]["n"] for _ in range(3)] == [1, 2, 3]
+    assert channel.pop([b], 0.05) is None
+
+
+def test_sqlite_channel_wakes_a_waiting_reader_and_drops_expired_messages(tmp_path):
+    channel = SqliteChannel(tmp_path / "serve.db")
+    channel.push("k", {"old": True}, ttl_s=0.01)
+    time.sleep(0.05)
+    threading.Timer(0.2, lambda: SqliteChannel(tmp_path / "serve.db").push("k", {"new": True}, ttl_s=60)).start()
+    started = time.monotonic()
+    assert channel.pop(["k"], 5)[1] == {"new": True}
+    assert time.monotonic() - started < 2
+
+
+def test_presence_expires(tmp_path):
+    channel = SqliteChannel(tmp_path / "serve.db")
+    key = presence_key("org/a")
+    assert not channel.alive(key)
+    channel.mark_alive(key, 0.2)
+    assert channel.alive(key)
+    time.sleep(0.3)
+    assert not channel.alive(key)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from worker.toy.tiny_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+def _feed(tokenizer, text: str, stops: list[str]) -> tuple[list[str], bool]:
+    deltas = TextDeltas(tokenizer, stops)
+    out = []
+    for token in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        if piece := deltas.add(token):
+            out.append(piece)
+        if deltas.stopped:
+            return out, True
+    return out + [deltas.flush()], False
+
+
+def test_text_deltas_hold_back_a_possible_stop_and_never_send_it(tokenizer):
+    out, stopped = _feed(tokenizer, "abcxyzdef", ["xyz"])
+    assert stopped and "".join(out) == "abc" and not any("x" in piece for piece in out)
+    out, stopped = _feed(tokenizer, "abxyd", ["xyz"])  # "xy" looked like the stop, then was not
+    assert not stopped and "".join(out) == "abxyd"
+
+
+def test_text_deltas_without_stops_send_each_token(tokenizer):
+    out, _ = _feed(tokenizer, "hello", [])
+    assert out[:5] == list("hello")
+
+
+def test_usage_sums_every_choice():
+    reply = Reply(CHAT, "m")
+    whole = reply.whole([{"type": "start", "prompt_tokens": 7, "choices": 2},
+                         {"type": "delta", "index": 1, "text": "b"}, {"type": "delta", "index": 0, "text": "a"},
+                         {"type": "finish", "index": 0, "reason": "stop", "tokens": 2},
+                         {"type": "finish", "index": 1, "reason": "length", "tokens": 3}])
+    assert [c["message"]["content"] for c in whole["choices"]] == ["a", "b"]
+    assert whole["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
