@@ -11,7 +11,7 @@ completions, 32-token prompts, 256 new tokens, temperature 1. Both sides run
 interleaved in one process (bench/trl_compare.py's side_by_side), warm-up
 steps dropped (ours compiles its decode step there), medians printed.
 
-Decode ms/step times our sampler alone (worker/trainer/decode.py) on the same
+Decode ms/step times our sampler alone (worker/rollout/decode.py) on the same
 64 prompts: on CUDA the static-cache decode step compiled with CUDA graphs,
 elsewhere the eager loop (the script says which one ran, and whether
 compiling fell back). Targets from issue 8: LoRA >= 8x TRL, full >= 4x,

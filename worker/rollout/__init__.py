@@ -1,7 +1,7 @@
 """Rollout engines: what samples the policy's completions for the trainer.
 
 Every engine has the same two calls. ``generate(policy, rows, sampling, ...)``
-returns a Rollout (worker/trainer/rollout.py) for single-turn and
+returns a Rollout (worker/rollout/rollout.py) for single-turn and
 environment (multi-turn) jobs alike: the episode bookkeeping, verbatim
 generated ids and masked environment tokens are shared, only the sampling of
 each turn differs. ``close()`` frees what the engine holds.

@@ -1,4 +1,4 @@
-"""The transformers engine: worker/trainer/rollout.py's generate() on the trainer's own model."""
+"""The transformers engine: worker/rollout/rollout.py's generate() on the trainer's own model."""
 
 from __future__ import annotations
 
