@@ -41,7 +41,7 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
                      ["tests/service/test_lease_fence.py", "tests/api/test_isolation.py",
                       "tests/api/test_jobs_lifecycle.py", "tests/api/test_job_outputs.py"], []),
     # launch.py runs as a script under `python -I -S` (no site-packages, so no mutmut trampoline): not mutated.
-    "sandbox": (["service/sandbox/"], ["tests/service/test_sandbox_cgroup.py", "tests/worker/test_sandbox_kernel.py"],
+    "sandbox": (["service/sandbox/"], ["tests/service/sandbox/test_cgroup.py", "tests/service/sandbox/test_kernel.py"],
                 ["service/sandbox/launch.py"]),
 }
 

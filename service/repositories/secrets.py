@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db.models import Secret
 from service.egress import BoundSecret
-from service.secrets.box import SecretBox
 from service.repositories.pagination import Page, paginate
+
+if TYPE_CHECKING:  # an annotation only: service/secrets/store.py imports this module
+    from service.secrets.box import SecretBox
 
 
 def add(session: Session, secret: Secret) -> Secret:

@@ -135,6 +135,23 @@ def _remove(root: Path) -> None:
         shutil.rmtree(top, ignore_errors=True)
 
 
+class ChildHolder:
+    """The one child a user-code process keeps, and whether it was closed. Kept off the process object, so
+    the weakref.finalize fallback that closes it may hold this without keeping the object alive."""
+
+    def __init__(self):
+        self.child: JsonLinesChild | None = None
+        self.closed = False
+
+    def stop(self) -> int | None:
+        child, self.child = self.child, None
+        return child.stop() if child is not None else None
+
+    def close(self) -> None:
+        self.closed = True
+        self.stop()
+
+
 def describe_death(code: int | None, who: str) -> str:
     """How a child that died is reported, e.g. "reward process died (signal 11)"; ``code`` is from stop()."""
     if code is not None and code < 0:

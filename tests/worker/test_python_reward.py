@@ -1,6 +1,6 @@
 """User Python rewards in the sandbox child: scoring, failures, timeouts, isolation, cleanup.
 
-The containment itself (network, files, fork bombs, ...) is tests/worker/test_sandbox_containment.py.
+The containment itself (network, files, fork bombs, ...) is tests/service/sandbox/test_containment.py.
 """
 
 from __future__ import annotations

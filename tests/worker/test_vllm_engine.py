@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from service.job_spec.spec import SamplingSpec
-from tests.trainer.test_multi_turn import Scripted, word_then_done
+from tests.rollout.test_multi_turn import Scripted, word_then_done
 from tests.worker.vllm_fixtures import vllm_job_spec
 from worker.rollout import HFEngine
 from worker.toy.task import make_rows

@@ -27,7 +27,7 @@ import weakref
 from pathlib import Path
 
 from service.schemas.environments import PythonEnvironment
-from service.sandbox.channel import ChildFailed, JsonLinesChild, describe_death
+from service.sandbox.channel import ChildFailed, ChildHolder, JsonLinesChild, describe_death
 from service.sandbox.spawn import Limits, SandboxProcess, require_sandbox
 from worker.envs.protocol import Outcome, checked, failed, reset_outcome, step_outcome
 
@@ -43,22 +43,6 @@ class EnvironmentLoadError(ValueError):
     """The user source could not be loaded in the child."""
 
 
-class _Holder:
-    """What close() and the GC fallback need, kept off the environment object so a finalizer may hold it."""
-
-    def __init__(self):
-        self.child: JsonLinesChild | None = None
-        self.closed = False
-
-    def stop(self) -> int | None:
-        child, self.child = self.child, None
-        return child.stop() if child is not None else None
-
-    def close(self) -> None:
-        self.closed = True
-        self.stop()
-
-
 class PythonEnvironmentProcess:
     def __init__(self, spec: PythonEnvironment, *, max_batch_timeout_s: float = MAX_BATCH_TIMEOUT_S):
         self.spec = spec
@@ -67,8 +51,8 @@ class PythonEnvironmentProcess:
         require_sandbox()
         # No hard CPU limit: the child budgets CPU per batch (soft), the parent's deadline is the hard stop.
         self.limits = Limits(cpu_s=None, address_space_bytes=spec.memory_mb << 20, memory_bytes=spec.memory_mb << 20)
-        self._holder = _Holder()
-        self._finalizer = weakref.finalize(self, _Holder.close, self._holder)
+        self._holder = ChildHolder()
+        self._finalizer = weakref.finalize(self, ChildHolder.close, self._holder)
 
     @property
     def pid(self) -> int | None:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from service.sandbox.spawn import Limits, SandboxProcess, require_sandbox
-from service.sandbox.channel import ChildFailed, JsonLinesChild, describe_death
+from service.sandbox.channel import ChildFailed, ChildHolder, JsonLinesChild, describe_death
 
 CHILD_SCRIPT = Path(__file__).with_name("_child.py")
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # plus RESPONSE_BYTES_PER_SAMPLE per sample
@@ -58,22 +58,6 @@ class RewardLoadError(ValueError):
 class BatchResult:
     scores: list[float | None]  # None where the sample failed
     errors: list[str | None]  # the failure, where scores has None
-
-
-class _State:
-    """What close() and the GC fallback need, kept off the PythonRewardProcess so a finalizer may hold it."""
-
-    def __init__(self):
-        self.child: JsonLinesChild | None = None
-        self.closed = False
-
-    def stop_child(self) -> int | None:
-        child, self.child = self.child, None
-        return child.stop() if child is not None else None
-
-    def close(self) -> None:
-        self.closed = True
-        self.stop_child()
 
 
 class PythonRewardProcess:
@@ -106,8 +90,8 @@ class PythonRewardProcess:
         # No hard CPU limit: the child budgets CPU per batch (soft), the parent's deadline is the hard stop.
         self.limits = Limits(cpu_s=None, address_space_bytes=memory_bytes, memory_bytes=memory_bytes,
                              file_size_bytes=file_size_bytes, open_files=open_files, max_processes=max_processes)
-        self._state = _State()
-        self._finalizer = weakref.finalize(self, _State.close, self._state)
+        self._state = ChildHolder()
+        self._finalizer = weakref.finalize(self, ChildHolder.close, self._state)
 
     # -- public ---------------------------------------------------------------
 
@@ -145,7 +129,7 @@ class PythonRewardProcess:
             return _check_answer(answer, n)
         except ChildFailed as e:
             reason = str(e)
-        code = self._state.stop_child()
+        code = self._state.stop()
         if reason == "timeout":
             error = f"timeout after {budget:g} s"
         elif reason == "died":
@@ -174,11 +158,11 @@ class PythonRewardProcess:
         try:
             answer = child.exchange(init, time.monotonic() + self.timeout_s + START_SLACK_S, MAX_RESPONSE_BYTES)
         except ChildFailed as e:
-            code = self._state.stop_child()
+            code = self._state.stop()
             detail = describe_death(code, "reward process") if str(e) == "died" else str(e)
             raise RewardLoadError(f"reward source failed to load: {detail}") from None
         if answer.get("ok") is not True:
-            self._state.stop_child()
+            self._state.stop()
             raise RewardLoadError(f"reward source failed to load: {answer.get('error', answer)}")
         return child
 

@@ -24,7 +24,7 @@ from service.sandbox.probe import Probe
 from service.sandbox import spawn as sandbox
 from worker.rewards.sandbox import PythonRewardProcess
 from service.sandbox.spawn import Limits, SandboxError, SandboxUnavailable, members, python_argv, sandbox_level
-from tests.worker.sandbox_attacks import SANDBOX_UIDS, Run, fresh_settings, needs_sandbox, trainer  # noqa: F401
+from tests.service.sandbox.attacks import SANDBOX_UIDS, Run, fresh_settings, needs_sandbox, trainer  # noqa: F401
 
 
 @needs_sandbox

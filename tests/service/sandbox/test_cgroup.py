@@ -3,7 +3,7 @@
 The kernel is the outer edge here: a directory of plain files stands for the
 cgroup file system (this machine's v2 hierarchy has no memory controller, so
 the v2 path cannot run for real; the v1 path does, in
-tests/worker/test_sandbox_kernel.py). What is checked is the decision: which
+tests/service/sandbox/test_kernel.py). What is checked is the decision: which
 directory, the delegation step a non-root v2 cgroup needs, and the limit
 files new_cgroup writes. The real OOM runs in test_sandbox_kernel.py
 (test_memory_limit_covers_all_its_processes_together) on whichever version

@@ -1,6 +1,6 @@
 """What the sandbox containment tests share: the trainer stand-in, the leftovers check, one scored run.
 
-Imported by tests/worker/test_sandbox_containment.py and test_sandbox_kernel.py
+Imported by tests/service/sandbox/test_containment.py and test_kernel.py
 (the fixtures by name, so pytest finds them there).
 """
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.trainer.test_decode import CPU, EOS, PAD, prompts, spec, static_greedy
+from tests.rollout.test_decode import CPU, EOS, PAD, prompts, spec, static_greedy
 from worker.rollout import decode
 
 

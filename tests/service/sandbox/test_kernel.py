@@ -23,7 +23,7 @@ from service.sandbox.probe import Probe
 from service.sandbox.uids import lease_uid
 from worker.rewards.sandbox import PythonRewardProcess
 from service.sandbox.spawn import SandboxUnavailable, sandbox_level
-from tests.worker.sandbox_attacks import SANDBOX_UIDS, Run, fresh_settings, needs_sandbox, trainer  # noqa: F401
+from tests.service.sandbox.attacks import SANDBOX_UIDS, Run, fresh_settings, needs_sandbox, trainer  # noqa: F401
 
 SYSCALLS = launcher.SYSCALLS.get(os.uname().machine, (0, {}, None))[1]
 
