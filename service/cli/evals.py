@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from service.cli.jobs import EXIT_JOB_ENDED_BADLY, Client, UsageError, _mapping, _positive, _print_json, _upload
+from service.cli.client import EXIT_JOB_ENDED_BADLY, Client, UsageError, parse_mapping, positive, print_json, upload_file
 
 
 def _job_reward(job: dict) -> dict:
@@ -40,12 +40,12 @@ def build_eval_request(args, client: Client) -> dict:
         raise UsageError(f"job {job['id']} has no fine-tuned model yet (status {job['status']}); name one of its "
                          "checkpoints with --checkpoint")
     path = Path(args.file)
-    file_id = _upload(client, path) if path.is_file() else args.file
+    file_id = upload_file(client, path) if path.is_file() else args.file
     body: dict = {"model": model, "file": file_id, "max_rows": args.max_rows}
     if args.reward and args.reward_function:
         raise UsageError("give at most one of --reward and --reward-function")
     if args.reward:
-        body["reward"] = _mapping(args.reward, "--reward")
+        body["reward"] = parse_mapping(args.reward, "--reward")
     elif args.reward_function:
         body["reward_function"] = args.reward_function
     elif args.base:
@@ -73,7 +73,7 @@ def cmd_eval(args, client: Client) -> int:
         time.sleep(args.interval)
         run = client.get(f"/evals/{run['id']}")
     if args.json:
-        _print_json(run)
+        print_json(run)
     elif run["status"] == "succeeded":
         print(result_line(run))
     if run["status"] == "failed":
@@ -89,5 +89,5 @@ def add_eval_arguments(p) -> None:
     p.add_argument("--base", action="store_true", help="evaluate the job's starting model instead")
     p.add_argument("--reward", help="an inline reward spec (default: the job's reward)")
     p.add_argument("--reward-function", help="a registered reward function id (default: the job's reward)")
-    p.add_argument("--max-rows", type=_positive(int), default=1000, help="score the file's first N rows")
-    p.add_argument("--interval", type=_positive(float), default=2.0, help="seconds between polls")
+    p.add_argument("--max-rows", type=positive(int), default=1000, help="score the file's first N rows")
+    p.add_argument("--interval", type=positive(float), default=2.0, help="seconds between polls")

@@ -21,59 +21,16 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import httpx
-import yaml
 
-DEFAULT_API_URL = "http://127.0.0.1:8000"
-TERMINAL = ("succeeded", "failed", "cancelled")
-EXIT_JOB_ENDED_BADLY, EXIT_USAGE, EXIT_API_ERROR, EXIT_UNREACHABLE = 1, 2, 3, 4
-
-
-class UsageError(Exception):
-    pass
-
-
-class ApiError(Exception):
-    """The API's error envelope, {"error": {message, type, param, code}}, as an exception."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def __str__(self) -> str:
-        details = ", ".join(f"{k}: {v}" for k, v in (("param", self.param), ("code", self.code)) if v)
-        return f"{self.message} (HTTP {self.status}{', ' + details if details else ''})"
-
-
-class Client:
-    def __init__(self, base_url: str, key: str):
-        self.http = httpx.Client(base_url=base_url.rstrip("/") + "/v1", timeout=60,
-                                 headers={"Authorization": f"Bearer {key}"})
-
-    @staticmethod
-    def check(response: httpx.Response) -> httpx.Response:
-        if response.is_success:
-            return response
-        try:
-            error = response.json()["error"]
-            raise ApiError(response.status_code, error["message"], error.get("param"), error.get("code"))
-        except (ValueError, KeyError, TypeError):
-            raise ApiError(response.status_code, response.text[:500] or response.reason_phrase) from None
-
-    def get(self, path: str, **params) -> dict:
-        return self.check(self.http.get(path, params=params)).json()
-
-    def post(self, path: str, **kwargs) -> dict:
-        return self.check(self.http.post(path, **kwargs)).json()
+from service.cli.client import (DEFAULT_API_URL, EXIT_API_ERROR, EXIT_JOB_ENDED_BADLY, EXIT_UNREACHABLE, EXIT_USAGE,
+                                TERMINAL, ApiError, Client, UsageError, parse_mapping, positive, print_json,
+                                upload_file)
+from service.cli.evals import add_eval_arguments, cmd_eval
 
 
 # -- output --------------------------------------------------------------------------------------
-
-
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2))
 
 
 def utc_time(seconds: int | None) -> str:
@@ -98,29 +55,9 @@ def _event_line(event: dict) -> str:
 # -- commands ------------------------------------------------------------------------------------
 
 
-def _upload(client: Client, path: Path) -> str:
-    with path.open("rb") as f:
-        uploaded = client.post("/files", files={"file": (path.name, f, "application/jsonl")},
-                               data={"purpose": "fine-tune"})
-    print(f"uploaded {path} as {uploaded['id']}", file=sys.stderr)
-    return uploaded["id"]
-
-
-def _mapping(text: str, what: str) -> dict:
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise UsageError(f"{what}: not valid YAML or JSON ({e})") from None
-    if isinstance(value, str):  # a bare type name, e.g. --reward json_valid
-        value = {"type": value}
-    if not isinstance(value, dict):
-        raise UsageError(f"{what}: expected a mapping of fields, got {type(value).__name__}")
-    return value
-
-
 def build_request(args, client: Client) -> dict:
     """The POST /v1/fine_tuning/jobs body: SPEC (YAML or JSON) with the flags on top; local files uploaded."""
-    body = _mapping(Path(args.spec).read_text(), f"SPEC {args.spec}") if args.spec else {}
+    body = parse_mapping(Path(args.spec).read_text(), f"SPEC {args.spec}") if args.spec else {}
     for field in ("model", "training_file", "validation_file", "suffix", "seed"):
         if getattr(args, field) is not None:
             body[field] = getattr(args, field)
@@ -132,7 +69,7 @@ def build_request(args, client: Client) -> dict:
                              f"{method.get('type')!r}")
         cispo = method.setdefault("cispo", {})
         if args.reward is not None:
-            cispo["reward"] = _mapping(args.reward, "--reward")
+            cispo["reward"] = parse_mapping(args.reward, "--reward")
         if args.reward_function is not None:
             cispo["reward_function"] = args.reward_function
         if args.steps is not None:
@@ -143,7 +80,7 @@ def build_request(args, client: Client) -> dict:
             path = Path(value).expanduser()
             if not path.is_file():
                 raise UsageError(f"{field}: {value} is neither a file id (file-...) nor a readable local file")
-            body[field] = _upload(client, path)
+            body[field] = upload_file(client, path)
     return body
 
 
@@ -159,12 +96,12 @@ def cmd_create(args, client: Client) -> int:
         if args.watch:
             raise UsageError("--dry-run creates no job, so there is nothing to --watch")
         report = client.post("/fine_tuning/jobs", json=build_request(args, client), params={"dry_run": "true"})
-        _print_json(report) if args.json else _print_dry_run(report)
+        print_json(report) if args.json else _print_dry_run(report)
         return 0
     headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
     job = client.post("/fine_tuning/jobs", json=build_request(args, client), headers=headers)
     if args.json:
-        _print_json(job)
+        print_json(job)
     else:
         print(job["id"])
     return _watch(client, job["id"], args.interval) if args.watch else 0
@@ -174,7 +111,7 @@ def cmd_list(args, client: Client) -> int:
     params = {"limit": args.limit, **({"after": args.after} if args.after else {})}
     page = client.get("/fine_tuning/jobs", **params)
     if args.json:
-        _print_json(page)
+        print_json(page)
         return 0
     print(f"{'ID':<32}  {'STATUS':<16}  {'STEPS':>9}  {'CREATED (UTC)':<19}  MODEL")
     for job in page["data"]:
@@ -186,7 +123,7 @@ def cmd_list(args, client: Client) -> int:
 
 
 def cmd_get(args, client: Client) -> int:
-    _print_json(client.get(f"/fine_tuning/jobs/{args.job}"))
+    print_json(client.get(f"/fine_tuning/jobs/{args.job}"))
     return 0
 
 
@@ -245,7 +182,7 @@ def cmd_events(args, client: Client) -> int:
 def cmd_control(args, client: Client) -> int:
     job = client.post(f"/fine_tuning/jobs/{args.job}/{args.action}")
     if args.json:
-        _print_json(job)
+        print_json(job)
     else:
         print(f"{job['id']}  {job['status']}")
     return 0
@@ -304,20 +241,6 @@ def _run(args) -> int:
         return EXIT_UNREACHABLE
 
 
-def _positive(kind):
-    """An argparse type: a number above zero (client-side flags; the API validates the rest by name)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def add_jobs_command(sub: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--api-url", help=f"the API's base URL (default: $CISPO_API_URL or {DEFAULT_API_URL})")
@@ -349,23 +272,21 @@ def add_jobs_command(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--dry-run", action="store_true", help="check the job (model, reward fields, prompt "
                         "lengths, engine) and estimate its duration; creates nothing")
     create.add_argument("--watch", action="store_true", help="then watch it until it ends")
-    create.add_argument("--interval", type=_positive(float), default=2.0, help="seconds between polls with --watch")
+    create.add_argument("--interval", type=positive(float), default=2.0, help="seconds between polls with --watch")
 
     listing = command("list", cmd_list, "list the project's jobs, newest first", job=False)
     listing.add_argument("--limit", type=int, default=20)
     listing.add_argument("--after", help="a job id: list the jobs older than it")
     command("get", cmd_get, "print a job as JSON")
     command("watch", cmd_watch, "a progress bar (steps, latest reward) until the job ends; exit 0 if it "
-            "succeeded").add_argument("--interval", type=_positive(float), default=2.0, help="seconds between polls")
+            "succeeded").add_argument("--interval", type=positive(float), default=2.0, help="seconds between polls")
     events = command("events", cmd_events, "the job's events, oldest first", aliases=["logs"])
     events.add_argument("--follow", "-f", action="store_true", help="keep printing new events until the job ends")
     events.add_argument("--limit", type=int, default=100)
-    events.add_argument("--interval", type=_positive(float), default=2.0,
+    events.add_argument("--interval", type=positive(float), default=2.0,
                         help="seconds between polls with --follow")
     for action in ("cancel", "pause", "resume"):
         command(action, cmd_control, f"{action} the job").set_defaults(action=action)
-    from service.cli.evals import add_eval_arguments, cmd_eval  # it builds on this module's client
-
     add_eval_arguments(command("eval", cmd_eval, "score the job's fine-tuned model (or --checkpoint, or --base) "
                                "on a file with its reward: the mean with its 95-percent interval, and a per-row "
                                "results file"))

@@ -1,4 +1,4 @@
-"""/v1/evals: score a model on a file with a reward, as its own object run by a worker (service/evals.py)."""
+"""/v1/evals: score a model on a file with a reward, as its own object run by a worker (service/evals/runs.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from service import evals as evals_service
+from service.evals import runs as evals_service
 from service.api import presenters
 from service.api.deps import PrincipalDep, SessionDep, SettingsDep, StoreDep
 from service.db.models import EvalRun
 from service.schemas.api import ListObject
-from service.schemas.eval_api import EvalCreate, EvalObject
+from service.evals.request import EvalCreate, EvalObject
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/evals", tags=["evals"])

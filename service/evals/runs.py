@@ -22,7 +22,7 @@ from service.repositories import reward_functions as rf_repo
 from service.repositories.pagination import Page
 from service.rewards.references import check_reward_references
 from service.row_shapes import check_rows_fit_method
-from service.schemas.eval_api import EvalCreate
+from service.evals.request import EvalCreate
 from service.job_spec.spec import JobSpec
 from service.settings import Settings
 from service.storage import ObjectStore

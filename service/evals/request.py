@@ -1,4 +1,4 @@
-"""POST /v1/evals and the eval run object (service/evals.py).
+"""POST /v1/evals and the eval run object (service/evals/runs.py).
 
 One object per run, named like OpenAI's eval runs (`object: "eval.run"`, `result_counts`), flattened: the
 model to score (a base model, a fine-tuned model `ft:...`, a checkpoint's name or id), the file of rows,
