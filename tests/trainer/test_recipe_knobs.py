@@ -12,9 +12,10 @@ from worker.trainer.loop import Trainer
 ROWS = [{"prompt": f"{w}=", "answer": w[-1]} for w in ("ba", "cda", "ab", "ec", "fd", "be")]
 
 
-def solved_or_coin(completion: str, answer: str, **_row) -> float:
-    """Prompts answered 'a' always pass; the others pass on completions of odd length (a spread of rewards)."""
-    return 1.0 if answer == "a" else float(len(completion) % 2)
+def solved_or_partial(completion: str, answer: str, **_row) -> float:
+    """Prompts answered 'a' always pass (1.0); the others never do (0.5 for a completion starting with a, b or c,
+    else 0: a spread of rewards below the pass mark)."""
+    return 1.0 if answer == "a" else 0.5 * float(completion[:1] in ("a", "b", "c"))
 
 
 def test_a_run_with_every_recipe_knob_on(toy_dir, tmp_path):
@@ -39,7 +40,7 @@ def test_a_run_with_every_recipe_knob_on(toy_dir, tmp_path):
         def on_checkpoint(self, step, path): pass
         def should_stop(self): return False
 
-    trainer = Trainer(spec, tmp_path / "out", reward_fn=solved_or_coin)
+    trainer = Trainer(spec, tmp_path / "out", reward_fn=solved_or_partial)
     assert trainer.policy.lm_head_float32
     trainer.run(Collect())
     assert len(seen) == 2 and all(math.isfinite(m["loss"]) for m in seen)
