@@ -69,6 +69,16 @@ def test_head_gradient_when_hidden_is_frozen():
     torch.testing.assert_close(got, want, **TOL)
 
 
+def test_frozen_head_as_under_lora():
+    """LoRA leaves the LM head frozen (weight and bias need no gradient): the hidden states get the naive gradient."""
+    head, hidden, targets = _setup(7)
+    head.requires_grad_(False)
+    logp, _ = token_logprobs(head, hidden, targets, temperature=0.7, chunk_size=3)
+    (got,) = torch.autograd.grad(logp.sum(), [hidden])
+    (want,) = torch.autograd.grad(_naive(head, hidden, targets, 0.7)[0].sum(), [hidden])
+    torch.testing.assert_close(got, want, **TOL)
+
+
 def test_works_under_no_grad():
     """Under torch.no_grad the result matches the naive one and carries no graph."""
     head, hidden, targets = _setup(3)
@@ -138,3 +148,42 @@ def test_backward_runs_its_matmuls_in_the_autocast_dtype():
     ref.sum().backward()
     torch.testing.assert_close(grads[0], head.weight.grad, rtol=0.05, atol=0.05)
     torch.testing.assert_close(grads[1], hidden.grad, rtol=0.05, atol=0.05)
+
+
+def test_head_without_bias_as_lm_heads_are():
+    """The usual LM head has no bias: values and gradients still match the naive computation."""
+    head, hidden, targets = _setup(5)
+    head = torch.nn.Linear(H, V, bias=False)
+    logp, entropy = token_logprobs(head, hidden, targets, temperature=0.7, chunk_size=3)
+    got = torch.autograd.grad(logp.sum(), [hidden, head.weight])
+    ref_logp, ref_entropy = _naive(head, hidden, targets, 0.7)
+    want = torch.autograd.grad(ref_logp.sum(), [hidden, head.weight])
+    torch.testing.assert_close(logp, ref_logp, **TOL)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), **TOL)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def test_bf16_head_gradients_are_summed_over_chunks_in_float32():
+    """A bf16 head trained directly (no float32 master): its weight and bias gradients are sums over every chunk,
+    kept in float32 until the end. Summed in bf16, 256 one-row chunks of same-sign terms would drift by several
+    percent (bf16 keeps 8 bits: past 128, adding 0.9 adds 1)."""
+    torch.manual_seed(6)
+    n = 256
+    head = torch.nn.Linear(H, V).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.mul_(0.01)
+        head.bias.zero_()
+    hidden = (torch.rand(1, n, H) + 1).to(torch.bfloat16)  # positive: the weight gradient's terms add up too
+    targets = torch.full((1, n), 2)
+    logp, _ = token_logprobs(head, hidden, targets, chunk_size=1)
+    grad_w, grad_b = torch.autograd.grad(logp.sum(), [head.weight, head.bias])
+    assert grad_w.dtype == grad_b.dtype == torch.bfloat16
+    exact = torch.nn.Linear(H, V).double()
+    with torch.no_grad():
+        exact.weight.copy_(head.weight.double())
+        exact.bias.copy_(head.bias.double())
+    ref_logp, _ = _naive(exact, hidden.double(), targets, 1.0)
+    want_w, want_b = torch.autograd.grad(ref_logp.double().sum(), [exact.weight, exact.bias])
+    torch.testing.assert_close(grad_b.double(), want_b, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(grad_w.double(), want_w, rtol=1e-2, atol=1e-2)
