@@ -229,3 +229,14 @@ def test_nothing_to_train_takes_no_step(toy_dir):
     optimizer = Recording(policy.model.named_parameters(), lr=LR)
     stats = Updater(policy, optimizer, spec).run(rollout, advantages, [1])
     assert optimizer.seen == [] and stats.step_losses == [] and stats.sums == {}
+
+
+def test_zero_weight_pass_runs_a_backward_that_adds_nothing(toy_dir):
+    """A rank short of micro-batches joins FSDP's collectives with a pass whose gradients are all exactly zero
+    (they are added to the real ones), but that does run backward through every trainable weight."""
+    spec = _spec(toy_dir)
+    policy = _policy(spec)
+    rollout, _ = _batch_without_actions_in(1)
+    Updater(policy, torch.optim.SGD(policy.trainable_parameters(), lr=LR), spec)._zero_weight_pass(rollout)
+    grads = [p.grad for p in policy.trainable_parameters()]
+    assert all(g is not None for g in grads) and all(not g.any() for g in grads)
