@@ -111,12 +111,15 @@ def _assert_grads(seen: dict, want: dict, scale: float = 1.0):
 
 
 def test_one_step_is_the_token_mean_loss_over_the_kept_sequences(toy_dir):
-    """Per-sequence advantages, 4 micro-batches of 2, one sequence left out by the caller and one without actions:
+    """Per-sequence advantages, 4 micro-batches of 2, one sequence left out by the caller, one without actions and
+    one with a single action token:
     the step's gradient, loss, token count and gradient norm are the whole-batch loss's, clipped to max_grad_norm,
     and the step leaves no gradient behind."""
     spec = _spec(toy_dir, optimizer={"max_grad_norm": 0.05})
     policy = _policy(spec)
     rollout, advantages = _batch_without_actions_in(3)
+    rollout.action_mask[5] = [0] * (len(rollout.action_mask[5]) - 1) + [1]  # a one-token answer counts too
+    rollout.action_turns[5] = [0]
     kept = [0, 1, 2, 4, 5, 6, 7]
     counts = rollout.action_counts
     loss, want = _reference(policy, rollout, {i: advantages[i].repeat(counts[i]) for i in kept if i != 3})
@@ -209,16 +212,38 @@ def test_epochs_of_mini_batches_keep_the_rollout_logprobs_frozen(toy_dir):
 
 def test_mini_batches_cut_a_shuffle_keyed_by_seed_step_and_epoch(toy_dir):
     """Each epoch's mini-batches split the kept sequences between them; the cut is the same for the same seed,
-    step and epoch, and another for another step or epoch."""
+    step and epoch, and another for another seed, step or epoch."""
     spec = _spec(toy_dir, mini_batches=3)
-    updater = Updater(_policy(spec), torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR), spec)
+    updater = Updater(None, None, spec)  # cutting needs neither a model nor an optimizer
     kept = [0, 1, 2, 4, 5, 6, 7]
     cuts = updater._mini_batches(kept, 8, step=3, epoch=0)
     assert len(cuts) == 3 and sorted(i for c in cuts for i in c) == kept and all(cuts)
     assert updater._mini_batches(kept, 8, step=3, epoch=0) == cuts
     assert updater._mini_batches(kept, 8, step=4, epoch=0) != cuts
     assert updater._mini_batches(kept, 8, step=3, epoch=1) != cuts
+    reseeded = Updater(None, None, spec.model_copy(update={"seed": spec.seed + 1}))
+    assert reseeded._mini_batches(kept, 8, step=3, epoch=0) != cuts
     assert len(updater._mini_batches([5, 6], 8, step=3, epoch=0)) == 2  # never more cuts than sequences
+
+
+def test_each_rank_takes_its_own_sequences_of_the_same_global_cut(toy_dir, monkeypatch):
+    """Two ranks of 4 sequences each (rank 1 keeps 3): every mini-batch is one cut of the 7 kept sequences, each rank
+    getting its own of them as local indices, so the optimizer steps are those of one process."""
+    from worker.distributed import group
+
+    spec = _spec(toy_dir, mini_batches=2)
+    shares = [(4, [0, 1, 2, 3]), (4, [0, 2, 3])]
+    monkeypatch.setattr(group, "gather_objects", lambda _mine: shares)
+    per_rank = []
+    for rank in (0, 1):
+        monkeypatch.setattr(group, "rank", lambda rank=rank: rank)
+        per_rank.append(Updater(None, None, spec)._mini_batches(shares[rank][1], 4, step=2, epoch=0))
+    monkeypatch.setattr(group, "gather_objects", lambda mine: [mine])
+    monkeypatch.setattr(group, "rank", lambda: 0)
+    alone = Updater(None, None, spec)._mini_batches([0, 1, 2, 3, 4, 6, 7], 8, step=2, epoch=0)
+    for cut, on_0, on_1 in zip(alone, *per_rank, strict=True):
+        assert all(0 <= i < 4 for i in on_0 + on_1)
+        assert sorted(on_0 + [4 + i for i in on_1]) == sorted(cut)
 
 
 def test_nothing_to_train_takes_no_step(toy_dir):
