@@ -193,8 +193,9 @@ def test_kl_penalty_to_the_reference_and_the_sampler_logprobs(toy_dir):
 
 def test_epochs_of_mini_batches_keep_the_rollout_logprobs_frozen(toy_dir):
     """2 epochs x 2 mini-batches: four optimizer steps, each epoch over every kept token once; logp_old is the
-    policy before the first step (ratio 1 there, not after), scored without dropout."""
-    spec = _spec(toy_dir, update_epochs=2, mini_batches=2, micro_batch_size=4)
+    policy before the first step (ratio 1 there, not after), scored without dropout; the spec's ratio cap applies."""
+    with pytest.warns(UserWarning, match="ratio_max"):  # a cap this low warns; here it shows the spec's cap binds
+        spec = _spec(toy_dir, update_epochs=2, mini_batches=2, micro_batch_size=4, loss={"ratio_max": 1.0})
     policy = _policy(spec)
     rollout, advantages = _batch_without_actions_in(0)
     kept = list(range(1, 8))
@@ -207,6 +208,7 @@ def test_epochs_of_mini_batches_keep_the_rollout_logprobs_frozen(toy_dir):
     first, later = stats.ratios[0], torch.cat(stats.ratios[1:])
     torch.testing.assert_close(first, torch.ones_like(first), rtol=0, atol=1e-5)
     assert (later - 1).abs().max() > 1e-3
+    assert stats.sums["clipped"] == int((later > 1.0).sum()) > 0  # the spec's ratio_max, not the default 5
     assert policy.model.training
 
 
