@@ -78,6 +78,12 @@ def run(name: str, *, survivors: bool) -> dict:
     with open(where / "pyproject.toml", "a") as f:
         f.write(_config(paths, tests, skip))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # import the mutants, not the checkout
+    # Every forked mutant run is a new pytest session: without this each would pretrain the toy model again.
+    env.setdefault("CISPO_TEST_TOY_DIR", str(WORK / "toy"))
+    # mutmut forks each mutant's run from a process that already ran the tests: torch's OpenMP worker threads do
+    # not survive a fork, and the child's first parallel kernel waits for them forever (seen: log_softmax stuck
+    # in gomp_team_barrier_wait_end, 0 s of CPU), which mutmut then counts as a timeout, i.e. as killed.
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     mutmut = [sys.executable, "-m", "mutmut"]
     subprocess.run([*mutmut, "run", "--max-children", os.environ.get("MUTATE_CHILDREN", "2")], cwd=where,
                    env=env, check=False, stdout=subprocess.DEVNULL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,8 +26,19 @@ def toy_dir(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
     from worker.toy.__main__ import prepare
 
-    root = tmp_path_factory.mktemp("toy")
-    prepare(root)
+    kept = os.environ.get("CISPO_TEST_TOY_DIR")  # bench/mutate.py: one build for all its test runs
+    if not kept:
+        root = tmp_path_factory.mktemp("toy")
+        prepare(root)
+        return root
+    root = Path(kept)
+    if not (root / "spec.yaml").exists():  # built aside, then renamed: a concurrent run never sees half of it
+        building = root.with_name(f"{root.name}.{os.getpid()}")
+        prepare(building)
+        try:
+            os.rename(building, root)
+        except OSError:  # another run got there first
+            shutil.rmtree(building, ignore_errors=True)
     return root
 
 

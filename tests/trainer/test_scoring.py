@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.trainer.conftest import forward_shapes
@@ -98,3 +99,45 @@ def test_scoring_keeps_only_the_last_hidden_state(lora_model):
     mask = whole.action_mask_BT.bool()
     assert torch.allclose(results[0][mask], expected[mask], atol=1e-5)
     assert torch.allclose(results[0][mask].sum(), results[1].sum(), atol=1e-4)  # shared prefixes: same values
+
+
+def test_collate_right_pads_and_shifts_targets_by_one():
+    """input_ids drop the last token, targets the first; padding has attention 0, the pad id and no action."""
+    from worker.trainer.scoring import collate
+
+    batch = collate([[1, 7, 8], [1, 9]], [[20, 21], [22]], pad_id=PAD, device=CPU)
+    assert batch.input_ids_BT.tolist() == [[1, 7, 8, 20], [1, 9, 22, PAD]]
+    assert batch.targets_BT.tolist() == [[7, 8, 20, 21], [9, 22, PAD, PAD]]
+    assert batch.attention_mask_BT.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert batch.action_mask_BT.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    assert batch.action_mask_BT.dtype == torch.float32 and batch.input_ids_BT.dtype == torch.long
+    assert batch.num_action_tokens == 3 and batch.prefix_ids_GP is None
+
+
+def test_a_mask_of_another_length_is_refused():
+    with pytest.raises(ValueError, match=r"sequence 1: 3 tokens but an action mask of 2"):
+        collate_sequences([[1, 2, 3], [1, 2, 3]], [[0, 1, 1], [0, 1]], pad_id=PAD, device=CPU)
+
+
+def test_shared_prefixes_are_left_padded_and_rows_keep_the_context_s_last_token():
+    """Two prompts of different lengths: each is stored once, left-padded; each row starts with its prompt's last
+    token (whose output predicts the first action)."""
+    seqs = [[1, 5, 6, 30, 31], [1, 5, 6, 32], [1, 7, 40, 41]]
+    masks = [[0, 0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 1, 1]]
+    batch = collate_sequences(seqs, masks, pad_id=PAD, device=CPU, share_prefixes=True)
+    assert batch.prefix_ids_GP.tolist() == [[1, 5], [PAD, 1]]
+    assert batch.prefix_mask_GP.tolist() == [[1, 1], [0, 1]]
+    assert batch.prefix_of_B.tolist() == [0, 0, 1]
+    assert batch.input_ids_BT.tolist() == [[6, 30], [6, 32], [7, 40]]
+    assert batch.targets_BT.tolist() == [[30, 31], [32, PAD], [40, 41]]
+    assert batch.action_mask_BT.tolist() == [[1, 1], [1, 0], [1, 1]]
+    assert batch.prefix_ids_GP.dtype == batch.prefix_mask_GP.dtype == batch.prefix_of_B.dtype == torch.long
+
+
+@pytest.mark.parametrize("first", [[0, 1, 1, 1], [1, 1, 1, 1]])
+def test_nothing_is_shared_when_a_row_has_no_context_before_its_last_prompt_token(first):
+    """A row whose first action is its second token (or its first) has no prefix to share: the batch is whole."""
+    seqs = [[1, 20, 21, 22], [1, 5, 6, 30], [1, 5, 6, 31]]
+    masks = [first, [0, 0, 0, 1], [0, 0, 0, 1]]
+    batch = collate_sequences(seqs, masks, pad_id=PAD, device=CPU, share_prefixes=True)
+    assert batch.prefix_ids_GP is None and batch.input_ids_BT.tolist() == [s[:-1] for s in seqs]

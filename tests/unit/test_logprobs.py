@@ -69,6 +69,16 @@ def test_head_gradient_when_hidden_is_frozen():
     torch.testing.assert_close(got, want, **TOL)
 
 
+def test_frozen_head_as_under_lora():
+    """LoRA leaves the LM head frozen (weight and bias need no gradient): the hidden states get the naive gradient."""
+    head, hidden, targets = _setup(7)
+    head.requires_grad_(False)
+    logp, _ = token_logprobs(head, hidden, targets, temperature=0.7, chunk_size=3)
+    (got,) = torch.autograd.grad(logp.sum(), [hidden])
+    (want,) = torch.autograd.grad(_naive(head, hidden, targets, 0.7)[0].sum(), [hidden])
+    torch.testing.assert_close(got, want, **TOL)
+
+
 def test_works_under_no_grad():
     """Under torch.no_grad the result matches the naive one and carries no graph."""
     head, hidden, targets = _setup(3)
@@ -107,6 +117,38 @@ def test_any_head_module_goes_through_the_checkpointed_path(chunk_size):
     torch.testing.assert_close(entropy, want_entropy, **TOL)
     torch.testing.assert_close(got_h, hidden.grad, **TOL)
     torch.testing.assert_close(got_w, head.weight.grad, **TOL)
+
+
+def test_any_head_module_under_no_grad():
+    """Scoring with no gradient (old-policy and reference log-probs) through a head that is not a plain Linear."""
+    head, hidden, targets = _setup(8)
+    wrapped = torch.nn.Sequential(head)
+    with torch.no_grad():
+        logp, entropy = token_logprobs(wrapped, hidden, targets, temperature=0.9, chunk_size=4)
+        want, want_entropy = _naive(head, hidden, targets, 0.9)
+    assert not logp.requires_grad
+    torch.testing.assert_close(logp, want, **TOL)
+    torch.testing.assert_close(entropy, want_entropy, **TOL)
+
+
+def test_any_head_module_keeps_no_logits_for_backward():
+    """The checkpointed path saves only each chunk's hidden states and targets for backward, nothing the size of
+    the vocabulary (a 7B model's float32 logits are ~0.6 MB a token)."""
+    torch.manual_seed(9)
+    vocab = 1000
+    head = torch.nn.Sequential(torch.nn.Linear(H, vocab))
+    hidden = torch.randn(B, T, H, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, _ = token_logprobs(head, hidden, torch.randint(0, vocab, (B, T)), chunk_size=4)
+    assert saved and not any(vocab in shape for shape in saved), saved
+    logp.sum().backward()
+    assert hidden.grad.abs().sum() > 0
 
 
 def test_backward_runs_its_matmuls_in_the_autocast_dtype():
@@ -157,3 +199,42 @@ def test_a_float32_head_under_bf16_autocast_is_exact_and_so_is_its_gradient():
     torch.testing.assert_close(exact.double(), ref, rtol=0, atol=1e-4)
     (grad,) = torch.autograd.grad(exact.sum(), hidden)
     torch.testing.assert_close(grad.double(), ref_grad.double(), rtol=0, atol=1e-4)
+
+
+def test_head_without_bias_as_lm_heads_are():
+    """The usual LM head has no bias: values and gradients still match the naive computation."""
+    head, hidden, targets = _setup(5)
+    head = torch.nn.Linear(H, V, bias=False)
+    logp, entropy = token_logprobs(head, hidden, targets, temperature=0.7, chunk_size=3)
+    got = torch.autograd.grad(logp.sum(), [hidden, head.weight])
+    ref_logp, ref_entropy = _naive(head, hidden, targets, 0.7)
+    want = torch.autograd.grad(ref_logp.sum(), [hidden, head.weight])
+    torch.testing.assert_close(logp, ref_logp, **TOL)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), **TOL)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def test_bf16_head_gradients_are_summed_over_chunks_in_float32():
+    """A bf16 head trained directly (no float32 master): its weight and bias gradients are sums over every chunk,
+    kept in float32 until the end. Summed in bf16, 256 one-row chunks of same-sign terms would drift by several
+    percent (bf16 keeps 8 bits: past 128, adding 0.9 adds 1)."""
+    torch.manual_seed(6)
+    n = 256
+    head = torch.nn.Linear(H, V).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.mul_(0.01)
+        head.bias.zero_()
+    hidden = (torch.rand(1, n, H) + 1).to(torch.bfloat16)  # positive: the weight gradient's terms add up too
+    targets = torch.full((1, n), 2)
+    logp, _ = token_logprobs(head, hidden, targets, chunk_size=1)
+    grad_w, grad_b = torch.autograd.grad(logp.sum(), [head.weight, head.bias])
+    assert grad_w.dtype == grad_b.dtype == torch.bfloat16
+    exact = torch.nn.Linear(H, V).double()
+    with torch.no_grad():
+        exact.weight.copy_(head.weight.double())
+        exact.bias.copy_(head.bias.double())
+    ref_logp, _ = _naive(exact, hidden.double(), targets, 1.0)
+    want_w, want_b = torch.autograd.grad(ref_logp.double().sum(), [exact.weight, exact.bias])
+    torch.testing.assert_close(grad_b.double(), want_b, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(grad_w.double(), want_w, rtol=1e-2, atol=1e-2)
