@@ -104,6 +104,8 @@ class Settings(BaseSettings):
                                     "limits: past it a request is checked against this replica's own limits.")
     model_dirs: str = Field("", description="Comma-separated directories under which jobs may name a local "
                             "model; empty: only hub ids are accepted.")
+    tracking_file_roots: str = Field("", description="Comma-separated directories under which a job's mlflow "
+                                     "integration may name a file: store; empty: only http(s) servers.")
     secret_key: str = Field("", description="Fernet key that encrypts project secrets at rest; empty: a key "
                             "file HOME/secret.key (mode 0600) is created and used.")
 
@@ -138,6 +140,9 @@ class Settings(BaseSettings):
 
     def resolved_model_dirs(self) -> tuple[Path, ...]:
         return tuple(Path(d.strip()).resolve() for d in self.model_dirs.split(",") if d.strip())
+
+    def resolved_tracking_file_roots(self) -> tuple[Path, ...]:
+        return tuple(Path(d.strip()).resolve() for d in self.tracking_file_roots.split(",") if d.strip())
 
     def resolved_work_dir(self) -> Path:
         return (self.work_dir or self.home / "work").resolve()

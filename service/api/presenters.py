@@ -70,7 +70,8 @@ def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
         steps_done=row.steps_done, total_steps=row.total_steps, reward_function=row.reward_function_id,
         environment=row.environment_id,
         estimated_finish=row.estimated_finish if row.status == "running" else None,
-        result_files=[row.result_file_id] if row.result_file_id else [],
+        result_files=[f for f in (row.result_file_id, row.tensorboard_file_id) if f],
+        integrations=row.spec.get("integrations", []),
     )
 
 
@@ -83,11 +84,15 @@ def event(row: JobEvent) -> EventObject:
                        type=row.type, data=finite(row.data))
 
 
+MERGED_ARCHIVE = "merged.tar"  # worker/export.py
+
+
 def checkpoint(row: Checkpoint, job_row: Job, who: Principal) -> CheckpointObject:
     return CheckpointObject(
         id=row.id, created_at=row.created_at,
         fine_tuned_model_checkpoint=f"{model_name(job_row, who)}:ckpt-step-{row.step}",
         fine_tuning_job_id=row.job_id, step_number=row.step, metrics=finite(row.metrics or {}),
+        merged_model=MERGED_ARCHIVE in (row.files or {}),
     )
 
 

@@ -1,4 +1,5 @@
-"""`cispo jobs`: a command-line client of the fine-tuning API (create, list, get, watch, events, control, download).
+"""`cispo jobs`: a command-line client of the fine-tuning API (create, list, get, watch, events, control, download,
+export: service/cli/export.py).
 
 It talks HTTP only, so it runs wherever the API is reachable and imports
 neither torch nor the worker. The API URL and key come from --api-url and
@@ -250,15 +251,20 @@ def cmd_control(args, client: Client) -> int:
     return 0
 
 
+def checkpoint_id(client: Client, job: str, given: str | None) -> str:
+    """`given`, or the job's latest checkpoint."""
+    if given is not None:
+        return given
+    latest = client.get(f"/fine_tuning/jobs/{job}/checkpoints", limit=1)["data"]
+    if not latest:
+        raise ApiError(404, f"job {job} has no checkpoints yet", "fine_tuning_job_id")
+    return latest[0]["id"]
+
+
 def cmd_download(args, client: Client) -> int:
     """A checkpoint's tar (the latest by default: adapter/, trainer state, manifest), checked against the API's
     sha256."""
-    ckpt_id = args.checkpoint
-    if ckpt_id is None:
-        latest = client.get(f"/fine_tuning/jobs/{args.job}/checkpoints", limit=1)["data"]
-        if not latest:
-            raise ApiError(404, f"job {args.job} has no checkpoints yet", "fine_tuning_job_id")
-        ckpt_id = latest[0]["id"]
+    ckpt_id = checkpoint_id(client, args.job, args.checkpoint)
     dest = Path(args.output or f"{ckpt_id}-adapter.tar")
     partial = dest.with_name(dest.name + ".part")
     digest, size = hashlib.sha256(), 0
@@ -366,3 +372,6 @@ def add_jobs_command(sub: argparse._SubParsersAction) -> None:
     download = command("download", cmd_download, "download a checkpoint's tar (its adapter/ loads with PEFT; unpacked, a local init_from), verified by sha256")
     download.add_argument("--checkpoint", help="a checkpoint id (default: the latest)")
     download.add_argument("--output", "-o", help="where to save it (default: <checkpoint>-adapter.tar)")
+    from service.cli.export import add_export_command  # it uses this module's client
+
+    add_export_command(command)

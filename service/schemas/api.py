@@ -112,6 +112,8 @@ class CheckpointObject(BaseModel):
     fine_tuning_job_id: str
     step_number: int
     metrics: dict[str, Any]
+    merged_model: bool = Field(False, description="A merged full-weight model is stored with it (training.export "
+                               "'merged'): GET .../checkpoints/{id}/merged.")
 
 
 class MetricPoint(BaseModel):

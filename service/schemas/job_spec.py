@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.schemas.environments import EnvironmentSpec
+from service.schemas.integrations import Integrations
 from service.schemas.rewards import AnyReward
 
 
@@ -268,6 +269,13 @@ class TrainingSpec(Strict):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory, about a third more compute."
     )
+    export: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="'merged': with each checkpoint, the worker also stores the adapter merged into the base model "
+        "(config.json, tokenizer, model.safetensors; loads with from_pretrained alone), downloaded with GET "
+        ".../checkpoints/{id}/merged or `cispo jobs export --merge`. A LoRA job's option: a full fine-tuning "
+        "checkpoint's model/ is already whole.",
+    )
 
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainingSpec:
@@ -317,6 +325,7 @@ class JobSpec(Strict):
     init_from: str | None = Field(
         None, description="Warm start: a checkpoint whose adapter starts the policy and becomes the reference."
     )
+    integrations: Integrations = Field([], description="Experiment trackers the worker logs metrics to.")
 
     @field_validator("dtype")
     @classmethod
@@ -342,6 +351,13 @@ class JobSpec(Strict):
         if tc.mini_batches > per_process:
             raise ValueError(f"training.mini_batches ({tc.mini_batches}) exceeds the sequences per process "
                              f"(batch_size / resources.gpus * group_size = {per_process})")
+        return self
+
+    @model_validator(mode="after")
+    def _merge_needs_an_adapter(self) -> JobSpec:
+        if self.training.export == "merged" and self.lora is None:
+            raise ValueError("training.export 'merged' merges a LoRA adapter into its base, but this job trains the "
+                             "whole model (lora: null): its checkpoints' model/ loads with from_pretrained as it is")
         return self
 
     @model_validator(mode="after")
