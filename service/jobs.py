@@ -94,7 +94,7 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
 def _check_integrations(spec: JobSpec, settings: Settings) -> None:
     for i, integration in enumerate(spec.integrations):
         if integration.type == "mlflow" and integration.mlflow.tracking_uri is not None:
-            param = f"integrations.{i}.mlflow.tracking_uri"
+            param = f"integrations[{i}].mlflow.tracking_uri"
             try:
                 check_tracking_uri(integration.mlflow.tracking_uri, settings)
             except ValueError as e:

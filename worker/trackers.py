@@ -73,6 +73,10 @@ class MlflowTracker:
                 check_tracking_uri(uri, settings)
             except ValueError as e:
                 raise TrackerUnavailable(str(e)) from None
+        if uri.startswith("file:"):
+            # MLflow 3 refuses its file store unless opted in; an operator who allows file: roots (checked above)
+            # has opted in.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.Metric, self.client = Metric, MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(cfg.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.experiment)
