@@ -20,6 +20,7 @@ from service.dry_run import check_reward_fields
 from service.row_shapes import check_rows_fit_method
 from service.environments import resolve_for_job
 from service.job_spec.build import build_spec, grader_reward
+from service.tracking_targets import check_tracking_uri
 from service.models import start as starts
 from service.models.source import check_model
 from service.repositories import files as files_repo
@@ -91,6 +92,8 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     spec = build_spec(body, seed=seed, training_rows=training.rows, reward=reward, environment=environment,
                       start=start)
+    if settings is not None:
+        _check_integrations(spec, settings)
     if spec.reward is not None:
         where = {"cispo": "method.cispo.reward_function" if reward_function_id else "method.cispo.reward",
                  "supervised": "method.supervised.reward_function" if reward_function_id
@@ -98,6 +101,16 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
                  "reinforcement": "method.reinforcement.grader"}[body.method.type]
         check_reward_references(session, project_id, spec.reward, param=where, settings=settings)
     return Prepared(spec=spec, reward_function_id=reward_function_id, environment_id=environment_id)
+
+
+def _check_integrations(spec: JobSpec, settings: Settings) -> None:
+    for i, integration in enumerate(spec.integrations):
+        if integration.type == "mlflow" and integration.mlflow.tracking_uri is not None:
+            param = f"integrations[{i}].mlflow.tracking_uri"
+            try:
+                check_tracking_uri(integration.mlflow.tracking_uri, settings)
+            except ValueError as e:
+                raise InvalidRequest(f"{param}: {e}", param=param) from None
 
 
 def check_quota(session: Session, project_id: str, settings: Settings | None) -> None:

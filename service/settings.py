@@ -116,6 +116,8 @@ class Settings(BaseSettings):
     serve_adapters_cached: int = Field(8, ge=1, description="LoRA adapters a serving worker keeps loaded on "
                                        "its resident base (least recently used are dropped).")
     serve_max_tokens: int = Field(4096, ge=1, description="The most tokens one completion may ask for.")
+    tracking_file_roots: str = Field("", description="Comma-separated directories under which a job's mlflow "
+                                     "integration may name a file: store; empty: only http(s) servers.")
     secret_key: str = Field("", description="Fernet key that encrypts project secrets at rest; empty: a key "
                             "file HOME/secret.key (mode 0600) is created and used.")
 
@@ -156,6 +158,9 @@ class Settings(BaseSettings):
 
     def resolved_model_dirs(self) -> tuple[Path, ...]:
         return tuple(Path(d.strip()).resolve() for d in self.model_dirs.split(",") if d.strip())
+
+    def resolved_tracking_file_roots(self) -> tuple[Path, ...]:
+        return tuple(Path(d.strip()).resolve() for d in self.tracking_file_roots.split(",") if d.strip())
 
     def resolved_work_dir(self) -> Path:
         return (self.work_dir or self.home / "work").resolve()

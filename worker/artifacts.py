@@ -74,7 +74,8 @@ def download_checkpoint(store: ObjectStore, prefix: str, files: dict, dest: Path
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
     try:
         for rel, meta in files.items():
-            if rel == ARCHIVE:
+            # The archive repeats the files; a merged export (worker/export.py) is for download, not resuming.
+            if rel in (ARCHIVE, "merged.tar") or rel.startswith("merged/"):
                 continue
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)

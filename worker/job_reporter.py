@@ -44,8 +44,11 @@ class JobReporter:
     """Trainer callbacks that write to SQL (fenced) and the object store, and relay control requests."""
 
     def __init__(self, sessions: sessionmaker[Session], store: ObjectStore, job_id: str, epoch: int,
-                 settings: Settings, total_steps: int, keep_checkpoints: int = 3, environment: str | None = None):
-        """`environment`: the job's environment, described (its failures are reported as its own, not a reward's)."""
+                 settings: Settings, total_steps: int, keep_checkpoints: int = 3, environment: str | None = None,
+                 export_merged: tuple[str, str] | None = None):
+        """`environment`: the job's environment, described (its failures are reported as its own, not a reward's);
+        `export_merged`: (base model, spec dtype) when each checkpoint is also to be stored merged into its base."""
+        self.export_merged = export_merged
         self.sessions, self.store, self.job_id, self.epoch = sessions, store, job_id, epoch
         self.environment = environment
         self.settings, self.total_steps = settings, total_steps
@@ -54,6 +57,7 @@ class JobReporter:
         self._reward_errors_seen: set[str] = set()  # messages already shown in a warn event
         self._reward_warned_at: int | None = None
         self._clock = StepClock(total_steps)
+        self.trackers = None  # the job's experiment trackers (worker/trackers.py), set by the job runner
         self._stop_beat = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{job_id}", daemon=True)
 
@@ -105,7 +109,12 @@ class JobReporter:
                            data={"step": step, "total_steps": self.total_steps, **finite})
             eta = self._clock.estimate(time.time(), step, finite.get("step_seconds", 0.0))
             job_outputs.set_estimated_finish(s, self.job_id, self.epoch, eta)
+        self._track(step, finite)
         self.heartbeat()
+
+    def _track(self, step: int, metrics: dict[str, float]) -> None:
+        if self.trackers is not None and metrics:
+            self.trackers.log(step, metrics)  # never raises: a broken tracker is switched off
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         metrics = _finite(metrics)
@@ -116,6 +125,7 @@ class JobReporter:
                 return
             jobs.add_event(s, self.job_id, f"Evaluation at step {step}: reward {metrics.get('eval_reward_mean', float('nan')):.4f}",
                            type="metrics", data={"step": step, **metrics})
+        self._track(step, metrics)
 
     def on_preflight(self, metrics: dict[str, float]) -> None:
         """The pre-flight's baseline: metrics at step 0 and an event (a warning when no group has a signal)."""
@@ -128,6 +138,7 @@ class JobReporter:
             none = metrics.get("preflight_zero_variance_fraction", 0.0) >= 1.0
             jobs.add_event(s, self.job_id, preflight_message(metrics), level="warn" if none else "info",
                            data={"step": 0, **metrics})
+        self._track(0, metrics)
 
     def on_no_signal(self, step: int, steps: int) -> None:
         self.event(no_signal_message(step, steps), level="warn", data={"step": step, "zero_variance_steps": steps})
@@ -146,6 +157,8 @@ class JobReporter:
         if self.lost:
             return
         prefix, files = upload_checkpoint(self.store, self.job_id, self.epoch, path)
+        if self.export_merged is not None:
+            files.update(self._merged(step, prefix, path))
         with self.sessions.begin() as s:
             metrics = {m.name: m.value for m in jobs.metrics(s, self.job_id, names=None, step_min=step,
                                                              step_max=step, limit=1000)}
@@ -161,6 +174,22 @@ class JobReporter:
                 self.store.delete_prefix(old)
             except StorageError:  # only space is lost; the next pass does not retry it
                 log.warning("job %s: could not delete the old checkpoint %s", self.job_id, old, exc_info=True)
+
+    def _merged(self, step: int, prefix: str, path: Path) -> dict:
+        """The merged model's stored files; none (and an error event) when the merge fails: the checkpoint, the
+        job's progress, is kept either way."""
+        from worker.export import export_merged  # torch and transformers load here, not at worker import
+
+        try:
+            return export_merged(self.store, prefix, *self.export_merged, path)
+        except StorageError:
+            raise  # an outage: the run stops and resumes like any other upload failure
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory for a second copy of the base
+            log.exception("job %s: merging the step %d checkpoint failed", self.job_id, step)
+            self.event(f"Could not merge the step {step} checkpoint into the base model ({type(e).__name__}: "
+                       f"{str(e)[:300]}); the checkpoint is kept with its adapter only", level="error",
+                       data={"step": step})
+            return {}
 
     def on_reward_errors(self, step: int, errors: list[str]) -> None:
         """A warn event with the step's most frequent reward errors (up to 5 distinct, truncated) and counts.

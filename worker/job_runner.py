@@ -49,6 +49,7 @@ from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded
 from service.sandbox.channel import INTERRUPT, Interrupted
+from worker.trackers import Trackers
 from worker.trainer.data import DataError
 from worker.trainer.learning_signal import NoLearningSignal
 
@@ -195,11 +196,16 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     reporter = JobReporter(sessions, store, job_id, claimed.epoch, settings, total,
                            keep_checkpoints=claimed.spec.training.checkpoint_keep,
                            environment=describe_environment(claimed.spec.environment)
-                           if claimed.spec.environment else None)
+                           if claimed.spec.environment else None,
+                           export_merged=(claimed.spec.model, claimed.spec.dtype)
+                           if claimed.spec.training.export == "merged" else None)
     work = scratch.run_dir(settings, job_id, claimed.epoch)  # this run's own, removed however it ends
     status, error = "failed", None  # error: (code, message, retryable)
     reporter.start()
     try:
+        if claimed.spec.integrations:
+            reporter.trackers = Trackers(claimed.spec.integrations, job_id, settings, tracker_config(claimed.spec),
+                                         reporter.event)
         result = train(claimed, store, work, settings, reporter)
         if reporter.lost:
             raise LeaseLost()
@@ -215,6 +221,8 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
             error = ("training_error", f"the run stopped at step {result.steps_done} of {total}", False)
     except LeaseLost:
         log.warning("job %s: lease lost; another worker owns it now", job_id)
+        if reporter.trackers is not None:  # close this process's handle; the new owner's run logs on to it
+            reporter.trackers.finish("lost")
         scratch.remove(work)
         _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints/epoch-{claimed.epoch:06d}")
         return None
@@ -228,6 +236,8 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         INTERRUPT.clear()  # the cancel was this job's: later user code in this process must run
 
     status, delay = _end(sessions, store, job_id, claimed, settings, status, error)
+    if reporter.trackers is not None:
+        reporter.trackers.finish(status or "lost")
     if status == "queued":  # after commit, as every enqueue; a lost message is the reconciler's to resend
         try:
             enqueue_job(job_id, delay_s=delay, settings=settings)
@@ -242,6 +252,14 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     if status in jobs.TERMINAL:  # no run of the job writes to the store any more
         _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints")
     return status
+
+
+def tracker_config(spec: JobSpec) -> dict:
+    """What a tracker run records about the job: the knobs people compare runs by."""
+    return {"model": spec.model, "seed": spec.seed, "lora": spec.lora.model_dump() if spec.lora else None,
+            "steps": spec.training.steps, "batch_size": spec.training.batch_size,
+            "group_size": spec.training.group_size, "lr": spec.optimizer.lr, "kl_beta": spec.loss.kl_beta,
+            "temperature": spec.sampling.temperature, "max_output_tokens": spec.sampling.max_output_tokens}
 
 
 def _delete_uncommitted(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, within: str) -> None:

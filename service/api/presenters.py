@@ -70,7 +70,8 @@ def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
         steps_done=row.steps_done, total_steps=row.total_steps, reward_function=row.reward_function_id,
         environment=row.environment_id,
         estimated_finish=row.estimated_finish if row.status == "running" else None,
-        result_files=[row.result_file_id] if row.result_file_id else [],
+        result_files=[f for f in (row.result_file_id, row.tensorboard_file_id) if f],
+        integrations=row.spec.get("integrations", []),
     )
 
 
@@ -81,6 +82,9 @@ def jobs(rows: Page[Job], who: Principal, training_rows: dict[str, int]) -> List
 def event(row: JobEvent) -> EventObject:
     return EventObject(id=row.id, created_at=row.created_at, level=row.level, message=row.message,
                        type=row.type, data=finite(row.data))
+
+
+MERGED_ARCHIVE = "merged.tar"  # worker/export.py
 
 
 def checkpoint_eval(metrics: dict[str, float]) -> dict | None:
@@ -105,6 +109,7 @@ def checkpoint(row: Checkpoint, job_row: Job, who: Principal) -> CheckpointObjec
         fine_tuned_model_checkpoint=f"{model_name(job_row, who)}:ckpt-step-{row.step}",
         fine_tuning_job_id=row.job_id, step_number=row.step, metrics=finite(metrics),
         eval=checkpoint_eval(metrics),
+        merged_model=MERGED_ARCHIVE in (row.files or {}),
     )
 
 

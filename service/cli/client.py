@@ -91,3 +91,13 @@ def positive(kind):
         return value
     parse.__name__ = kind.__name__
     return parse
+
+
+def checkpoint_id(client: Client, job: str, given: str | None) -> str:
+    """`given`, or the job's latest checkpoint."""
+    if given is not None:
+        return given
+    latest = client.get(f"/fine_tuning/jobs/{job}/checkpoints", limit=1)["data"]
+    if not latest:
+        raise ApiError(404, f"job {job} has no checkpoints yet", "fine_tuning_job_id")
+    return latest[0]["id"]

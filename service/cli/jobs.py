@@ -1,5 +1,5 @@
 """`cispo jobs`: a command-line client of the fine-tuning API (create, list, get, watch, events, control, download,
-eval: service/cli/evals.py).
+eval: service/cli/evals.py; export: service/cli/export.py).
 
 It talks HTTP only, so it runs wherever the API is reachable and imports
 neither torch nor the worker. The API URL and key come from --api-url and
@@ -25,9 +25,10 @@ from pathlib import Path
 import httpx
 
 from service.cli.client import (DEFAULT_API_URL, EXIT_API_ERROR, EXIT_JOB_ENDED_BADLY, EXIT_UNREACHABLE, EXIT_USAGE,
-                                TERMINAL, ApiError, Client, UsageError, parse_mapping, positive, print_json,
-                                upload_file)
+                                TERMINAL, ApiError, Client, UsageError, checkpoint_id, parse_mapping, positive,
+                                print_json, upload_file)
 from service.cli.evals import add_eval_arguments, cmd_eval
+from service.cli.export import add_export_command
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -191,12 +192,7 @@ def cmd_control(args, client: Client) -> int:
 def cmd_download(args, client: Client) -> int:
     """A checkpoint's tar (the latest by default: adapter/, trainer state, manifest), checked against the API's
     sha256."""
-    ckpt_id = args.checkpoint
-    if ckpt_id is None:
-        latest = client.get(f"/fine_tuning/jobs/{args.job}/checkpoints", limit=1)["data"]
-        if not latest:
-            raise ApiError(404, f"job {args.job} has no checkpoints yet", "fine_tuning_job_id")
-        ckpt_id = latest[0]["id"]
+    ckpt_id = checkpoint_id(client, args.job, args.checkpoint)
     dest = Path(args.output or f"{ckpt_id}-adapter.tar")
     partial = dest.with_name(dest.name + ".part")
     digest, size = hashlib.sha256(), 0
@@ -293,3 +289,5 @@ def add_jobs_command(sub: argparse._SubParsersAction) -> None:
     download = command("download", cmd_download, "download a checkpoint's tar (its adapter/ loads with PEFT; unpacked, a local init_from), verified by sha256")
     download.add_argument("--checkpoint", help="a checkpoint id (default: the latest)")
     download.add_argument("--output", "-o", help="where to save it (default: <checkpoint>-adapter.tar)")
+
+    add_export_command(command)

@@ -176,6 +176,7 @@ class Job(Base):
     # What the client sees of progress and results (written by the worker, fenced like metrics).
     estimated_finish: Mapped[int | None] = mapped_column(BigInteger)
     result_file_id: Mapped[str | None] = mapped_column(String(40))  # the metrics CSV (purpose fine-tune-results)
+    tensorboard_file_id: Mapped[str | None] = mapped_column(String(40))  # the same metrics as a TensorBoard file
     # A job queued again after a failed attempt is not claimed before this moment (retry backoff).
     not_before: Mapped[float | None] = mapped_column(Float)
     # A queued job whose broker message could not be sent (the broker was down): the reconciler's next

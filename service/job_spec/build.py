@@ -98,7 +98,7 @@ def _request_path(method_type: str, spec_path: str) -> str:
         return "training_file"
     if spec_path == "data.validation_file":
         return "validation_file"
-    if spec_path in ("model", "seed"):
+    if spec_path in ("model", "seed") or spec_path.split(".")[0] == "integrations":
         return spec_path
     if spec_path == "init_from":  # set from a fine-tuned model or checkpoint named as the model
         return "model"
@@ -161,6 +161,7 @@ def build_spec(body: JobCreate, *, seed: int, training_rows: int, reward: dict |
         "data": {"train_file": body.training_file, "validation_file": body.validation_file},
         **({"reward": reward} if reward is not None else {}),
         **({"environment": environment} if environment is not None else {}),
+        **({"integrations": [i.model_dump(mode="json") for i in body.integrations]} if body.integrations else {}),
         **sections,
     }
     try:

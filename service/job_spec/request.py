@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from service.schemas.api import Metadata, Request, ServiceReward, Text
 from service.schemas.environments import EnvironmentRef
+from service.schemas.integrations import Integrations
 from service.job_spec.spec import (
     AdvantageSpec,
     CispoLossSpec,
@@ -164,15 +165,10 @@ class JobCreate(Request):
     suffix: Text | None = Field(None, max_length=64)
     metadata: Metadata | None = None
     method: Method
-    integrations: list[dict[str, Any]] | None = None
+    integrations: Integrations | None = Field(
+        None, description="Experiment trackers the worker logs to: wandb (OpenAI's shape) or mlflow "
+        "(service/schemas/integrations.py).")
     hyperparameters: dict[str, Any] | None = Field(None, description="Deprecated by OpenAI; refused unless empty.")
-
-    @field_validator("integrations")
-    @classmethod
-    def _no_integrations(cls, v: list | None) -> list | None:
-        if v:
-            raise ValueError("integrations are not supported yet; leave the list empty")
-        return v
 
     @field_validator("hyperparameters")
     @classmethod

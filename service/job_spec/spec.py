@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from service.schemas.environments import EnvironmentSpec
 from service.schemas.recipe import OffPolicyMaskSpec, PassRateFilterSpec
+from service.schemas.integrations import Integrations
 from service.schemas.rewards import AnyReward
 
 
@@ -300,6 +301,13 @@ class TrainingSpec(Strict):
     pass_rate_filter: PassRateFilterSpec | None = Field(
         None, description="ScaleRL's no-positive-resampling: retire prompts the policy solves; null: off."
     )
+    export: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="'merged': with each checkpoint, the worker also stores the adapter merged into the base model "
+        "(config.json, tokenizer, model.safetensors; loads with from_pretrained alone), downloaded with GET "
+        ".../checkpoints/{id}/merged or `cispo jobs export --merge`. A LoRA job's option: a full fine-tuning "
+        "checkpoint's model/ is already whole.",
+    )
 
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainingSpec:
@@ -353,6 +361,7 @@ class JobSpec(Strict):
     init_from: str | None = Field(
         None, description="Warm start: a checkpoint whose adapter starts the policy and becomes the reference."
     )
+    integrations: Integrations = Field([], description="Experiment trackers the worker logs metrics to.")
 
     @field_validator("dtype")
     @classmethod
@@ -398,6 +407,13 @@ class JobSpec(Strict):
             if self.rollout.engine != "hf" or self.resources.gpus > 1:
                 raise ValueError("lora.base_quantization 'nf4' runs with rollout.engine 'hf' and resources.gpus 1 "
                                  "(vLLM and FSDP are not given the 4-bit base)")
+        return self
+
+    @model_validator(mode="after")
+    def _merge_needs_an_adapter(self) -> JobSpec:
+        if self.training.export == "merged" and self.lora is None:
+            raise ValueError("training.export 'merged' merges a LoRA adapter into its base, but this job trains the "
+                             "whole model (lora: null): its checkpoints' model/ loads with from_pretrained as it is")
         return self
 
     @model_validator(mode="after")

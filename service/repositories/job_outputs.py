@@ -40,13 +40,15 @@ def set_estimated_finish(session: Session, job_id: str, epoch: int, when: int) -
     return result.rowcount == 1
 
 
-def attach_result_file(session: Session, job_id: str, epoch: int, file: File) -> bool:
-    """Add the result file's row and point the job at it, while the lease is still ours."""
+def attach_result_file(session: Session, job_id: str, epoch: int, file: File,
+                       column: str = "result_file_id") -> bool:
+    """Add the result file's row and point the job at it (`column`: result_file_id, the metrics CSV, or
+    tensorboard_file_id), while the lease is still ours."""
     if not _owned(session, job_id, epoch):
         return False
     session.add(file)
     session.flush()
-    session.execute(update(Job).where(Job.id == job_id).values(result_file_id=file.id)
+    session.execute(update(Job).where(Job.id == job_id).values({column: file.id})
                     .execution_options(synchronize_session=False))
     return True
 

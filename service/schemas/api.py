@@ -116,6 +116,8 @@ class CheckpointObject(BaseModel):
         None, description="The eval at this step: mean reward over `n` rows with its 95% interval, and "
         "`difference_to_baseline` (paired, on the same rows as the step-0 eval) with its interval; "
         "eval_loss for a supervised job.")
+    merged_model: bool = Field(False, description="A merged full-weight model is stored with it (training.export "
+                               "'merged'): GET .../checkpoints/{id}/merged.")
 
 
 class MetricPoint(BaseModel):

@@ -70,8 +70,11 @@ def test_samples_results_and_estimated_finish_of_a_finished_job(finished):
         assert row.estimated_finish is not None and row.estimated_finish <= row.finished_at + 5
         metrics = list(s.scalars(select(JobMetric).where(JobMetric.job_id == job_id)))
 
-    # the result file: a CSV of every metric, one line per step, downloadable like any file
-    [file_id] = job["result_files"]
+    # the result files: a CSV of every metric, one line per step, downloadable like any file; then the same
+    # metrics as a TensorBoard event file (read back in tests/api/test_tracking.py)
+    [file_id, events_id] = job["result_files"]
+    events = api.client.get(f"/v1/files/{events_id}/content")
+    assert events.status_code == 200 and f'filename="events.out.tfevents.' in events.headers["content-disposition"]
     meta = api.client.get(f"/v1/files/{file_id}").json()
     assert meta["purpose"] == "fine-tune-results"
     content = api.client.get(f"/v1/files/{file_id}/content")

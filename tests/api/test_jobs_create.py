@@ -8,7 +8,7 @@ from sqlalchemy import func, select
 
 from service.db.models import Job, JobEvent
 from service.job_spec.spec import JobSpec
-from tests.api.conftest import TRAIN_ROWS, assert_error, cispo_body, uploaded
+from tests.api.conftest import TRAIN_ROWS, assert_error, cispo_body, running_api, uploaded
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -232,7 +232,18 @@ def test_bad_job_bodies_are_refused_naming_the_field(api):
         ({"suffix": "x" * 65}, "suffix", "64"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "16"),
         ({"metadata": {"k": "v" * 513}}, "metadata", "512"),
-        ({"integrations": [{"type": "wandb"}]}, "integrations", "not supported"),
+        ({"integrations": [{"type": "neptune", "neptune": {}}]}, "integrations[0].type", "'wandb' or 'mlflow'"),
+        ({"integrations": [{"type": "wandb", "wandb": {"name": "run"}}]}, "integrations[0].wandb.project",
+         "Field required"),
+        ({"integrations": [{"type": "wandb"}]}, "integrations[0]", "its settings object 'wandb' is required"),
+        ({"integrations": [{"type": "mlflow", "mlflow": {"tracking_uri": "ftp://h/x"}}]},
+         "integrations[0].mlflow.tracking_uri", "http(s) URL or a file: URI"),
+        ({"integrations": [{"type": "wandb", "wandb": {"project": "p", "colour": "red"}}]},
+         "integrations[0].wandb.colour", "unknown field"),
+        ({"method": {"type": "cispo", "cispo": {"reward": {"type": "contains", "field": "answer"}, "hyperparameters": {
+            "lora": None, "training": {"export": "merged"}}}}}, "method.cispo", "training.export 'merged'"),
+        ({"method": {"type": "cispo", "cispo": {"reward": {"type": "contains", "field": "answer"}, "hyperparameters": {
+            "training": {"export": "gguf"}}}}}, "method.cispo.hyperparameters.training.export", "'adapter' or 'merged'"),
         ({"hyperparameters": {"n_epochs": 3}}, "hyperparameters", "deprecated"),
         ({"model": ""}, "model", "at least 1"),
         ({"method": {"type": "dpo"}}, "method.type", "'cispo', 'reinforcement' or 'supervised'"),
@@ -252,6 +263,25 @@ def test_bad_job_bodies_are_refused_naming_the_field(api):
     del body["model"]
     assert_error(api.client.post(JOBS, json=body), 422, "model: Field required")
     assert _count(api) == 0 and api.enqueued.ids == []
+
+
+def test_integrations_are_kept_on_the_job_and_a_tracking_uri_must_be_allowed(database_url, tmp_path):
+    allowed = tmp_path / "mlruns"
+    with running_api(database_url, tmp_path, tracking_file_roots=str(allowed)) as api:
+        file_id = uploaded(api.client)
+        wandb = {"type": "wandb", "wandb": {"project": "p", "name": "n", "entity": "e", "tags": ["t"]}}
+        mlflow = {"type": "mlflow", "mlflow": {"tracking_uri": f"file:{allowed}/store", "experiment": "x"}}
+        r = api.client.post(JOBS, json=cispo_body(file_id, integrations=[wandb, mlflow]))
+        assert r.status_code == 200, r.text
+        assert [i["type"] for i in r.json()["integrations"]] == ["wandb", "mlflow"]
+        assert r.json()["integrations"][0]["wandb"]["project"] == "p"
+        # The worker would write where the URI points: outside the operator's roots, or a private host, is refused.
+        for uri, words in ((f"file:{tmp_path}/elsewhere", "lie under a directory"),
+                           ("file://otherhost/x", "not a host"),
+                           ("http://127.0.0.1:5000", "non-public address")):
+            body = cispo_body(file_id, integrations=[{"type": "mlflow", "mlflow": {"tracking_uri": uri}}])
+            assert_error(api.client.post(JOBS, json=body), 400, "integrations[0].mlflow.tracking_uri", words)
+        assert _count(api) == 1
 
 
 def test_a_failing_broker_still_returns_the_committed_job(api):

@@ -45,6 +45,7 @@ SANDBOX_MODULES = ("service/sandbox/launch.py", "service/sandbox/probe.py", "ser
 SECRET_SETTINGS = ("CISPO_METRICS_TOKEN", "CISPO_JUDGE_API_KEY")
 # Settings a deployment may leave at their defaults, and why.
 DEFAULTS_SUFFICE = {
+    "tracking_file_roots": "mlflow integrations log to http(s) servers only",
     "max_request_bytes": "4 MiB JSON bodies",
     "max_attempts": "3 attempts per job",
     "work_dir": "HOME/work, on the worker's CISPO_HOME volume",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.schemas.job_spec import JobSpec
+from service.job_spec.spec import JobSpec
 from worker.cispo.loss import k3_kl
 from worker.toy.__main__ import toy_spec
 from worker.trainer.update import Updater, micro_batches

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
@@ -59,10 +60,14 @@ def get_file(file_id: str, session: SessionDep, who: PrincipalDep) -> FileObject
 def file_content(file_id: str, session: SessionDep, store: StoreDep, who: PrincipalDep) -> StreamingResponse:
     row = files_service.get(session, who.project_id, file_id)
     chunks = store.iter_bytes(row.storage_key)  # raises NotFound now, not mid-stream
-    extension = "csv" if row.purpose == files_service.RESULTS_PURPOSE else "jsonl"  # a job's metrics, or a dataset
+    # A job's metrics (a CSV, or a TensorBoard event file: TensorBoard reads only names with `tfevents`), or a dataset.
+    if row.purpose != files_service.RESULTS_PURPOSE:
+        name = f"{row.id}.jsonl"
+    else:
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", row.filename) if "tfevents" in row.filename else f"{row.id}.csv"
     return StreamingResponse(chunks, media_type="application/octet-stream", headers={
         "content-length": str(row.bytes), "x-sha256": row.sha256,
-        "content-disposition": f'attachment; filename="{row.id}.{extension}"'})
+        "content-disposition": f'attachment; filename="{name}"'})
 
 
 @router.delete("/{file_id}", response_model=Deleted)

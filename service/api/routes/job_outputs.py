@@ -22,6 +22,7 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs/{fine_tuning_job_id}", tags=["fi
 
 ARCHIVE = "adapter.tar"
 MANIFEST = "manifest.json"
+MERGED_ARCHIVE = presenters.MERGED_ARCHIVE
 
 
 @router.get("/events", response_model=ListObject[EventObject],
@@ -121,13 +122,28 @@ def checkpoint_content(fine_tuning_job_id: str, checkpoint_id: str, session: Ses
                    "application/x-tar")
 
 
+@router.get("/checkpoints/{checkpoint_id}/merged")
+def checkpoint_merged(fine_tuning_job_id: str, checkpoint_id: str, session: SessionDep, store: StoreDep,
+                      who: PrincipalDep) -> StreamingResponse:
+    """The adapter merged into the base model as one tar (config.json, tokenizer, model.safetensors, manifest.json
+    with each file's sha256): unpacked, a directory that AutoModelForCausalLM.from_pretrained loads."""
+    _, ckpt = jobs_service.checkpoint(session, who.project_id, fine_tuning_job_id, checkpoint_id)
+    meta = (ckpt.files or {}).get(MERGED_ARCHIVE)
+    if not meta:
+        raise NotFound(f"checkpoint {checkpoint_id} has no merged model: a job stores one with each checkpoint when "
+                       "method.cispo.hyperparameters.training.export is 'merged' (and the merge succeeded: see the "
+                       "job's events)", param="checkpoint_id")
+    return _stream(store, f"{ckpt.storage_prefix}/{MERGED_ARCHIVE}", meta["sha256"], f"{ckpt.id}-merged.tar",
+                   "application/x-tar")
+
+
 @router.get("/checkpoints/{checkpoint_id}/files/{path:path}")
 def checkpoint_file(fine_tuning_job_id: str, checkpoint_id: str, path: str, session: SessionDep,
                     store: StoreDep, who: PrincipalDep) -> StreamingResponse:
-    """One adapter file or the manifest; trainer state (optimizer, RNG) is not for download."""
+    """One adapter file, merged model file or the manifest; trainer state (optimizer, RNG) is not for download."""
     _, ckpt = jobs_service.checkpoint(session, who.project_id, fine_tuning_job_id, checkpoint_id)
     meta = (ckpt.files or {}).get(path)
-    if not meta or not (path.startswith("adapter/") or path == MANIFEST):
+    if not meta or not (path.startswith(("adapter/", "merged/")) or path == MANIFEST):
         raise NotFound(f"checkpoint {checkpoint_id} has no downloadable file {path!r}", param="path")
     media = "application/json" if path.endswith(".json") else "application/octet-stream"
     return _stream(store, f"{ckpt.storage_prefix}/{path}", meta["sha256"], path.rsplit("/", 1)[-1], media)

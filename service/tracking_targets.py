@@ -1,0 +1,31 @@
+"""Where a job's MLflow integration may log: checked by the API when the job is created and by the worker before
+it connects (service/schemas/integrations.py). A tracking URI is user input the worker acts on, so it gets the
+same rules as remote rewards: an http(s) server must pass the egress policy (no loopback or private address
+unless the operator allow-lists it), and a file: store must lie under a directory the operator names in
+CISPO_TRACKING_FILE_ROOTS (else a job could write into the worker's own files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from service.egress import EgressPolicy, EgressRefused, check_url
+from service.settings import Settings
+
+
+def check_tracking_uri(uri: str, settings: Settings) -> None:
+    """Raises ValueError saying why the worker may not log to `uri`."""
+    parts = urlsplit(uri)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"{uri!r}: a file: URI names a local path (file:/dir or file:///dir), not a host")
+        path = Path(unquote(parts.path)).resolve()
+        roots = settings.resolved_tracking_file_roots()
+        if not any(path == root or root in path.parents for root in roots):
+            where = ", ".join(map(str, roots)) or "none: CISPO_TRACKING_FILE_ROOTS is empty"
+            raise ValueError(f"{uri!r}: a file: store must lie under a directory the operator allows ({where})")
+        return
+    try:
+        check_url(uri, EgressPolicy.from_setting(settings.egress_allow))
+    except EgressRefused as e:
+        raise ValueError(str(e)) from None

@@ -1,0 +1,145 @@
+"""Experiment trackers a job asked for (`integrations`: wandb, mlflow), fed by the job reporter.
+
+Each step's metrics, the pre-flight's and every evaluation's go to every tracker, under the job's step. A tracker
+is a convenience, never the job's truth (that is the metrics table): one that cannot start (its package missing
+on this worker, a bad URI, a refused key) or that fails mid-run is switched off with an event saying so, and the
+job goes on. A resumed run logs to the same tracker run (W&B: the run id is the job id; MLflow: the run tagged
+with the job id), so a job is one run however many times its worker changed.
+
+The packages come with the `tracking` extra (pip install 'cispo-service[tracking]'); they load only when a job
+asks for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable, Protocol
+
+from service.schemas.integrations import Integration, MlflowSettings, WandbSettings
+from service.settings import Settings
+from service.tracking_targets import check_tracking_uri
+
+log = logging.getLogger(__name__)
+
+JOB_TAG = "cispo.job_id"
+EXTRA = "pip install 'cispo-service[tracking]'"
+
+
+class TrackerUnavailable(Exception):
+    """The tracker cannot start here; the message says why and what to do."""
+
+
+class Tracker(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def finish(self, status: str) -> None: ...
+
+
+class WandbTracker:
+    def __init__(self, cfg: WandbSettings, job_id: str, settings: Settings, config: dict):
+        try:
+            import wandb
+        except ImportError:
+            raise TrackerUnavailable(f"the wandb package is not installed on this worker ({EXTRA})") from None
+        # An offline run (WANDB_MODE=offline) is a directory under WANDB_DIR; by default in the worker's home.
+        where = Path(os.environ.get("WANDB_DIR") or settings.home / "wandb")
+        where.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name or job_id, tags=cfg.tags,
+                              id=job_id, resume="allow", dir=str(where), config=config, reinit="create_new",
+                              settings=wandb.Settings(console="off", silent=True))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self, status: str) -> None:
+        self.run.finish(exit_code=0 if status == "succeeded" else 1)
+
+
+class MlflowTracker:
+    def __init__(self, cfg: MlflowSettings, job_id: str, settings: Settings, config: dict):
+        try:
+            from mlflow.entities import Metric
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise TrackerUnavailable(f"the mlflow package is not installed on this worker ({EXTRA})") from None
+        uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            raise TrackerUnavailable("no tracking_uri was given and the worker has no MLFLOW_TRACKING_URI")
+        if cfg.tracking_uri:  # checked at creation too; the operator's rules may have changed since
+            try:
+                check_tracking_uri(uri, settings)
+            except ValueError as e:
+                raise TrackerUnavailable(str(e)) from None
+        if uri.startswith("file:"):
+            # MLflow 3 refuses its file store unless opted in; an operator who allows file: roots (checked above)
+            # has opted in.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.Metric, self.client = Metric, MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(cfg.experiment)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.experiment)
+        found = self.client.search_runs([experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{job_id}'",
+                                        max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+        else:
+            run = self.client.create_run(experiment_id, run_name=cfg.run_name or job_id,
+                                         tags={**cfg.tags, JOB_TAG: job_id})
+            self.run_id = run.info.run_id
+            for key, value in config.items():
+                self.client.log_param(self.run_id, key, str(value)[:6000])
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self.Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def finish(self, status: str) -> None:
+        state = {"succeeded": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}.get(status)
+        if state is not None:  # paused or queued again: the run goes on at the next run of the job
+            self.client.set_terminated(self.run_id, status=state)
+
+
+KINDS: dict[str, Callable[..., Tracker]] = {"wandb": WandbTracker, "mlflow": MlflowTracker}
+
+
+class Trackers:
+    """The job's live trackers; `event(message, level=...)` reports one that stops (the job's event stream)."""
+
+    def __init__(self, integrations: list[Integration], job_id: str, settings: Settings, config: dict,
+                 event: Callable[..., None]):
+        self.live: dict[str, Tracker] = {}
+        self.event = event
+        for integration in integrations:
+            name = integration.type
+            try:
+                self.live[name] = KINDS[name](getattr(integration, name), job_id, settings, config)
+            except Exception as e:  # noqa: BLE001 - any failure of a tracker only switches it off
+                self._switch_off(name, "could not start", e)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for name, tracker in list(self.live.items()):
+            try:
+                tracker.log(step, metrics)
+            except Exception as e:  # noqa: BLE001
+                self._switch_off(name, f"failed at step {step}", e)
+
+    def finish(self, status: str) -> None:
+        for name, tracker in list(self.live.items()):
+            try:
+                tracker.finish(status)
+            except Exception as e:  # noqa: BLE001
+                self._switch_off(name, "could not close its run", e)
+        self.live.clear()
+
+    def _switch_off(self, name: str, what: str, error: Exception) -> None:
+        self.live.pop(name, None)
+        reason = str(error) if isinstance(error, TrackerUnavailable) else f"{type(error).__name__}: {error}"
+        log.warning("%s integration %s: %s", name, what, reason)
+        try:
+            self.event(f"The {name} integration {what}: {reason[:500]}; the job goes on without it "
+                       "(its metrics are in the job's metrics and result files)", level="error",
+                       data={"integration": name})
+        except Exception:  # noqa: BLE001 - the event is a courtesy; the database's trouble is the job's own
+            log.warning("could not record the %s integration's failure", name, exc_info=True)
