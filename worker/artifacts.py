@@ -45,25 +45,34 @@ def write_checkpoint_archive(checkpoint_dir: Path, dest: Path) -> None:
                 tar.addfile(info, f)
 
 
+def upload_tree(store: ObjectStore, prefix: str, src: Path, archive_name: str, under: str = "") -> dict:
+    """Store a directory with a sha256 manifest under prefix[/under]: each listed file, then one tar of it all at
+    prefix/archive_name, then the manifest last (a stored manifest means a complete upload); returns the stored
+    keys' {sha256, bytes}, relative to prefix."""
+    sub = f"{under}/" if under else ""
+    manifest = json.loads((src / MANIFEST).read_text())
+    files: dict[str, dict] = {}
+    for rel, meta in sorted(manifest["files"].items()):
+        sha = store.put_file(f"{prefix}/{sub}{rel}", src / rel)
+        if sha != meta["sha256"]:
+            raise IOError(f"{sub}{rel} changed while it was uploaded")
+        files[f"{sub}{rel}"] = {"sha256": sha, "bytes": meta["bytes"]}
+    archive = src.parent / f".{src.name}-{archive_name}"
+    try:
+        write_checkpoint_archive(src, archive)
+        files[archive_name] = {"sha256": store.put_file(f"{prefix}/{archive_name}", archive),
+                               "bytes": archive.stat().st_size}
+    finally:
+        archive.unlink(missing_ok=True)
+    body = (src / MANIFEST).read_bytes()
+    files[f"{sub}{MANIFEST}"] = {"sha256": store.put_bytes(f"{prefix}/{sub}{MANIFEST}", body), "bytes": len(body)}
+    return files
+
+
 def upload_checkpoint(store: ObjectStore, job_id: str, epoch: int, checkpoint_dir: Path) -> tuple[str, dict]:
     """Store a complete local checkpoint; returns (prefix, {relative path: {sha256, bytes}})."""
     prefix = checkpoint_prefix(job_id, epoch, checkpoint_dir)
-    manifest = json.loads((checkpoint_dir / MANIFEST).read_text())
-    files: dict[str, dict] = {}
-    for rel, meta in sorted(manifest["files"].items()):
-        sha = store.put_file(f"{prefix}/{rel}", checkpoint_dir / rel)
-        if sha != meta["sha256"]:
-            raise IOError(f"{rel} changed while it was uploaded")
-        files[rel] = {"sha256": sha, "bytes": meta["bytes"]}
-    archive = checkpoint_dir.parent / f".{checkpoint_dir.name}-{ARCHIVE}"
-    try:
-        write_checkpoint_archive(checkpoint_dir, archive)
-        files[ARCHIVE] = {"sha256": store.put_file(f"{prefix}/{ARCHIVE}", archive), "bytes": archive.stat().st_size}
-    finally:
-        archive.unlink(missing_ok=True)
-    manifest_bytes = (checkpoint_dir / MANIFEST).read_bytes()
-    files[MANIFEST] = {"sha256": store.put_bytes(f"{prefix}/{MANIFEST}", manifest_bytes), "bytes": len(manifest_bytes)}
-    return prefix, files
+    return prefix, upload_tree(store, prefix, checkpoint_dir, ARCHIVE)
 
 
 def download_checkpoint(store: ObjectStore, prefix: str, files: dict, dest: Path) -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from worker.artifacts import write_checkpoint_archive
+from worker.artifacts import upload_tree
 from worker.checkpoint import _fsync_dir, _sha256
 from worker.trainer.precision import DTYPES
 
@@ -70,26 +70,9 @@ def merge_adapter(base_model: str, adapter_dir: Path, dest: Path, dtype: torch.d
 
 
 def upload_merged(store, prefix: str, merged_dir: Path) -> dict:
-    """Store a merged model under `prefix`: each file as merged/<name>, then merged.tar, then the manifest last
-    (so a stored manifest means a complete upload); returns those keys' {sha256, bytes}."""
-    manifest = json.loads((merged_dir / MANIFEST).read_text())
-    files: dict[str, dict] = {}
-    for rel, meta in sorted(manifest["files"].items()):
-        sha = store.put_file(f"{prefix}/{MERGED_DIR}/{rel}", merged_dir / rel)
-        if sha != meta["sha256"]:
-            raise IOError(f"{MERGED_DIR}/{rel} changed while it was uploaded")
-        files[f"{MERGED_DIR}/{rel}"] = {"sha256": sha, "bytes": meta["bytes"]}
-    archive = merged_dir.parent / f".{merged_dir.name}-{MERGED_ARCHIVE}"
-    try:
-        write_checkpoint_archive(merged_dir, archive)
-        files[MERGED_ARCHIVE] = {"sha256": store.put_file(f"{prefix}/{MERGED_ARCHIVE}", archive),
-                                 "bytes": archive.stat().st_size}
-    finally:
-        archive.unlink(missing_ok=True)
-    body = (merged_dir / MANIFEST).read_bytes()
-    files[f"{MERGED_DIR}/{MANIFEST}"] = {"sha256": store.put_bytes(f"{prefix}/{MERGED_DIR}/{MANIFEST}", body),
-                                         "bytes": len(body)}
-    return files
+    """Store a merged model under `prefix`: each file as merged/<name>, then merged.tar, then the manifest last;
+    returns those keys' {sha256, bytes}."""
+    return upload_tree(store, prefix, merged_dir, MERGED_ARCHIVE, under=MERGED_DIR)
 
 
 def export_merged(store, prefix: str, base_model: str, spec_dtype: str, checkpoint_dir: Path) -> dict:

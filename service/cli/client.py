@@ -4,6 +4,7 @@ that the job and eval commands share (service/cli/jobs.py, service/cli/evals.py)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -101,3 +102,19 @@ def checkpoint_id(client: Client, job: str, given: str | None) -> str:
     if not latest:
         raise ApiError(404, f"job {job} has no checkpoints yet", "fine_tuning_job_id")
     return latest[0]["id"]
+
+
+def download_verified(client: Client, url: str, dest: Path) -> tuple[str | None, str, int]:
+    """Stream `url` into dest: (the API's x-sha256, the bytes' sha256, the size); the caller keeps or drops it."""
+    digest, size = hashlib.sha256(), 0
+    with client.http.stream("GET", url) as response:
+        if not response.is_success:
+            response.read()
+            Client.check(response)
+        expected = response.headers.get("x-sha256")
+        with dest.open("wb") as f:
+            for chunk in response.iter_bytes():
+                digest.update(chunk)
+                size += len(chunk)
+                f.write(chunk)
+    return expected, digest.hexdigest(), size

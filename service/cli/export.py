@@ -18,22 +18,13 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from service.cli.client import EXIT_JOB_ENDED_BADLY, Client, UsageError, checkpoint_id
+from service.cli.client import EXIT_JOB_ENDED_BADLY, Client, UsageError, checkpoint_id, download_verified
 
 
 def _fetch(client: Client, url: str, dest: Path) -> str | None:
     """Stream `url` to dest; the API's sha256 when the bytes match it, else None."""
-    digest = hashlib.sha256()
-    with client.http.stream("GET", url) as response:
-        if not response.is_success:
-            response.read()
-            Client.check(response)
-        expected = response.headers.get("x-sha256")
-        with dest.open("wb") as f:
-            for chunk in response.iter_bytes():
-                digest.update(chunk)
-                f.write(chunk)
-    return expected if expected == digest.hexdigest() else None
+    expected, actual, _ = download_verified(client, url, dest)
+    return expected if expected == actual else None
 
 
 def _file_sha256(path: Path) -> str:

@@ -14,7 +14,6 @@ refused the request (its message is printed); 4 the API could not be reached.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -25,8 +24,8 @@ from pathlib import Path
 import httpx
 
 from service.cli.client import (DEFAULT_API_URL, EXIT_API_ERROR, EXIT_JOB_ENDED_BADLY, EXIT_UNREACHABLE, EXIT_USAGE,
-                                TERMINAL, ApiError, Client, UsageError, checkpoint_id, parse_mapping, positive,
-                                print_json, upload_file)
+                                TERMINAL, ApiError, Client, UsageError, checkpoint_id, download_verified,
+                                parse_mapping, positive, print_json, upload_file)
 from service.cli.evals import add_eval_arguments, cmd_eval
 from service.cli.export import add_export_command
 
@@ -195,20 +194,11 @@ def cmd_download(args, client: Client) -> int:
     ckpt_id = checkpoint_id(client, args.job, args.checkpoint)
     dest = Path(args.output or f"{ckpt_id}-adapter.tar")
     partial = dest.with_name(dest.name + ".part")
-    digest, size = hashlib.sha256(), 0
-    with client.http.stream("GET", f"/fine_tuning/jobs/{args.job}/checkpoints/{ckpt_id}/content") as response:
-        if not response.is_success:
-            response.read()
-            Client.check(response)
-        expected = response.headers.get("x-sha256")
-        with partial.open("wb") as f:
-            for chunk in response.iter_bytes():
-                digest.update(chunk)
-                size += len(chunk)
-                f.write(chunk)
-    if expected != digest.hexdigest():
+    expected, actual, size = download_verified(client, f"/fine_tuning/jobs/{args.job}/checkpoints/{ckpt_id}/content",
+                                               partial)
+    if expected != actual:
         partial.unlink()
-        print(f"error: the download's sha256 {digest.hexdigest()} does not match the API's {expected}; "
+        print(f"error: the download's sha256 {actual} does not match the API's {expected}; "
               "nothing was saved", file=sys.stderr)
         return EXIT_JOB_ENDED_BADLY
     partial.replace(dest)  # only a verified file takes the final name
