@@ -441,6 +441,7 @@ class Trainer:
         finally:
             if self.pipeline is not None:  # first: its scoring thread uses the scorer
                 self.pipeline.close()
+                self.pipeline = None
             for owner in (self.scorer, self.environment):  # sandboxed children, connection pools
                 if owner is not None:
                     owner.close()

@@ -26,11 +26,13 @@ from typing import Callable
 import torch
 
 from service.schemas.job_spec import JobSpec
-from worker.rollout.async_sampler import SamplerProcess
+from worker.rollout.async_sampler import SamplerDied, SamplerProcess
 from worker.rollout.policy_versions import trainable_state
 from worker.trainer.feedback import Feedback, collect_feedback
 from worker.trainer.rewards import Scorer, Scores
 from worker.trainer.rollout import Rollout
+
+DEAD_GRACE_S = 5.0  # after the sampler died, how long take() leaves the scoring thread to report it
 
 # draw(step) -> (rows, sampling seeds, the data sampler's state before drawing them)
 Draw = Callable[[int], tuple[list[dict], list[int], dict]]
@@ -96,9 +98,16 @@ class RolloutPipeline:
 
     def take(self, step: int) -> ScoredBatch:
         started = time.perf_counter()
+        dead_since = None
         with self._changed:
             while step not in self._ready and self._error is None:
                 self._changed.wait(timeout=1.0)
+                # The scoring thread reports a dead sampler; should it hang on a message cut short, this does.
+                if self.sampler.process.is_alive():
+                    continue
+                dead_since = dead_since or time.monotonic()
+                if time.monotonic() - dead_since > DEAD_GRACE_S:
+                    raise SamplerDied(f"the sampler process exited with code {self.sampler.process.exitcode}")
             if step not in self._ready:
                 raise self._error
             batch = self._ready.pop(step)
