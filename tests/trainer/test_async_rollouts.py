@@ -104,7 +104,7 @@ def test_spec_defaults_to_synchronous_and_refuses_what_async_does_not_cover(toy_
 
 
 def test_the_ratio_is_taken_against_the_sampler_logprobs_so_the_cap_binds(toy_dir):
-    """A hand-built stale batch: the sampler gave each token log-prob -8, far below the trainer's. Asynchronous,
+    """A hand-built stale batch: the sampler gave each token log-prob -50, far below the trainer's. Asynchronous,
     every ratio exceeds ratio_max and is clipped; synchronous with one update, the ratio is 1 and nothing is."""
     def clip_fraction(max_staleness: int) -> float:
         spec = async_spec(toy_dir, max_staleness, mini_batches=1)
@@ -114,7 +114,7 @@ def test_the_ratio_is_taken_against_the_sampler_logprobs_so_the_cap_binds(toy_di
         rollout = Rollout(rows=[{}, {}], token_ids=[prompt + a for a in actions],
                           action_mask=[[0, 0, 0, 1, 1]] * 2, action_turns=[[0, 0]] * 2, prompt_lengths=[3, 3],
                           completions=["", ""], truncated=[False, False], turns=[1, 1],
-                          sampler_logprobs=[[-8.0, -8.0], [-8.0, -8.0]])
+                          sampler_logprobs=[[-50.0, -50.0], [-50.0, -50.0]])
         stats = updater.run(rollout, torch.tensor([1.0, -1.0]), [0, 1])
         return stats.metrics()["clip_fraction"]
 
