@@ -184,8 +184,9 @@ def test_a_dead_sampler_fails_the_step_with_its_exit_code(toy_dir, tmp_path, sam
     class KillSampler(Recorder):
         def on_step(self, step, metrics):
             super().on_step(step, metrics)
-            os.kill(started[0].pid, signal.SIGKILL)
-            started[0].join(10)
+            if started[0].is_alive():  # once: a batch already scored may still let the next step through
+                os.kill(started[0].pid, signal.SIGKILL)
+                started[0].join(10)
 
     with pytest.raises(SamplerDied, match="exited with code -9"):
         Trainer(async_spec(toy_dir, 1, steps=8), tmp_path).run(KillSampler())
