@@ -197,8 +197,9 @@ def test_a_dead_sampler_fails_the_step_with_its_exit_code(toy_dir, tmp_path, sam
 
 
 def sampler_processes() -> list[psutil.Process]:
+    """Spawned sampler children (not multiprocessing's resource tracker, which lives as long as this process)."""
     return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
-            and "multiprocessing" in " ".join(p.cmdline())]
+            and "spawn_main" in " ".join(p.cmdline())]
 
 
 def test_paused_async_job_leaves_no_sampler_and_resumes_to_success(postgres_url, toy_dir, tmp_path):
