@@ -27,7 +27,8 @@ from worker.trainer.learning_signal import no_signal_message, preflight_message
 log = logging.getLogger(__name__)
 
 # Metrics worth a line in the job's event stream (all of them go to the metrics table).
-EVENT_METRICS = ("reward_mean", "loss", "clip_fraction", "kl_old", "completion_length_mean", "step_seconds")
+EVENT_METRICS = ("reward_mean", "loss", "clip_fraction", "kl_old", "completion_length_mean", "step_seconds",
+                 "policy_lag_max", "stale_dropped")  # the last two only with asynchronous rollouts
 REWARD_WARN_EVERY = 10  # steps between warn events that repeat already-shown reward errors
 
 

@@ -112,6 +112,12 @@ class RolloutSpec(Strict):
         description="Truncated IS weight min(exp(logp_old - logp_sampler), tis_cap) on each policy-gradient term, "
         "when the engine reports log-probs (vllm); null or 0 disables it. 2.0 as in AgileRL.",
     )
+    max_staleness: int = Field(
+        0, ge=0, le=8,
+        description="Asynchronous rollouts: a sampler process produces the batches of the next max_staleness steps "
+        "while the trainer updates, and no sample more than max_staleness policy versions old is trained on; "
+        "CISPO's ratio is then taken against the sampler's own log-probs. 0: the synchronous loop.",
+    )
 
     @model_validator(mode="after")
     def _cap_not_below_one(self) -> RolloutSpec:
@@ -423,4 +429,20 @@ class JobSpec(Strict):
         if self.rollout.engine == "vllm" and self.resources.gpus > 1:
             raise ValueError(f"rollout.engine 'vllm' runs in one training process, but resources.gpus is "
                              f"{self.resources.gpus}: set resources.gpus to 1, or rollout.engine to 'hf'")
+        return self
+
+    @model_validator(mode="after")
+    def _asynchronous_scope(self) -> JobSpec:
+        # The sampler process runs our decode loop on one device for single-turn reward jobs; an environment's
+        # sandbox lives in the trainer, and the vLLM and multi-process samplers are not split off yet.
+        if self.rollout.max_staleness == 0:
+            return self
+        unsupported = [why for why, bad in (
+            ("rollout.engine is 'vllm' (needs 'hf')", self.rollout.engine != "hf"),
+            (f"resources.gpus is {self.resources.gpus} (needs 1)", self.resources.gpus > 1),
+            ("the job has an environment (needs a reward)", self.environment is not None),
+        ) if bad]
+        if unsupported:
+            raise ValueError(f"rollout.max_staleness ({self.rollout.max_staleness}) > 0 is not supported when "
+                             f"{'; '.join(unsupported)}: set rollout.max_staleness to 0")
         return self

@@ -29,7 +29,7 @@ def make_settings(tmp_path, database_url) -> Settings:
 
 
 def submit(settings: Settings, toy_dir, *, reward: dict | None = None, resources: dict | None = None,
-           **training) -> str:
+           rollout: dict | None = None, **training) -> str:
     """A queued job on the toy task, its dataset already uploaded, as the API would leave it."""
     store = open_store(settings.resolved_storage_url())
     store.put_file("files/file-train", toy_dir / "train.jsonl")
@@ -40,6 +40,8 @@ def submit(settings: Settings, toy_dir, *, reward: dict | None = None, resources
     raw["data"] = {"train_file": "file-train", "validation_file": "file-val"}
     if resources is not None:
         raw["resources"] = resources
+    if rollout is not None:
+        raw["rollout"] = rollout
     raw["training"].update({"batch_size": 4, "group_size": 4, "micro_batch_size": 16, "mini_batches": 2,
                             "eval_interval": 0, "eval_max_rows": 8, "checkpoint_interval": 2, **training})
     spec = JobSpec.model_validate(raw)

@@ -70,6 +70,8 @@ from worker.trainer import supervised
 from worker.trainer.schedule import lr_multiplier
 from worker.trainer.streams import stream_seed
 from worker.trainer.update import Updater
+from worker.rollout.policy_versions import Freshness, fresh_sequences
+from worker.trainer.pipeline import RolloutPipeline, ScoredBatch, SerialScorer
 
 # Spec sections that may change between a run and its resumption.
 RESUMABLE_CHANGES = {"steps", "eval_interval", "eval_max_rows", "checkpoint_interval", "preflight_groups",
@@ -211,6 +213,7 @@ class Trainer:
             say(f"Starting the rollout engine ({spec.rollout.engine})")
         self.engine: RolloutEngine | None = engine or (make_engine(spec, self.policy) if generates else None)
         self._owns_engine = engine is None
+        self.pipeline: RolloutPipeline | None = None  # rollout.max_staleness > 0, while run() runs
         self.last_checkpoint: Path | None = resumed.path if resumed else None
 
     # -- phases ---------------------------------------------------------------
@@ -305,24 +308,27 @@ class Trainer:
         if self.supervised:
             return self._supervised_step(lr, started)
 
-        rows = _share(self.sampler.next_batch(tc.batch_size), self.rank, self.world)
-        # Streams keyed by each prompt's index in the whole batch (this rank holds a contiguous share), so
-        # the draws are the same at any number of processes. An episode seed is shared by the prompt's group.
-        prompts = range(self.rank * len(rows), (self.rank + 1) * len(rows))
-        sampling_seeds = [stream_seed("sample", spec.seed, self.step, p) for p in prompts]
-        seeds = [stream_seed("episode", spec.seed, self.step, p) % (2**31 - 1) for p in prompts] \
-            if self.environment is not None else []
-        with unsharded(self.policy.model):
-            rollout = self.engine.generate(self.policy, rows, spec.sampling, group_size=tc.group_size,
-                                           sampling_seeds=sampling_seeds, **self._episodes(seeds))
-        rollout_s = time.perf_counter() - started
-        decode.release_rollout_state(self.policy.model)  # a large model's decode caches and copies: the update's
-        fallbacks = decode.take_compile_fallbacks()  # this step's and the last evaluation's
-        if (warn := getattr(self.callbacks, "on_warning", None)) is not None:
-            for message in fallbacks:
-                warn(self.step + 1, message)
-
-        feedback = collect_feedback(rollout, self.scorer, failure_score=tc.reward_failure_score)
+        if self.pipeline is not None:  # sampled and scored ahead, in the sampler process and the scoring thread
+            scored = self.pipeline.take(self.step)
+            rollout, feedback, rollout_s, fallbacks = scored.rollout, scored.feedback, scored.sample_s, []
+        else:
+            rows = _share(self.sampler.next_batch(tc.batch_size), self.rank, self.world)
+            # Streams keyed by each prompt's index in the whole batch (this rank holds a contiguous share), so
+            # the draws are the same at any number of processes. An episode seed is shared by the prompt's group.
+            prompts = range(self.rank * len(rows), (self.rank + 1) * len(rows))
+            sampling_seeds = [stream_seed("sample", spec.seed, self.step, p) for p in prompts]
+            seeds = [stream_seed("episode", spec.seed, self.step, p) % (2**31 - 1) for p in prompts] \
+                if self.environment is not None else []
+            with unsharded(self.policy.model):
+                rollout = self.engine.generate(self.policy, rows, spec.sampling, group_size=tc.group_size,
+                                               sampling_seeds=sampling_seeds, **self._episodes(seeds))
+            rollout_s = time.perf_counter() - started
+            decode.release_rollout_state(self.policy.model)  # a large model's decode caches and copies
+            fallbacks = decode.take_compile_fallbacks()  # this step's and the last evaluation's
+            if (warn := getattr(self.callbacks, "on_warning", None)) is not None:
+                for message in fallbacks:
+                    warn(self.step + 1, message)
+            feedback = collect_feedback(rollout, self.scorer, failure_score=tc.reward_failure_score)
         # Every rank judges the whole step's errors, so all stop together.
         errors = _concat_ranks({"errors": feedback.errors})["errors"]
         self._check_reward_errors(self.step + 1, SimpleNamespace(errors=errors), len(rollout) * self.world)
@@ -333,6 +339,9 @@ class Trainer:
         advantages_PG, zero_P = advantages.episode_PG, advantages.zero_P
         keep_P = ~zero_P if adv.drop_zero_groups else torch.ones_like(zero_P)
         indices = [i for i in range(len(rollout)) if keep_P[i // tc.group_size]]
+        if self.pipeline is not None:  # never train on a sample more than max_staleness versions old
+            fresh = fresh_sequences(scored.versions, self.step, spec.rollout.max_staleness)
+            indices = sorted(set(indices) & set(fresh.kept))
         if (record := getattr(self.callbacks, "on_samples", None)) is not None:
             record(self.step + 1, pick_samples(self.policy.tokenizer, rollout, feedback, advantages_PG, tc.group_size,
                                                multi_turn=self.environment is not None))
@@ -340,6 +349,8 @@ class Trainer:
         update_started = time.perf_counter()
         stats = self.updater.run(rollout, advantages.per_token, indices, step=self.step)
         update_s = time.perf_counter() - update_started
+        if self.pipeline is not None:
+            self.pipeline.publish(self.step + 1, self.policy.model)
         step_s = time.perf_counter() - started
 
         every = _concat_ranks({
@@ -378,6 +389,7 @@ class Trainer:
             "sampled_tokens_per_second": completion_tokens / max(rollout_s, 1e-9),
             "tokens_per_second": all_tokens / max(step_s, 1e-9),
             **retired,
+            **(_pipeline_metrics(scored, fresh) if self.pipeline is not None else {}),
         }
 
     def _supervised_step(self, lr: float, started: float) -> dict[str, float]:
@@ -436,7 +448,7 @@ class Trainer:
             tokenizer=None if policy.is_lora else policy.tokenizer,
             state={
                 "step": self.step,
-                "data": self.sampler.state(),
+                "data": self._data_state(),
                 "eval_baseline": self.eval_baseline,
                 "rng": rng_json,
                 "spec": self.spec.model_dump(mode="json"),
@@ -447,16 +459,35 @@ class Trainer:
         self.last_checkpoint = path
         return path
 
+    def _data_state(self) -> dict:
+        """Where the prompts of the next step to train on start (not those already requested ahead)."""
+        ahead = self.pipeline.data_state() if self.pipeline is not None else None
+        return ahead if ahead is not None else self.sampler.state()
+
+    def _draw(self, step: int) -> tuple[list[dict], list[int], dict]:
+        """The prompts and sampling seeds of trainer step `step` (0-based), for the asynchronous pipeline."""
+        before = self.sampler.state()
+        rows = self.sampler.next_batch(self.spec.training.batch_size)
+        return rows, [stream_seed("sample", self.spec.seed, step, p) for p in range(len(rows))], before
+
     # -- the loop -------------------------------------------------------------
 
     def run(self, callbacks: Callbacks | None = None) -> TrainResult:
         try:
+            if self.spec.rollout.max_staleness > 0 and self.step < self.spec.training.steps:
+                self.scorer = SerialScorer(self.scorer)  # the scoring thread and evaluations share it
+                self.pipeline = RolloutPipeline(self.spec, self.policy.model, step=self.step, scorer=self.scorer,
+                                                draw=self._draw)
             return self._run(callbacks)
         finally:
             self.close()
 
     def close(self) -> None:
-        """Stop the sandboxed children, connection pools and the rollout engine this trainer started."""
+        """Stop the sampler process, sandboxed children, connection pools and the rollout engine this trainer
+        started."""
+        if self.pipeline is not None:  # first: its scoring thread uses the scorer
+            self.pipeline.close()
+            self.pipeline = None
         for owner in (self.scorer, self.environment):
             if owner is not None:
                 owner.close()
@@ -495,6 +526,13 @@ class Trainer:
             if stopped:
                 break
         return TrainResult(self.step, stopped, self.last_checkpoint, first_eval, last_eval)
+
+
+def _pipeline_metrics(scored: ScoredBatch, fresh: Freshness) -> dict[str, float]:
+    """How far behind the trained samples were, and who waited for whom (asynchronous rollouts only)."""
+    return {"policy_lag_mean": fresh.lag_mean, "policy_lag_max": float(fresh.lag_max),
+            "stale_dropped": float(fresh.dropped), "rollout_wait_s": scored.rollout_wait_s,
+            "update_wait_s": scored.update_wait_s}
 
 
 def train(spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None,

@@ -3,7 +3,9 @@
 logp_old is frozen at rollout time (a no-grad forward before the first
 optimizer step), so later mini-batches see ratios != 1 and the CISPO weight
 matters. When the batch feeds exactly one optimizer step the ratio is 1 by
-construction and that extra forward is skipped.
+construction and that extra forward is skipped. With asynchronous rollouts
+(rollout.max_staleness > 0) logp_old is instead the sampler's own log-probs,
+taken by the policy version that produced each token (worker/trainer/pipeline.py).
 
 Sequences are collated with the rollout's action mask, so prompt and
 environment tokens are context only; advantages arrive per action token
@@ -145,7 +147,15 @@ class Updater:
             i: torch.tensor(rollout.sampler_logprobs[i], dtype=torch.float32) for i in indices}
         loss_spec = self.spec.loss
         on_policy_only = self.training.updates_per_rollout == 1
-        old = None if on_policy_only else self._frozen_logprobs(rollout, indices, reference=False)
+        if self.spec.rollout.max_staleness > 0:
+            # Asynchronous rollouts: logp_old is the sampler's own log-prob under the version that produced the
+            # token, so the ratio carries the staleness (and the sampler's numerical mismatch) and ratio_max caps
+            # it; the TIS factor exp(logp_old - logp_sampler) would be 1, so it is left out.
+            if sampler is None:
+                raise ValueError("rollout.max_staleness > 0 needs the sampler's log-probs of every sequence")
+            old, sampler = sampler, None
+        else:
+            old = None if on_policy_only else self._frozen_logprobs(rollout, indices, reference=False)
         ref = self._frozen_logprobs(rollout, indices, reference=True) if loss_spec.kl_beta > 0 else None
         per_sequence = loss_spec.normalization == "sequence"
         by_prompt = loss_spec.normalization == "prompt"

@@ -1,0 +1,186 @@
+"""The sampler process of asynchronous CISPO (rollout.max_staleness > 0).
+
+A spawned child holds its own copy of the model (built from the job spec,
+then given the trainer's trainable tensors as version `step`) and runs our
+decode loop (worker/rollout/rollout.py's generate, the hf engine's
+sampler) with per-token log-probs always on: they are logp_old of the
+samples it produces. Its inbox carries, in order:
+
+    ("version", v, tensors)           the policy after v trainer steps
+    ("request", step, rows, seeds)    the prompts and sampling seeds of trainer step `step` (0-based)
+    ("stop",)
+
+and it answers on its outbox ("batch", step, version, rollout, sample_s,
+update_wait_s) or ("error", traceback). Requests are served in order, each
+with the newest version the child holds, and a request for step j waits until
+the child holds version j - max_staleness or newer (the wait is
+update_wait_s: the sampler idle for want of weights), so no batch is ever
+produced more than max_staleness versions behind the step that trains it.
+
+The child exits on "stop", when its parent process is gone (checked every
+second while idle), or after reporting an error. `SamplerProcess.close()`
+stops and joins it on every exit path of the trainer, killing it if it does
+not stop in time.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import time
+import traceback
+from collections import deque
+
+import torch
+import torch.multiprocessing as mp
+
+from service.job_spec.spec import JobSpec
+from worker.rollout.policy_versions import load_trainable_state
+
+__all__ = ["SamplerProcess", "SamplerDied"]
+
+POLL_S = 1.0
+
+
+class SamplerDied(RuntimeError):
+    """The sampler process ended without being asked to, or reported an error."""
+
+
+def sampler_spec(spec: JobSpec) -> JobSpec:
+    """What the child needs of the spec to build its model: no reference model, no gradient checkpointing."""
+    return spec.model_copy(update={
+        "loss": spec.loss.model_copy(update={"kl_beta": 0.0}),
+        "training": spec.training.model_copy(update={"gradient_checkpointing": False}),
+        "init_from": None,
+    })
+
+
+def _build_sampler(spec: JobSpec, state: dict[str, torch.Tensor]):
+    from worker.rollout import _sampling_dtype
+    from worker.trainer.policy import load_policy
+    from worker.rollout.rollout import transformers_sampler
+
+    policy = load_policy(sampler_spec(spec), resume_from=None, warm_start=None)
+    load_trainable_state(policy.model, state)
+    policy.model.eval()
+    dtype = _sampling_dtype(spec, policy)
+    return policy, transformers_sampler(policy, spec.sampling, dtype=dtype, logprobs=True)
+
+
+def _sampler_main(spec_json: dict, version: int, state: dict, inbox, outbox, max_staleness: int) -> None:
+    """The child's whole life: build, then serve requests until stopped (see the module docstring)."""
+    # A Ctrl-C or SIGTERM to the process group is the trainer's to handle (it drains the job and stops us);
+    # dying of it here would fail the job instead. close() ends a child that does not stop with SIGKILL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        _serve(JobSpec.model_validate(spec_json), version, state, inbox, outbox, max_staleness)
+    except BaseException:  # noqa: BLE001 - everything goes to the parent, which raises it
+        outbox.put(("error", traceback.format_exc()))
+
+
+def _serve(spec: JobSpec, version: int, state: dict, inbox, outbox, max_staleness: int) -> None:
+    from worker.rollout.rollout import generate
+
+    policy, sample = _build_sampler(spec, state)
+    parent = mp.parent_process()
+    pending: deque[tuple[int, list[dict], list[int]]] = deque()
+    newest: tuple[int, dict] | None = None  # a version received but not loaded yet
+    waited = 0.0  # seconds spent waiting for weights since the last batch
+
+    def handle(message) -> bool:
+        nonlocal newest
+        if message[0] == "stop":
+            return False
+        if message[0] == "version":
+            newest = (message[1], message[2])
+        elif message[0] == "request":
+            pending.append((message[1], message[2], message[3]))
+        return True
+
+    while True:
+        while True:  # take everything already sent, so the newest version samples the next batch
+            try:
+                message = inbox.get_nowait()
+            except queue.Empty:
+                break
+            if not handle(message):
+                return
+        if newest is not None and newest[0] > version:
+            load_trainable_state(policy.model, newest[1])
+            version = newest[0]
+        newest = None
+        if pending and version >= pending[0][0] - max_staleness:
+            step, rows, seeds = pending.popleft()
+            started = time.perf_counter()
+            rollout = generate(policy, rows, spec.sampling, group_size=spec.training.group_size,
+                               sampling_seeds=seeds, sampler=sample)
+            outbox.put(("batch", step, version, rollout, time.perf_counter() - started, waited))
+            waited = 0.0
+            continue
+        started = time.perf_counter()
+        try:
+            message = inbox.get(timeout=POLL_S)
+        except queue.Empty:
+            message = None
+        if pending:  # a request is held back until newer weights arrive
+            waited += time.perf_counter() - started
+        if message is None:
+            if parent is not None and not parent.is_alive():
+                return
+        elif not handle(message):
+            return
+
+
+class SamplerProcess:
+    """The parent's handle on the sampler child: send versions and requests, receive batches, stop it."""
+
+    def __init__(self, spec: JobSpec, *, version: int, state: dict[str, torch.Tensor]):
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked CUDA context, threads or locks
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(
+            target=_sampler_main, name="cispo-sampler", daemon=True,
+            args=(spec.model_dump(mode="json"), version, state, self.inbox, self.outbox,
+                  spec.rollout.max_staleness))
+        self.process.start()
+        self.closed = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        self.inbox.put(("version", version, state))
+
+    def request(self, step: int, rows: list[dict], seeds: list[int]) -> None:
+        self.inbox.put(("request", step, rows, seeds))
+
+    def receive(self, timeout: float):
+        """The child's next message, or None after `timeout`; SamplerDied when it reported an error or is gone."""
+        try:
+            message = self.outbox.get(timeout=timeout)
+        except queue.Empty:
+            if not self.process.is_alive():
+                raise SamplerDied(f"the sampler process exited with code {self.process.exitcode}") from None
+            return None
+        if message[0] == "error":
+            raise SamplerDied(f"the sampler process failed:\n{message[1]}")
+        return message
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the child and wait for it; terminate, then kill, one that does not stop in `timeout` s."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.inbox.put(("stop",))
+        except (ValueError, OSError):
+            pass
+        self.process.join(timeout)
+        for end in (self.process.terminate, self.process.kill):
+            if self.process.is_alive():
+                end()
+                self.process.join(5.0)
+        for q in (self.inbox, self.outbox):  # never block on a feeder thread whose reader is gone
+            q.cancel_join_thread()
+            q.close()
