@@ -89,7 +89,7 @@ def run_distributed(spec: JobSpec, run_dir: Path, callbacks, *, scoring: Scoring
     """torchrun with one process per GPU (gloo processes on CPU) for the job; blocks until they finish.
 
     `resume`: whether the ranks resume from the newest checkpoint in run_dir (as Trainer's own flag)."""
-    from worker.trainer.loop import TrainResult
+    from worker.trainer.callbacks import TrainResult
 
     refuse_too_few_gpus(processes or spec.resources.gpus, visible_gpus())  # before any rank starts
     run_dir = Path(run_dir)

@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 from types import SimpleNamespace
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
-from pydantic import ValidationError
 
 from service.job_spec.spec import JobSpec
 from worker.checkpoint import (
@@ -70,43 +67,10 @@ from worker.trainer import supervised
 from worker.trainer.schedule import lr_multiplier
 from worker.trainer.streams import stream_seed
 from worker.trainer.update import Updater
-from worker.rollout.policy_versions import Freshness, fresh_sequences
-from worker.trainer.pipeline import RolloutPipeline, ScoredBatch, SerialScorer
-
-# Spec sections that may change between a run and its resumption.
-RESUMABLE_CHANGES = {"steps", "eval_interval", "eval_max_rows", "checkpoint_interval", "preflight_groups",
-                     "no_signal_steps", "fail_on_no_signal"}
-
-
-class Callbacks(Protocol):
-    def on_step(self, step: int, metrics: dict[str, float]) -> None: ...
-    def on_eval(self, step: int, metrics: dict[str, float]) -> None: ...
-    def on_checkpoint(self, step: int, path: Path) -> None: ...
-    def should_stop(self) -> bool: ...
-    # Optional: on_reward_errors(step, errors: list[str]), the messages of a step's samples that failed to
-    # score (callbacks without it are skipped, see _report_reward_errors); on_samples(step, samples: list[dict]),
-    # a few of the step's completions (worker/trainer/samples.py); on_preflight(metrics), the pre-flight's
-    # baseline before step 1; on_no_signal(step, steps), every group had zero variance for `steps` steps
-    # (worker/trainer/learning_signal.py); on_warning(step, message: str), e.g. a compiled decode that fell
-    # back to eager.
-
-
-class NoCallbacks:
-    def on_step(self, step, metrics): pass
-    def on_eval(self, step, metrics): pass
-    def on_checkpoint(self, step, path): pass
-    def on_reward_errors(self, step, errors): pass
-    def should_stop(self): return False
-
-
-@dataclass
-class TrainResult:
-    steps_done: int
-    stopped: bool  # should_stop() ended the run early
-    last_checkpoint: Path | None
-    first_eval: dict[str, float] | None
-    last_eval: dict[str, float] | None
-
+from worker.rollout.policy_versions import fresh_sequences
+from worker.trainer.callbacks import Callbacks, NoCallbacks, TrainResult
+from worker.trainer.pipeline import RolloutPipeline, SerialScorer, pipeline_metrics
+from worker.trainer.resume_check import resume_mismatch
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -124,27 +88,6 @@ def _concat_ranks(local: dict[str, list]) -> dict[str, list]:
     """Each list concatenated over the ranks, in rank order (the single-process order)."""
     parts = group.gather_objects(local)
     return {k: [x for part in parts for x in part[k]] for k in local}
-
-
-def _resume_mismatch(saved: dict, spec: JobSpec) -> list[str]:
-    now = spec.model_dump(mode="json")
-    try:  # fields added to the spec since the checkpoint, at their defaults, are not changes
-        saved = JobSpec.model_validate(saved).model_dump(mode="json")
-    except ValidationError:
-        pass
-    # Dataset files may live at another path on another worker; what they hold is the job's. So may the
-    # starting checkpoint, which a resumed run no longer reads (the reference it pinned is in the checkpoint).
-    now["data"] = {**now["data"], "train_file": None, "validation_file": None}
-    saved = {**saved, "data": {**saved.get("data", {}), "train_file": None, "validation_file": None}}
-    now["init_from"] = saved["init_from"] = None
-    # A checkpoint holds whole tensors, so the number of processes may change too.
-    diffs = [k for k in now if k not in ("training", "resources") and now[k] != saved.get(k)]
-    diffs += [
-        f"training.{k}"
-        for k in now["training"]
-        if k not in RESUMABLE_CHANGES and now["training"][k] != saved.get("training", {}).get(k)
-    ]
-    return diffs
 
 
 class Trainer:
@@ -183,7 +126,7 @@ class Trainer:
         resumed: Checkpoint | None = load_checkpoint(found) if found else None
         warm = load_checkpoint(Path(spec.init_from)) if spec.init_from and resumed is None else None
         if resumed is not None:
-            diffs = _resume_mismatch(resumed.state.get("spec", {}), spec)
+            diffs = resume_mismatch(resumed.state.get("spec", {}), spec)
             if diffs:
                 raise ValueError(f"cannot resume from {resumed.path}: the spec changed in {', '.join(diffs)}")
 
@@ -389,7 +332,7 @@ class Trainer:
             "sampled_tokens_per_second": completion_tokens / max(rollout_s, 1e-9),
             "tokens_per_second": all_tokens / max(step_s, 1e-9),
             **retired,
-            **(_pipeline_metrics(scored, fresh) if self.pipeline is not None else {}),
+            **(pipeline_metrics(scored, fresh) if self.pipeline is not None else {}),
         }
 
     def _supervised_step(self, lr: float, started: float) -> dict[str, float]:
@@ -526,13 +469,6 @@ class Trainer:
             if stopped:
                 break
         return TrainResult(self.step, stopped, self.last_checkpoint, first_eval, last_eval)
-
-
-def _pipeline_metrics(scored: ScoredBatch, fresh: Freshness) -> dict[str, float]:
-    """How far behind the trained samples were, and who waited for whom (asynchronous rollouts only)."""
-    return {"policy_lag_mean": fresh.lag_mean, "policy_lag_max": float(fresh.lag_max),
-            "stale_dropped": float(fresh.dropped), "rollout_wait_s": scored.rollout_wait_s,
-            "update_wait_s": scored.update_wait_s}
 
 
 def train(spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None,

@@ -27,7 +27,7 @@ import torch
 
 from service.job_spec.spec import JobSpec
 from worker.rollout.async_sampler import SamplerDied, SamplerProcess
-from worker.rollout.policy_versions import trainable_state
+from worker.rollout.policy_versions import Freshness, trainable_state
 from worker.trainer.feedback import Feedback, collect_feedback
 from worker.trainer.rewards import Scorer, Scores
 from worker.rollout.rollout import Rollout
@@ -148,3 +148,10 @@ class RolloutPipeline:
             self.sampler.close()
         finally:
             self._thread.join(timeout=10.0)
+
+
+def pipeline_metrics(scored: ScoredBatch, fresh: Freshness) -> dict[str, float]:
+    """How far behind the trained samples were, and who waited for whom (asynchronous rollouts only)."""
+    return {"policy_lag_mean": fresh.lag_mean, "policy_lag_max": float(fresh.lag_max),
+            "stale_dropped": float(fresh.dropped), "rollout_wait_s": scored.rollout_wait_s,
+            "update_wait_s": scored.update_wait_s}
