@@ -33,7 +33,7 @@ def test_vllm_is_installed_pinned_with_torch_in_one_pip_run():
               if '"vllm==${VLLM_VERSION}"' in r and '"torch==${TORCH_VERSION}"' in r]
     assert pinned, "vllm and torch are not pinned together in one pip install"
     # The same run installs the project's worker extra, so nothing later re-resolves torch.
-    assert re.search(r"pip install [^&]*\"vllm==\$\{VLLM_VERSION\}\"[^&]*\.\[worker\]", pinned[0]), pinned[0]
+    assert re.search(r"pip install [^&]*\"vllm==\$\{VLLM_VERSION\}\"[^&]*\.\[worker[,\]]", pinned[0]), pinned[0]
     for run in _worker_runs():
         for spec in re.findall(r'"torch([^"]*)"', run):
             assert spec == "==${TORCH_VERSION}", f"an unpinned torch install: torch{spec}"
