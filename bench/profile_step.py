@@ -32,17 +32,23 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rows", type=int, default=25, help="operators listed")
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per completion (default: the shape's)")
+    parser.add_argument("--warmup", type=int, default=1, help="unprofiled steps first")
     args = parser.parse_args()
-    w = Workload(**SHAPES[args.shape], dtype=args.dtype)
+    shape = dict(SHAPES[args.shape])
+    if args.max_tokens is not None:
+        shape["max_tokens"] = args.max_tokens
+    w = Workload(**shape, dtype=args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         build_model(work / "model", w)
         write_prompts(work / "train.jsonl", w)
         trainer = our_trainer(work / "model", work / "train.jsonl", work / "ours", w)
-        started = time.perf_counter()
-        warm = trainer.train_step()
-        print(f"warm-up step {time.perf_counter() - started:.1f} s (rollout {warm['rollout_seconds']:.1f} s, "
-              f"update {warm['update_seconds']:.1f} s); load {os.getloadavg()[0]:.1f}", flush=True)
+        for _ in range(args.warmup):
+            started = time.perf_counter()
+            warm = trainer.train_step()
+            print(f"warm-up step {time.perf_counter() - started:.1f} s (rollout {warm['rollout_seconds']:.1f} s, "
+                  f"update {warm['update_seconds']:.1f} s); load {os.getloadavg()[0]:.1f}", flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             cpu, started = time.process_time(), time.perf_counter()
             metrics = trainer.train_step()
