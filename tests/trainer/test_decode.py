@@ -223,6 +223,7 @@ def test_the_adapter_runs_unmerged_giving_peft_logits_bit_for_bit_without_weight
     """No copy of any adapted weight is made for a rollout (a full copy of the linears: 1.4 GB at 0.5B in float32),
     and the lean unmerged forward gives PEFT's own logits exactly, not a merge's rounding of them."""
     lora_model.eval()
+    decode.release_rollout_state(lora_model, above_bytes=0)  # what earlier tests' lower-dtype rollouts kept
     ids = torch.tensor(prompts(4)[0])[None]
     expected = _effective_logits(lora_model, ids)
     with decode.rollout_weights(lora_model) as sampler:
