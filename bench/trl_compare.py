@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/trl_compare.py --threads 1             # ~3 min on 2 busy CPU cores
     .venv/bin/python bench/trl_compare.py --steps 3 --warmup 1    # quicker, noisier
+    .venv/bin/python bench/trl_compare.py --shape qwen2.5-0.5b --steps 2 --warmup 1   # ~10 min on 2 busy cores
 
 Needs the bench extra (`pip install -e .[worker,bench]`, which brings `trl`).
 
@@ -19,13 +20,25 @@ on_step_end) and then runs and times one step of ours, so both see the same
 machine load. Warm-up steps are dropped; the medians of the rest are printed,
 with the generation share of each side and the ratio TRL / ours (> 1: we are faster).
 bench/gpu_step.py reuses these pieces on a GPU.
+
+Beside the ratio it prints each phase against its floor on this machine
+(bench/floors.py: memory bandwidth and matmul rate measured here, in the
+same thread setting): our rollout against its decode floor, our update
+against its FLOPs, and each side's peak RSS, measured in a child process of
+its own (`--rss-steps` steps of that side alone, since the interleaved run
+holds both models) against base weights + adapter + optimizer state +
+activations + KV cache. The load average is printed beside the figures: on
+a shared machine the wall times move with it, the CPU-time ratio less.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,12 +71,33 @@ class Workload:
     dtype: str = "float32"  # both sides' model
     rollout_dtype: str = "auto"  # ours only: rollout.dtype (a lower one samples faster, with the TIS correction)
 
+    def shape(self):
+        from bench.floors import Shape
+
+        return Shape(vocab=self.vocab, hidden=self.hidden, intermediate=self.intermediate, layers=self.layers,
+                     heads=self.heads, kv_heads=self.kv_heads, tied=self.tie_embeddings)
+
+    def step(self):
+        from bench.floors import Step
+
+        return Step(prompts=self.batch, group=self.group, prompt_tokens=self.prompt_tokens,
+                    new_tokens=self.max_tokens, lora_r=self.lora_r or 0,
+                    dtype_bytes=getattr(torch, self.dtype).itemsize)
+
     def describe(self, params: int) -> str:
         tuning = f"LoRA r={self.lora_r} all-linear" if self.lora_r else "full fine-tuning"
         rollout = "" if self.rollout_dtype == "auto" else f"; our rollouts in {self.rollout_dtype}"
         return (f"random Llama {params / 1e6:.2f}M params (hidden {self.hidden}, {self.layers} layers, vocab "
                 f"{self.vocab}, {self.dtype}); {self.batch} prompts x {self.group} completions, "
                 f"{self.prompt_tokens}-token prompts, {self.max_tokens} new tokens; {tuning}{rollout}")
+
+
+# --shape: the small default (Python overhead dominates) and Qwen2.5-0.5B's body on a 32k vocabulary (random init)
+SHAPES = {
+    "small": {},
+    "qwen2.5-0.5b": dict(vocab=32768, hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2,
+                         tie_embeddings=True, prompt_tokens=16, max_tokens=32),
+}
 
 
 def build_model(out: Path, w: Workload) -> Path:
@@ -192,7 +226,7 @@ def side_by_side(w: Workload, *, steps: int, warmup: int, workdir: Path) -> dict
     prompts = write_prompts(workdir / "train.jsonl", w)
     ours = our_trainer(model_dir, workdir / "train.jsonl", workdir / "ours", w)
     times: dict[str, list[float]] = {"trl": [], "trl_generate": [], "ours": [], "ours_rollout": [],
-                                     "trl_cpu": [], "ours_cpu": []}
+                                     "ours_update": [], "trl_cpu": [], "ours_cpu": [], "load": []}
 
     class Interleave(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
@@ -209,6 +243,8 @@ def side_by_side(w: Workload, *, steps: int, warmup: int, workdir: Path) -> dict
             times["ours"].append(time.perf_counter() - started)
             times["ours_cpu"].append(time.process_time() - cpu)
             times["ours_rollout"].append(metrics["rollout_seconds"])
+            times["ours_update"].append(metrics["update_seconds"])
+            times["load"].append(os.getloadavg()[0])
 
     peer = trl_trainer(model_dir, prompts, workdir / "trl", w, steps=warmup + steps, callbacks=[Interleave()])
     generate = peer.model.generate
@@ -240,32 +276,132 @@ def print_side_by_side(result: dict) -> float:
               f"{med[gen] / med[side]:10.0%}")
     speedup = med["trl"] / med["ours"]
     print(f"speed-up vs TRL (median TRL step / median our step): {speedup:.2f}x wall, "
-          f"{med['trl_cpu'] / med['ours_cpu']:.2f}x CPU time (process CPU seconds: steadier on a busy machine)")
+          f"{med['trl_cpu'] / med['ours_cpu']:.2f}x CPU time (process CPU seconds: steadier on a busy machine)"
+          + (f"; load average {min(result['load']):.1f}-{max(result['load']):.1f}" if result.get("load") else ""))
     return speedup
+
+
+def measure_machine() -> dict:
+    """Memory read bandwidth and float32 / bfloat16 matmul rates, in this process's thread setting."""
+    from bench.floors import measure_bandwidth, measure_matmul_rate
+
+    return {"bandwidth": measure_bandwidth(), "float32": measure_matmul_rate(torch.float32),
+            "bfloat16": measure_matmul_rate(torch.bfloat16), "load": os.getloadavg()[0]}
+
+
+def best_machine(*measured: dict) -> dict:
+    """The best of each rate over the measurements (a floor is what the machine can do, not what it did once)."""
+    return {k: max(m[k] for m in measured) for k in ("bandwidth", "float32", "bfloat16")}
+
+
+def print_floors(result: dict, w: Workload, machine: dict, rss: dict[str, dict] | None = None) -> dict:
+    """Our phases against their floors on this machine, and each side's peak RSS against the memory floor."""
+    from bench.floors import decode_bytes, decode_flops, floor_seconds, memory_floor_bytes, update_flops
+
+    shape, step = w.shape(), w.step()
+    rate = machine[w.dtype]
+    decode_floor = floor_seconds(decode_bytes(shape, step), decode_flops(shape, step), machine["bandwidth"], rate)
+    update_floor = update_flops(shape, step) / rate
+    med = {k: statistics.median(result[k]) for k in ("ours_rollout", "ours_update", "trl_generate")}
+    print(f"machine: read bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s, matmul float32 "
+          f"{machine['float32'] / 1e9:.0f} GFLOP/s, bfloat16 {machine['bfloat16'] / 1e9:.0f} GFLOP/s")
+    print(f"decode floor {decode_floor:.2f} s ({decode_bytes(shape, step) / 1e9:.2f} GB read / bandwidth, "
+          f"{decode_flops(shape, step) / 1e9:.1f} GFLOP / {w.dtype} rate: the larger); "
+          f"ours {med['ours_rollout']:.2f} s = {med['ours_rollout'] / decode_floor:.2f}x floor, "
+          f"TRL generate {med['trl_generate']:.2f} s = {med['trl_generate'] / decode_floor:.2f}x")
+    print(f"update floor {update_floor:.2f} s ({update_flops(shape, step) / 1e9:.1f} GFLOP / {w.dtype} rate); "
+          f"ours {med['ours_update']:.2f} s = {med['ours_update'] / update_floor:.2f}x floor")
+    parts = memory_floor_bytes(shape, step)
+    print("memory floor " + " + ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items() if k != "sum")
+          + f" = {parts['sum'] / 1e9:.2f} GB")
+    for side, got in (rss or {}).items():
+        print(f"peak RSS {side:<4} {got['peak'] / 1e9:.2f} GB = {got['peak'] / parts['sum']:.2f}x floor "
+              f"(of which {got['baseline'] / 1e9:.2f} GB before the model: Python and libraries; "
+              f"load {got['load']:.1f})")
+    if rss and {"ours", "trl"} <= rss.keys():
+        print(f"peak RSS ours / TRL: {rss['ours']['peak'] / rss['trl']['peak']:.2f}x")
+    return {"decode_floor": decode_floor, "update_floor": update_floor, "memory_floor": parts["sum"]}
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_alone(side: str, w: Workload, workdir: Path, steps: int) -> dict:
+    """`steps` steps of one side in this process (a child's): its peak RSS, and what it held before the model."""
+    baseline = _rss_bytes()
+    phases: dict[str, float] = {}
+    if side == "ours":
+        trainer = our_trainer(workdir / "model", workdir / "train.jsonl", workdir / f"alone-ours-{os.getpid()}", w)
+        for _ in range(steps):
+            cpu = time.process_time()
+            metrics = trainer.train_step()
+            phases = {"step_cpu": time.process_time() - cpu,
+                      **{k: metrics[k] for k in ("rollout_seconds", "update_seconds", "step_seconds")}}
+    else:
+        prompts = [json.loads(line)["prompt"] for line in (workdir / "train.jsonl").read_text().splitlines()]
+        trl_trainer(workdir / "model", prompts, workdir / "alone-trl", w, steps=steps, callbacks=[]).train()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {"peak": peak, "baseline": baseline, "load": os.getloadavg()[0], **phases}
+
+
+def peak_rss(side: str, argv: list[str], workdir: Path) -> dict:
+    """run_alone in a child process (this one holds both sides' models)."""
+    out = subprocess.run([sys.executable, __file__, *argv, "--alone", side, "--workdir", str(workdir)],
+                         capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("ALONE ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"the {side} side alone failed: {out.stderr[-2000:]}")
+    return json.loads(lines[-1].removeprefix("ALONE "))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="small", choices=list(SHAPES), help="the model and prompt shapes")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per side")
     parser.add_argument("--warmup", type=int, default=2, help="steps per side left out of the figures")
     parser.add_argument("--batch", type=int, default=Workload.batch, help="prompts per step")
     parser.add_argument("--group", type=int, default=Workload.group, help="completions per prompt")
-    parser.add_argument("--max-tokens", type=int, default=Workload.max_tokens, help="new tokens per completion")
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per completion (default: the shape's)")
     parser.add_argument("--lora-r", type=int, default=Workload.lora_r, help="0: full fine-tuning")
     parser.add_argument("--dtype", default=Workload.dtype, choices=["float32", "bfloat16"], help="both sides' model")
     parser.add_argument("--rollout-dtype", default=Workload.rollout_dtype, choices=["auto", "float32", "bfloat16"],
                         help="our rollouts only (rollout.dtype)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads (0: torch's default); 1 gives steadier figures on a busy shared machine")
+    parser.add_argument("--rss-steps", type=int, default=1,
+                        help="steps of each side alone, in a child process, for its peak RSS (0: skip)")
+    parser.add_argument("--alone", choices=["ours", "trl"],
+                        help="only this side, --rss-steps steps: its peak RSS (and ours: its phases), as JSON")
+    parser.add_argument("--workdir", type=Path,
+                        help="with --alone: the directory holding model/ and train.jsonl (built there if missing)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    w = Workload(batch=args.batch, group=args.group, max_tokens=args.max_tokens, lora_r=args.lora_r,
-                 dtype=args.dtype, rollout_dtype=args.rollout_dtype)
+    shape = dict(SHAPES[args.shape])
+    if args.max_tokens is not None:
+        shape["max_tokens"] = args.max_tokens
+    w = Workload(**{**shape, "batch": args.batch, "group": args.group, "lora_r": args.lora_r, "dtype": args.dtype,
+                    "rollout_dtype": args.rollout_dtype})
+    if args.alone:
+        if not (args.workdir / "model").exists():
+            build_model(args.workdir / "model", w)
+            write_prompts(args.workdir / "train.jsonl", w)
+        print("ALONE " + json.dumps(run_alone(args.alone, w, args.workdir, args.rss_steps)), flush=True)
+        return
+    print(f"torch threads {torch.get_num_threads()}; load average at start {os.getloadavg()[0]:.1f}", flush=True)
+    before = measure_machine()
     with tempfile.TemporaryDirectory() as tmp:
         result = side_by_side(w, steps=args.steps, warmup=args.warmup, workdir=Path(tmp))
-    print(f"torch threads {torch.get_num_threads()}")
+        after = measure_machine()
+        child_argv = [a for a in sys.argv[1:]]
+        rss = {side: peak_rss(side, child_argv, Path(tmp)) for side in ("ours", "trl")} if args.rss_steps else {}
     print_side_by_side(result)
+    print(f"(machine measured at load {before['load']:.1f} and {after['load']:.1f}; the best of the two is used)")
+    print_floors(result, w, best_machine(before, after), rss)
 
 
 if __name__ == "__main__":

@@ -255,3 +255,17 @@ def test_a_float32_head_in_a_bf16_rollout(lora_model):
         logits = low(input_ids=ids).logits
     assert logits.dtype == torch.float32
     assert head.weight is before and not head._forward_pre_hooks
+def test_the_adapter_runs_unmerged_giving_peft_logits_bit_for_bit_without_weight_copies(lora_model):
+    """No copy of any adapted weight is made for a rollout (a full copy of the linears: 1.4 GB at 0.5B in float32),
+    and the lean unmerged forward gives PEFT's own logits exactly, not a merge's rounding of them."""
+    lora_model.eval()
+    decode.release_rollout_state(lora_model, above_bytes=0)  # what earlier tests' lower-dtype rollouts kept
+    ids = torch.tensor(prompts(4)[0])[None]
+    expected = _effective_logits(lora_model, ids)
+    with decode.rollout_weights(lora_model) as sampler:
+        got = _effective_logits(sampler, ids)
+        assert decode.rollout_state_bytes(lora_model) == 0
+    assert torch.equal(got, expected)
+    with lora_model.disable_adapter():
+        assert not torch.equal(_effective_logits(lora_model, ids), expected)  # the adapter does change the logits
+    assert _effective_logits(lora_model, ids).equal(expected)  # PEFT's forward is back

@@ -267,3 +267,35 @@ def test_zero_weight_pass_runs_a_backward_that_adds_nothing(toy_dir):
     Updater(policy, torch.optim.SGD(policy.trainable_parameters(), lr=LR), spec)._zero_weight_pass(rollout)
     grads = [p.grad for p in policy.trainable_parameters()]
     assert all(g is not None for g in grads) and all(not g.any() for g in grads)
+
+
+def test_one_step_per_rollout_skips_the_frozen_forward_with_the_same_loss_and_gradient(toy_dir, tmp_path):
+    """With one optimizer step per rollout, logp_old is the current pass's log-probs (detached): no frozen no-grad
+    forward runs, and the step's loss and gradient are exactly those of the path that runs it."""
+    import torch
+
+    from tests.trainer.test_trainer import small_spec
+    from worker.trainer.loop import Trainer
+
+    spec = small_spec(toy_dir, steps=1, mini_batches=1, micro_batch_size=16)
+    trainer = Trainer(spec, tmp_path)
+    updater = trainer.updater
+    rollout = trainer.engine.generate(trainer.policy, trainer.train_rows[:4], spec.sampling, group_size=4,
+                                      sampling_seeds=[11, 12, 13, 14])
+    advantages = torch.linspace(-1.5, 1.5, len(rollout))
+    params = trainer.policy.trainable_parameters()
+    grads: list[list[torch.Tensor]] = []
+    trainer.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in params])  # record, do not step
+    frozen_calls = []
+    frozen = updater._frozen_logprobs
+    updater._frozen_logprobs = lambda *a, **k: frozen_calls.append(1) or frozen(*a, **k)
+
+    assert updater.reuses_current_logprobs()
+    reused = updater.run(rollout, advantages, list(range(len(rollout))))
+    assert frozen_calls == []
+    updater.reuses_current_logprobs = lambda: False  # the frozen-forward path, on the same weights
+    recomputed = updater.run(rollout, advantages, list(range(len(rollout))))
+    assert frozen_calls == [1]
+    assert reused.step_losses == recomputed.step_losses and reused.step_losses[0] != 0
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
+    assert any(g.abs().sum() > 0 for g in grads[0])

@@ -111,6 +111,12 @@ class Updater:
         model.train(was_training)
         return result
 
+    def reuses_current_logprobs(self) -> bool:
+        """One optimizer step per rollout: the policy has not moved since sampling, so logp_old is the current
+        pass's own log-probs, detached (ratio exactly 1), and the frozen forward that would recompute them is
+        skipped (a third of the update's compute with LoRA)."""
+        return self.training.updates_per_rollout == 1
+
     def _mini_batches(self, indices: list[int], sequences: int, step: int, epoch: int) -> list[list[int]]:
         """This rank's sequences of each of the epoch's mini-batches (a list for every mini-batch, maybe empty).
 
@@ -146,7 +152,6 @@ class Updater:
         sampler = None if rollout.sampler_logprobs is None else {
             i: torch.tensor(rollout.sampler_logprobs[i], dtype=torch.float32) for i in indices}
         loss_spec = self.spec.loss
-        on_policy_only = self.training.updates_per_rollout == 1
         if self.spec.rollout.max_staleness > 0:
             # Asynchronous rollouts: logp_old is the sampler's own log-prob under the version that produced the
             # token, so the ratio carries the staleness (and the sampler's numerical mismatch) and ratio_max caps
@@ -155,7 +160,7 @@ class Updater:
                 raise ValueError("rollout.max_staleness > 0 needs the sampler's log-probs of every sequence")
             old, sampler = sampler, None
         else:
-            old = None if on_policy_only else self._frozen_logprobs(rollout, indices, reference=False)
+            old = None if self.reuses_current_logprobs() else self._frozen_logprobs(rollout, indices, reference=False)
         ref = self._frozen_logprobs(rollout, indices, reference=True) if loss_spec.kl_beta > 0 else None
         per_sequence = loss_spec.normalization == "sequence"
         by_prompt = loss_spec.normalization == "prompt"
