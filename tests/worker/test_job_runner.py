@@ -83,7 +83,9 @@ def test_job_runs_to_success_and_records_everything(database_url, toy_dir, tmp_p
     with session_factory(settings.resolved_database_url()).begin() as s:
         steps = sorted(s.scalars(select(JobMetric.step).where(JobMetric.name == "reward_mean")))
         assert steps == [1, 2, 3]
-        assert s.scalar(select(func.count()).select_from(JobMetric).where(JobMetric.name == "eval_reward_mean")) == 2
+        # The step-0 baseline, the scheduled checkpoint at step 2 and the last step (eval_interval 0).
+        eval_steps = sorted(s.scalars(select(JobMetric.step).where(JobMetric.name == "eval_reward_mean")))
+        assert eval_steps == [0, 2, 3]
         messages = [e.message for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq))]
         ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
     assert messages[0].startswith("Job started") and messages[-1].startswith("Job succeeded; reward ")
