@@ -53,6 +53,15 @@ def _dataset(session: Session, project_id: str, file_id: str, param: str) -> Fil
     return file
 
 
+def _registered_reward(session: Session, project_id: str, fn_id: str, method: str) -> tuple[dict, str]:
+    """A registered reward function's spec and id, named by method.<method>.reward_function."""
+    fn = rf_repo.get(session, project_id, fn_id)
+    if fn is None:
+        param = f"method.{method}.reward_function"
+        raise InvalidRequest(f"{param}: no such reward function: {fn_id}", param=param)
+    return fn.spec, fn.id
+
+
 def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Settings | None = None) -> Prepared:
     """Check every reference in the request and resolve the JobSpec (creates nothing)."""
     # A fine-tuned model or checkpoint of this project: its base model trains on from its weights.
@@ -71,22 +80,14 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
             environment, environment_id = resolve_for_job(session, project_id, cispo.environment,
                                                           param="method.cispo.environment", settings=settings)
         elif cispo.reward_function is not None:
-            fn = rf_repo.get(session, project_id, cispo.reward_function)
-            if fn is None:
-                raise InvalidRequest(f"method.cispo.reward_function: no such reward function: "
-                                     f"{cispo.reward_function}", param="method.cispo.reward_function")
-            reward, reward_function_id = fn.spec, fn.id
+            reward, reward_function_id = _registered_reward(session, project_id, cispo.reward_function, "cispo")
         else:
             reward = cispo.reward.model_dump(mode="json")
     elif body.method.type == "supervised":  # a reward is optional: it scores the evaluations
         sft = body.method.supervised
         reward = sft.reward.model_dump(mode="json") if sft.reward is not None else None
         if sft.reward_function is not None:
-            fn = rf_repo.get(session, project_id, sft.reward_function)
-            if fn is None:
-                raise InvalidRequest(f"method.supervised.reward_function: no such reward function: "
-                                     f"{sft.reward_function}", param="method.supervised.reward_function")
-            reward, reward_function_id = fn.spec, fn.id
+            reward, reward_function_id = _registered_reward(session, project_id, sft.reward_function, "supervised")
     else:
         reward = grader_reward(body.method.reinforcement.grader)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
