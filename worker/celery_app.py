@@ -46,12 +46,16 @@ app = make_celery(get_settings())
 app.conf.update(worker_concurrency=get_settings().worker_concurrency, worker_max_tasks_per_child=1)
 
 
+def _refuse_while_draining() -> None:
+    """This worker is stopping. Celery's solo pool (`cispo up`) still takes one more message after a warm
+    shutdown began, often the very job that just drained: it goes back, unclaimed and unrun."""
+    if DRAIN.is_set():
+        raise Reject("the worker is shutting down", requeue=True)
+
+
 @app.task(name=RUN_JOB, acks_late=True)
 def run_job(job_id: str) -> str | None:
-    if DRAIN.is_set():
-        # This worker is stopping. Celery's solo pool (`cispo up`) still takes one more message after a
-        # warm shutdown began, often the very job that just drained: it goes back, unclaimed and unrun.
-        raise Reject("the worker is shutting down", requeue=True)
+    _refuse_while_draining()
     from worker.job_runner import run_job as run
 
     status = run(job_id, get_settings())
@@ -62,8 +66,7 @@ def run_job(job_id: str) -> str | None:
 @app.task(name=RUN_EVAL, acks_late=True)
 def run_eval(eval_id: str) -> str | None:
     """An eval run (worker/evals/runner.py): a model scored on a file, in this fresh child like a job."""
-    if DRAIN.is_set():
-        raise Reject("the worker is shutting down", requeue=True)
+    _refuse_while_draining()
     from worker.evals.runner import run_eval as run
 
     status = run(eval_id, get_settings())
