@@ -299,3 +299,60 @@ def test_one_step_per_rollout_skips_the_frozen_forward_with_the_same_loss_and_gr
     assert reused.step_losses == recomputed.step_losses and reused.step_losses[0] != 0
     assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
     assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+def _naive_entropy(model, rollout, i: int) -> torch.Tensor:
+    """Sequence i's entropy (at the sampling temperature) at each action token, from one unpadded forward."""
+    ids = torch.tensor(rollout.token_ids[i])[None]
+    with torch.no_grad():
+        logp_V = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float() / TEMPERATURE, -1)
+    entropy = -(logp_V.exp() * logp_V).sum(-1)
+    return entropy[torch.tensor(rollout.action_mask[i][1:], dtype=torch.bool)]
+
+
+def test_each_epoch_trains_the_cut_of_its_own_step_and_epoch(toy_dir):
+    """run() hands its step and each epoch to the shuffle: the sequences of every optimizer step are exactly the
+    mini-batch cut for that (seed, step, epoch), so a resumed job at step S trains what the first run did."""
+    spec = _spec(toy_dir, update_epochs=2, mini_batches=2, micro_batch_size=1)
+    policy = _policy(spec)
+    rollout, advantages = _batch_without_actions_in(0)
+    kept = list(range(1, 8))
+    updater = Updater(policy, Recording(policy.model.named_parameters(), lr=LR), spec)
+    trained: list[list[int]] = [[]]
+    batch = updater._batch
+    # the batches the training passes collate (the frozen logp_old pass runs in eval mode and is left out)
+    updater._batch = lambda r, idx: (policy.model.training and trained[-1].extend(idx)) or batch(r, idx)  # noqa: E731
+    step = updater.optimizer.step
+    updater.optimizer.step = lambda *a: trained.append([]) or step(*a)  # noqa: E731
+
+    updater.run(rollout, advantages, kept, step=6)
+
+    want = [sorted(cut) for epoch in (0, 1) for cut in updater._mini_batches(kept, 8, step=6, epoch=epoch)]
+    assert [sorted(t) for t in trained[:-1]] == want
+    assert want != [sorted(cut) for epoch in (0, 1) for cut in updater._mini_batches(kept, 8, step=0, epoch=epoch)]
+    assert want[:2] != want[2:]  # the second epoch is cut anew
+
+
+def test_a_single_action_token_is_a_step_and_the_entropy_is_the_token_mean(toy_dir):
+    """A mini-batch of one one-token answer (normaliser exactly 1) still takes its optimizer step; the entropy
+    metric is the mean over the trained action tokens of the sampling distribution's entropy."""
+    spec = _spec(toy_dir)
+    policy = _policy(spec)
+    rollout, advantages = _batch_without_actions_in(3)
+    rollout.action_mask[5] = [0] * (len(rollout.action_mask[5]) - 1) + [1]
+    rollout.action_turns[5] = [0]
+    optimizer = Recording(policy.model.named_parameters(), lr=LR)
+    policy.model.train()
+    want_entropy = float(_naive_entropy(policy.model, rollout, 5).mean())
+
+    stats = Updater(policy, optimizer, spec).run(rollout, advantages, [5])
+
+    assert len(optimizer.seen) == 1 and stats.sums["tokens"] == 1
+    assert stats.metrics()["entropy"] == pytest.approx(want_entropy, rel=1e-4)
+    kept = [0, 1, 2, 4, 6, 7]
+    many = Updater(_policy(spec), Recording(policy.model.named_parameters(), lr=LR), spec).run(rollout, advantages, kept)
+    tokens = sum(rollout.action_counts[i] for i in kept)
+    fresh = _policy(spec).model
+    fresh.train()
+    want_mean = float(sum(_naive_entropy(fresh, rollout, i).sum() for i in kept) / tokens)
+    assert many.metrics()["entropy"] == pytest.approx(want_mean, rel=1e-4)
