@@ -24,8 +24,9 @@ WORK = ROOT / ".mutants"
 # name: (what to mutate, the tests that judge it, files never to mutate)
 MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     # worker/cispo/, a file at a time: each with its own tests (logprobs' backward mutants are slow ones).
-    "cispo-loss": (["worker/cispo/loss.py"], ["tests/unit/test_loss.py"], []),
-    "cispo-advantages": (["worker/cispo/advantages.py"], ["tests/unit/test_advantages.py"], []),
+    "cispo-loss": (["worker/cispo/loss.py"], ["tests/unit/test_loss.py", "tests/unit/test_recipe_math.py"], []),
+    "cispo-advantages": (["worker/cispo/advantages.py"], ["tests/unit/test_advantages.py", "tests/unit/test_recipe_math.py"],
+                         []),
     "cispo-turn-advantages": (["worker/cispo/turn_advantages.py"], ["tests/unit/test_turn_advantages.py"], []),
     "cispo-logprobs": (["worker/cispo/logprobs.py"], ["tests/unit/test_logprobs.py"], []),
     "egress": (["service/egress.py"], ["tests/service/test_egress.py", "tests/service/test_egress_edges.py"], []),

@@ -30,6 +30,17 @@ def test_batch_std_divides_by_the_whole_batchs_reward_std():
     _close(given[0], [0.25, -0.25, -0.25, 0.25], atol=1e-6)
 
 
+def test_batch_std_adds_eps_to_the_std():
+    """Rewards [0, 1] and [0, 3]: centred [-0.5, 0.5], [-1.5, 1.5]; batch std sqrt(1.5); eps 0.5 is added to it,
+    given or measured."""
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 3.0]])
+    given, _ = group_advantages(rewards, scale="batch_std", eps=0.5, batch_std=2.0)
+    _close(given, [[-0.2, 0.2], [-0.6, 0.6]], atol=1e-6)
+    measured, _ = group_advantages(rewards, scale="batch_std", eps=0.5)
+    d = math.sqrt(1.5) + 0.5
+    _close(measured, [[-0.5 / d, 0.5 / d], [-1.5 / d, 1.5 / d]], atol=1e-6)
+
+
 def test_sequence_weights_per_level():
     counts, prompts = [2, 4, 3, 1], [0, 0, 1, 1]
     assert sequence_weights("token", counts, prompts) == ([1.0] * 4, 10.0)
