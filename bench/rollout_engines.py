@@ -25,7 +25,7 @@ from worker.rollout import HFEngine
 from worker.toy.__main__ import prepare, toy_spec
 from worker.toy.task import make_rows
 from worker.toy.tiny_model import build_tiny_model
-from worker.trainer.policy import load_policy
+from worker.model.policy import load_policy
 
 
 def main() -> None:

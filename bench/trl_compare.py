@@ -175,7 +175,7 @@ def our_trainer(model_dir: Path, data: Path, out: Path, w: Workload):
 
 def _train_all_weights(trainer) -> None:
     """Full fine-tuning where the spec is LoRA-only: the same trainer, policy and updater around the bare model."""
-    from worker.trainer.policy import Policy
+    from worker.model.policy import Policy
     from worker.trainer.update import Updater
 
     model = trainer.policy.model.unload()  # the base model without the (untrained) adapter layers

@@ -65,9 +65,9 @@ def run_job(job_id: str) -> str | None:
 
 @app.task(name=RUN_EVAL, acks_late=True)
 def run_eval(eval_id: str) -> str | None:
-    """An eval run (worker/evals/runner.py): a model scored on a file, in this fresh child like a job."""
+    """An eval run (worker/eval_runner.py): a model scored on a file, in this fresh child like a job."""
     _refuse_while_draining()
-    from worker.evals.runner import run_eval as run
+    from worker.eval_runner import run_eval as run
 
     status = run(eval_id, get_settings())
     log.info("eval run %s ended as %s", eval_id, status)

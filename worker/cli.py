@@ -108,7 +108,7 @@ def cmd_train(args) -> int:
     output = args.output or args.spec.parent / args.spec.stem
     output.mkdir(parents=True, exist_ok=True)
     from service.settings import get_settings
-    from worker.distributed.launch import RankFailed, run_distributed
+    from worker.torchrun.launch import RankFailed, run_distributed
     from worker.rewards.engine import ScoringContext
     from worker.rewards.errors import RewardErrorRateExceeded
     from worker.trainer.learning_signal import NoLearningSignal

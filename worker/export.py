@@ -19,7 +19,7 @@ import torch
 
 from worker.artifacts import upload_tree
 from worker.checkpoint import _fsync_dir, _sha256
-from worker.trainer.precision import DTYPES
+from worker.model.precision import DTYPES
 
 MERGED_DIR = "merged"
 MERGED_ARCHIVE = "merged.tar"

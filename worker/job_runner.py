@@ -122,7 +122,7 @@ def _is_committed(local: Path, latest: tuple[int, str, dict] | None) -> bool:
 def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, reporter: JobReporter):
     """Run the trainer for the job from its newest committed checkpoint, in this process or across
     spec.resources.gpus processes under torchrun (the lease and heartbeat stay here); returns its TrainResult."""
-    from worker.distributed.launch import run_training  # torch loads here, not at worker import
+    from worker.torchrun.launch import run_training  # torch loads here, not at worker import
 
     reporter.event("Fetching the dataset")
     local_spec = _materialize(claimed.spec, store, work / "data")

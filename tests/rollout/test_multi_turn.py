@@ -16,11 +16,11 @@ from worker.toy.__main__ import toy_spec
 from worker.toy.task import write_jsonl
 from worker.toy.two_turn import environment_spec, plain_chat_model
 from worker.trainer.loop import Trainer
-from worker.trainer.policy import load_policy
+from worker.model.policy import load_policy
 from worker.rollout import rollout as rollout_module
 from worker.rollout.rollout import generate
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
-from worker.trainer.turns import chat_ids, environment_turn_ids
+from worker.model.turns import chat_ids, environment_turn_ids
 
 ROWS = [{"prompt": "abc="}, {"prompt": "fed="}, {"prompt": "bb="}]
 

@@ -16,7 +16,7 @@ from service.job_spec.spec import SamplingSpec
 from worker.artifacts import upload_checkpoint
 from worker.checkpoint import checkpoint_name, save_checkpoint
 from worker.rollout.decode import rollout_weights, sample_tokens
-from worker.trainer.turns import encode_prompt
+from worker.model.turns import encode_prompt
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

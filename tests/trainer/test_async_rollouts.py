@@ -19,7 +19,7 @@ from worker.rollout.policy_versions import fresh_sequences
 from worker.toy.__main__ import toy_spec
 from worker.trainer import pipeline as pipeline_module
 from worker.trainer.loop import Trainer
-from worker.trainer.policy import load_policy
+from worker.model.policy import load_policy
 from worker.rollout.rollout import Rollout
 from worker.trainer.update import Updater
 

@@ -9,7 +9,7 @@ import pytest
 from service.schemas.dataset import row_prompt
 from worker.trainer.data import DataError, read_rows
 from worker.rollout.rollout import encode_prompt
-from worker.trainer.turns import first_messages
+from worker.model.turns import first_messages
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "abc="}]
 

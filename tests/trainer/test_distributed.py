@@ -75,7 +75,7 @@ def share(rollout, advantages, rank: int, world: int):
 def one_update(spec: JobSpec, rank: int, world: int) -> dict[str, torch.Tensor]:
     """One optimizer step on this rank's share; returns (on rank 0) loss, whole gradients and weights."""
     from worker.distributed.state import full_model_state
-    from worker.trainer.policy import load_policy
+    from worker.model.policy import load_policy
     from worker.trainer.update import Updater
 
     torch.manual_seed(0)
@@ -149,7 +149,7 @@ def _resume_and_save_task(rank: int, world: int, runs: dict[str, str]) -> None:
 
 def _bf16_update_task(rank: int, world: int, toy_dir: str, out: str) -> None:
     """bf16 compute with gradient checkpointing; records what each rank held before sharding."""
-    from worker.trainer import policy as policy_module
+    from worker.model import policy as policy_module
 
     shard = policy_module.shard_model
     seen: list[dict] = []
@@ -197,7 +197,7 @@ def test_two_processes_match_one(kind, toy_dir, two_process_updates):
         else:
             torch.testing.assert_close(sharded[name], expected, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     # The step moved the weights, so equal weights mean equal updates, not two untouched models.
-    from worker.trainer.policy import load_policy
+    from worker.model.policy import load_policy
 
     torch.manual_seed(0)
     initial = load_policy(job_spec(toy_dir, kind), resume_from=None, warm_start=None).model.state_dict()
@@ -249,7 +249,7 @@ def test_bf16_two_processes_match_one(kind, toy_dir, bf16_updates):
     fp32 = one_update(job_spec(toy_dir, kind, gradient_checkpointing=True), rank=0, world=1)
     assert sharded.keys() == single.keys()
 
-    from worker.trainer.policy import load_policy
+    from worker.model.policy import load_policy
 
     torch.manual_seed(0)
     initial = load_policy(job_spec(toy_dir, kind), resume_from=None, warm_start=None).model.state_dict()
@@ -338,7 +338,7 @@ def test_one_process_checkpoints_resume_at_two(toy_dir, tmp_path):
 @pytest.mark.slow
 def test_torchrun_job_reports_and_resumes_at_one(toy_dir, tmp_path):
     """A 2-process job under torchrun relays steps, evaluations and checkpoints; its checkpoint resumes at 1."""
-    from worker.distributed.launch import run_distributed
+    from worker.torchrun.launch import run_distributed
     from worker.trainer.loop import Trainer
 
     spec = job_spec(toy_dir, "lora", steps=2, gpus=2, checkpoint_interval=1)
@@ -366,7 +366,7 @@ def test_torchrun_job_reports_and_resumes_at_one(toy_dir, tmp_path):
 def test_a_rank_error_of_a_known_kind_fails_the_job_as_that_kind(toy_dir, tmp_path):
     """A bad warm start fails in every rank; the launcher raises CheckpointError (the job fails as invalid_job)."""
     from worker.checkpoint import CheckpointError
-    from worker.distributed.launch import run_distributed
+    from worker.torchrun.launch import run_distributed
 
     spec = job_spec(toy_dir, "lora", gpus=2).model_copy(update={"init_from": str(tmp_path / "no-such-checkpoint")})
     with pytest.raises(CheckpointError, match="no-such-checkpoint is not a directory"):

@@ -53,7 +53,7 @@ def test_mini_batches_must_fit_each_process_share():
 
 def test_gpu_count_check_leaves_cpu_runs_alone():
     """One CUDA device per rank is needed; without CUDA (None) any number of gloo ranks share the CPU."""
-    from worker.distributed.launch import TooFewGPUs, refuse_too_few_gpus
+    from worker.torchrun.launch import TooFewGPUs, refuse_too_few_gpus
 
     refuse_too_few_gpus(4, None)
     refuse_too_few_gpus(2, 2)
@@ -102,7 +102,7 @@ def test_full_fine_tuning_trains_every_weight_with_checkpointing(toy_dir, tmp_pa
     """lora: null trains the whole model (gradient checkpointing on, a KL term to a frozen copy); the
     checkpoint holds the whole model, the reference is unchanged, and an adapter job refuses it."""
     from worker.trainer.loop import Trainer, train
-    from worker.trainer.policy import load_policy
+    from worker.model.policy import load_policy
 
     trainer = Trainer(full_spec(toy_dir), tmp_path / "run")
     policy = trainer.policy

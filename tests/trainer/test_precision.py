@@ -27,7 +27,7 @@ def bf16_spec(toy_dir: Path, *, lora: bool = False, lr: float = 3e-3, **training
 
 
 def test_lora_keeps_float32_adapters_on_a_bf16_base(toy_dir):
-    from worker.trainer.policy import load_policy
+    from worker.model.policy import load_policy
 
     policy = load_policy(bf16_spec(toy_dir, lora=True), resume_from=None, warm_start=None)
     trainable = {p.dtype for p in policy.model.parameters() if p.requires_grad}
@@ -38,7 +38,7 @@ def test_lora_keeps_float32_adapters_on_a_bf16_base(toy_dir):
 def test_updates_below_bf16_resolution_accumulate_in_the_master_weights(toy_dir):
     """Three SGD steps of lr * grad, each below half a bf16 step of its weight, add up exactly in float32."""
     from tests.trainer.test_distributed import fixed_batch
-    from worker.trainer.policy import load_policy
+    from worker.model.policy import load_policy
     from worker.trainer.update import Updater
 
     spec = bf16_spec(toy_dir)
@@ -112,7 +112,7 @@ def test_auto_dtype_on_a_gpu_is_bf16_for_half_checkpoints_never_fp16(toy_dir, tm
                                                                       expected):
     """'auto' on a GPU: bfloat16 where the device has it (a float16 checkpoint included: float16 training underflows
     without loss scaling), float32 where it has not; a CPU stays float32."""
-    from worker.trainer import precision
+    from worker.model import precision
 
     config = json.loads((toy_dir / "model" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": saved}))
@@ -122,7 +122,7 @@ def test_auto_dtype_on_a_gpu_is_bf16_for_half_checkpoints_never_fp16(toy_dir, tm
 
 
 def test_tf32_matmuls_on_cuda_only():
-    from worker.trainer import precision
+    from worker.model import precision
 
     before = torch.get_float32_matmul_precision()
     try:

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from worker.trainer import supervised
-from worker.trainer.policy import Policy
+from worker.model.policy import Policy
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab="},
         {"role": "assistant", "content": "b"}]

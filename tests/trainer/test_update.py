@@ -61,7 +61,7 @@ def _naive_logp(model, rollout, i: int) -> torch.Tensor:
 
 
 def _policy(spec):
-    from worker.trainer.policy import load_policy
+    from worker.model.policy import load_policy
 
     torch.manual_seed(0)
     return load_policy(spec, resume_from=None, warm_start=None)

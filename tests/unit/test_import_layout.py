@@ -1,8 +1,10 @@
-"""The package layout holds: every module imports, service never imports worker, no circle among service's packages.
+"""The package layout holds: every module imports, service never imports worker, no circle among service's
+packages nor among worker's, and worker's pure math (cispo/, evals/) imports nothing else from worker.
 
-A "package" here is a folder under service/ (service.api, service.sandbox, ...) or a module directly in
-service/ (service.jobs); an arrow is any import in a module's source, at the top or inside a function, read
-with ast, so a lazy import cannot hide a circle (imports under `if TYPE_CHECKING:` are annotations only).
+A "package" here is a folder under service/ or worker/ (service.api, worker.trainer, ...) or a module
+directly in one (service.jobs, worker.job_runner); an arrow is any import in a module's source, at the top or
+inside a function, read with ast, so a lazy import cannot hide a circle (imports under `if TYPE_CHECKING:`
+are annotations only). docs/ARCHITECTURE.md draws the layers these tests hold.
 """
 
 from __future__ import annotations
@@ -76,13 +78,51 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def _service_graph() -> dict[str, set[str]]:
-    modules = _modules("service")
-    graph: dict[str, set[str]] = {}
+def _package_arrows(root: str) -> dict[str, dict[str, set[str]]]:
+    """package -> package it imports -> the module imports that make that arrow (the root package itself,
+    an empty `worker/__init__.py`, is no node: `from worker import reconciler` is an arrow to worker.reconciler)."""
+    modules = _modules(root)
+    arrows: dict[str, dict[str, set[str]]] = {}
     for module, path in modules.items():
-        targets = {_package(name) for name in _imports(module, path) if name in modules}
-        graph.setdefault(_package(module), set()).update(targets - {_package(module)})
-    return graph
+        if module == root:
+            continue
+        source = arrows.setdefault(_package(module), {})
+        for name in _imports(module, path):
+            if name in modules and name != root and _package(name) != _package(module):
+                source.setdefault(_package(name), set()).add(f"{module} -> {name}")
+    return arrows
+
+
+def _graph(root: str) -> dict[str, set[str]]:
+    return {package: set(targets) for package, targets in _package_arrows(root).items()}
+
+
+def _service_graph() -> dict[str, set[str]]:
+    return _graph("service")
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle in the graph, each once: a path from its smallest node back to it."""
+    found = []
+
+    def walk(start: str, node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == start:
+                found.append(path + [start])
+            elif nxt > start and nxt not in path:
+                walk(start, nxt, path + [nxt])
+
+    for start in sorted(graph):
+        walk(start, start, [start])
+    return found
+
+
+def _explain(circles: list[list[str]], arrows: dict[str, dict[str, set[str]]]) -> str:
+    lines = []
+    for circle in circles:
+        lines.append(" -> ".join(circle))
+        lines.extend(f"    {imp}" for a, b in zip(circle, circle[1:]) for imp in sorted(arrows[a][b]))
+    return "\n".join(lines)
 
 
 def test_service_never_imports_worker():
@@ -93,6 +133,22 @@ def test_service_never_imports_worker():
 
 def test_no_circle_among_service_packages():
     assert _cycle(_service_graph()) is None
+
+
+def test_no_circle_among_worker_packages():
+    """The layers of docs/ARCHITECTURE.md: cispo, evals, distributed <- model <- rollout <- trainer <- torchrun
+    <- job_runner <- eval_runner <- celery_app <- cli; a failure prints every circle and the imports making it."""
+    arrows = _package_arrows("worker")
+    circles = _circles(_graph("worker"))
+    assert circles == [], "circles among worker's packages:\n" + _explain(circles, arrows)
+
+
+def test_worker_pure_math_imports_nothing_else_from_worker():
+    """cispo/ (the loss, advantages, log-probs) and evals/ (intervals) are pure functions at the bottom."""
+    arrows = _package_arrows("worker")
+    for package in ("worker.cispo", "worker.evals"):
+        assert arrows[package] == {}, f"{package} imports " + "; ".join(
+            sorted(imp for imps in arrows[package].values() for imp in imps))
 
 
 def test_no_circle_among_service_modules():
@@ -106,6 +162,9 @@ def test_the_check_finds_a_circle():
     assert _cycle({"service.a": {"service.b"}, "service.b": {"service.c"}, "service.c": {"service.a"}}) == [
         "service.a", "service.b", "service.c", "service.a"]
     assert _cycle({"service.a": {"service.b"}, "service.b": set()}) is None
+    two_circles = {"a": {"b", "c"}, "b": {"a"}, "c": {"b"}}
+    assert _circles(two_circles) == [["a", "b", "a"], ["a", "c", "b", "a"]]
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
 def test_every_module_imports():

@@ -56,7 +56,7 @@ def test_bad_values_name_the_field(overrides, loc, words):
 
 def test_a_worker_without_bitsandbytes_refuses_qlora_naming_the_field(monkeypatch):
     """Before anything is loaded (invalid_job): the message names lora.base_quantization and what to do."""
-    from worker.trainer import quantization
+    from worker.model import quantization
 
     monkeypatch.setattr(quantization, "bitsandbytes_installed", lambda: False)
     spec = JobSpec.model_validate(_spec(lora={"base_quantization": "nf4"}))

@@ -278,7 +278,7 @@ def test_a_missing_secret_fails_the_job_by_name(database_url, toy_dir, tmp_path)
 def test_a_job_asking_more_gpus_than_the_worker_sees_fails_at_once_naming_the_field(database_url, toy_dir, tmp_path,
                                                                                      monkeypatch):
     """resources.gpus 2 on a worker that sees one CUDA device: refused before torchrun starts, and not retried."""
-    import worker.distributed.launch as launch
+    import worker.torchrun.launch as launch
 
     monkeypatch.setattr(launch, "visible_gpus", lambda: 1)  # the hardware, injected
     settings = make_settings(tmp_path, database_url)

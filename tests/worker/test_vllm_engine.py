@@ -17,7 +17,7 @@ from tests.rollout.test_multi_turn import Scripted, word_then_done
 from tests.worker.vllm_fixtures import vllm_job_spec
 from worker.rollout import HFEngine
 from worker.toy.task import make_rows
-from worker.trainer.policy import load_policy
+from worker.model.policy import load_policy
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
 
 ROWS = make_rows(12, seed=7)

@@ -9,7 +9,7 @@ import pytest
 from tests.worker.vllm_fixtures import vllm_job_spec
 from worker.rollout import make_engine
 from worker.trainer.loop import Trainer
-from worker.trainer.policy import load_policy
+from worker.model.policy import load_policy
 
 
 class Collect:

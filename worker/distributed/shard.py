@@ -8,7 +8,7 @@ FSDP2 shards parameter by parameter, so a LoRA layer's frozen base weights
 and trainable adapters share a unit.
 With a compute dtype below float32 the units gather their parameters in that
 dtype and reduce gradients in float32 into the float32 shards, which are the
-master weights the optimizer updates (worker/trainer/precision.py).
+master weights the optimizer updates (worker/model/precision.py).
 
 Generation runs a different number of forward passes on each rank (sequences
 end at different lengths), so it cannot all-gather per forward: `unsharded`

@@ -1,1 +1,2 @@
-"""Evaluation as evidence: confidence intervals (intervals.py) and eval runs of a model on a file (runner.py)."""
+"""Evaluation as evidence: confidence intervals (intervals.py; pure numpy, used by the trainer's evals and by
+worker/eval_runner.py)."""

@@ -30,8 +30,8 @@ from service.models.engine_check import EngineUnsupported, head_size, head_size_
 from service.job_spec.spec import JobSpec, SamplingSpec
 from worker.envs.protocol import Environment
 from worker.rollout.hf import HFEngine
-from worker.trainer.policy import Policy
-from worker.trainer.precision import DTYPES
+from worker.model.policy import Policy
+from worker.model.precision import DTYPES
 from worker.rollout.rollout import Rollout
 
 __all__ = ["RolloutEngine", "HFEngine", "make_engine", "refuse_unavailable_engine"]

@@ -57,7 +57,7 @@ def sampler_spec(spec: JobSpec) -> JobSpec:
 
 def _build_sampler(spec: JobSpec, state: dict[str, torch.Tensor]):
     from worker.rollout import _sampling_dtype
-    from worker.trainer.policy import load_policy
+    from worker.model.policy import load_policy
     from worker.rollout.rollout import transformers_sampler
 
     policy = load_policy(sampler_spec(spec), resume_from=None, warm_start=None)

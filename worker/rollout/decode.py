@@ -24,7 +24,7 @@ around each step. Here:
 - sampling is inverse-CDF (one uniform number per row), which draws token
   i with probability p_i like torch.multinomial at a fraction of its cost;
   each row's uniforms come from its own seeded stream (`seeds`, see
-  worker/trainer/streams.py), so a row samples the same tokens whatever else
+  worker/model/streams.py), so a row samples the same tokens whatever else
   shares its batch (its group's other completions, other prompts, other ranks);
   the sampling knobs reuse transformers' own logits processors, built from the
   job's SamplingSpec alone (a model's generation_config never overrides the spec);

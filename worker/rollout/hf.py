@@ -6,7 +6,7 @@ import torch
 
 from service.job_spec.spec import SamplingSpec
 from worker.envs.protocol import Environment
-from worker.trainer.policy import Policy
+from worker.model.policy import Policy
 from worker.rollout.rollout import Rollout, generate, transformers_sampler
 
 

@@ -22,7 +22,7 @@ Random streams: each row (prompt) comes with a sampling seed
 (``sampling_seeds``; the trainer derives it from the job seed, the step and
 the prompt's index in the whole batch), and each turn of each of its
 completions samples from a stream of its own, seeded from that seed, the
-completion's index in the group and the turn (worker/trainer/streams.py). So
+completion's index in the group and the turn (worker/model/streams.py). So
 a completion's tokens do not depend on which other rows share the batch.
 
 ``truncated`` flags an episode cut by a length limit: a turn that reached its
@@ -48,9 +48,9 @@ from service.schemas.dataset import row_prompt
 from service.job_spec.spec import SamplingSpec
 from worker.envs.protocol import Environment
 from worker.rollout.decode import rollout_weights, sample_tokens
-from worker.trainer.policy import Policy
-from worker.trainer.streams import stream_seed
-from worker.trainer.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
+from worker.model.policy import Policy
+from worker.model.streams import stream_seed
+from worker.model.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
 
 __all__ = ["Rollout", "TokenSampler", "generate", "transformers_sampler", "encode_prompt"]
 

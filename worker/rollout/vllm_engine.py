@@ -37,8 +37,8 @@ from peft import PeftModel
 from service.models.engine_check import EngineUnsupported
 from service.job_spec.spec import JobSpec, SamplingSpec
 from worker.envs.protocol import Environment
-from worker.trainer.policy import Policy
-from worker.trainer.precision import compute_dtype
+from worker.model.policy import Policy
+from worker.model.precision import compute_dtype
 from worker.rollout.rollout import Rollout, generate
 
 
@@ -50,7 +50,7 @@ def _configure_vllm_process() -> None:
 
 
 def _engine_dtype(spec: JobSpec, cuda: bool) -> str:
-    """rollout.dtype, else the dtype the trainer computes in (worker/trainer/precision.py's rule)."""
+    """rollout.dtype, else the dtype the trainer computes in (worker/model/precision.py's rule)."""
     if spec.rollout.dtype != "auto":
         return spec.rollout.dtype
     return str(compute_dtype(spec.dtype, spec.model, torch.device("cuda" if cuda else "cpu"))).removeprefix("torch.")
@@ -158,7 +158,7 @@ class VLLMEngine:
                seeds: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
         """One turn: new ids for each sequence (EOS included when it ended) and each id's sampling log-prob.
 
-        `seeds`: each sequence's stream seed (worker/trainer/streams.py), used as its request seed."""
+        `seeds`: each sequence's stream seed (worker/model/streams.py), used as its request seed."""
         from vllm import SamplingParams
 
         s = self.sampling_spec

@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from service.storage import ObjectStore
 from worker.artifacts import download_checkpoint
 from worker.checkpoint import load_checkpoint
-from worker.trainer import precision
+from worker.model import precision
 from worker.rollout.decode import rollout_weights
-from worker.trainer.policy import pick_device
+from worker.model.policy import pick_device
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class ResidentModel:
 
     def prompt_ids(self, prompt: dict) -> list[int]:
         if "messages" in prompt:
-            from worker.trainer.turns import chat_ids
+            from worker.model.turns import chat_ids
 
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError(f"{self.base} has no chat template: use /v1/completions with a text prompt")

@@ -13,7 +13,7 @@ metrics, reward-error checks and checkpoints are global (gathered), and a
 checkpoint resumes at any number of processes. Every random choice of a step
 (each completion's tokens, each episode's seed, the mini-batches) comes from
 a stream keyed by the job seed, the step and the prompt's (or sequence's)
-index in the whole batch (worker/trainer/streams.py), never by the rank: a
+index in the whole batch (worker/model/streams.py), never by the rank: a
 job samples the same completions at 1 or N processes, and a resumed run
 replays the uninterrupted one.
 
@@ -51,8 +51,8 @@ from worker.distributed.state import full_model_state, full_optimizer_state, loa
 from worker.trainer.data import PromptSampler, load_splits
 from worker.trainer.metrics import UpdateStats
 from worker.rollout import decode
-from worker.trainer import precision
-from worker.trainer.policy import MASTER_PREFIX, REFERENCE, Policy, load_policy
+from worker.model import precision
+from worker.model.policy import MASTER_PREFIX, REFERENCE, Policy, load_policy
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded, error_rate_message
 from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, Scores, component_metrics, make_scorer
@@ -65,7 +65,7 @@ from worker.trainer.prompt_filter import retire_solved
 from worker.trainer.samples import pick_samples
 from worker.trainer import supervised
 from worker.trainer.schedule import lr_multiplier
-from worker.trainer.streams import stream_seed
+from worker.model.streams import stream_seed
 from worker.trainer.update import Updater
 from worker.rollout.policy_versions import fresh_sequences
 from worker.trainer.callbacks import Callbacks, NoCallbacks, TrainResult

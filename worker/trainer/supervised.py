@@ -6,7 +6,7 @@ assistant's text (and the closing text its template renders, e.g. ChatML's <|im_
 appended after the last assistant turn when the template closes it without one, so the model learns to stop.
 An assistant message with `"weight": 0` is context too.
 
-The sequence is built segment by segment, like a multi-turn rollout (worker/trainer/turns.py): the first
+The sequence is built segment by segment, like a multi-turn rollout (worker/model/turns.py): the first
 context exactly as a rollout encodes the prompt (so a CISPO job that continues this model sees the same
 tokens), then each later piece of rendered template text tokenized on its own.
 
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
-from worker.trainer.turns import chat_ids
+from worker.model.turns import chat_ids
 
 
 @dataclass

@@ -36,10 +36,10 @@ from worker.cispo import LossInputs, cispo_loss, sequence_weights
 from worker.distributed import group
 from worker.distributed.shard import unsharded
 from worker.trainer.metrics import UpdateStats
-from worker.trainer.policy import Policy
+from worker.model.policy import Policy
 from worker.rollout.rollout import Rollout
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
-from worker.trainer.streams import generator
+from worker.model.streams import generator
 
 
 def _chunks(indices: list[int], size: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """One training process under torchrun: join the process group and run the ordinary Trainer.
 
-    torchrun --nproc-per-node N -m worker.distributed.rank SPEC_JSON RUN_DIR [--no-resume]
+    torchrun --nproc-per-node N -m worker.torchrun.rank SPEC_JSON RUN_DIR [--no-resume]
 
 (started by launch.run_distributed, which listens on the socket named in
 CISPO_RANK0_SOCKET). Rank 0 relays the trainer's callbacks to the job runner;
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from service.egress import EgressPolicy
 from service.job_spec.spec import JobSpec
 from worker.distributed import group
-from worker.distributed.launch import CHANNEL_ENV, NO_RESUME
+from worker.torchrun.launch import CHANNEL_ENV, NO_RESUME
 from worker.rewards.engine import ScoringContext
 from worker.rewards.judge import JudgeEndpoint
 

@@ -102,7 +102,7 @@ def run_distributed(spec: JobSpec, run_dir: Path, callbacks, *, scoring: Scoring
     server.listen(1)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={processes or spec.resources.gpus}",
-               "-m", "worker.distributed.rank", str(spec_path), str(run_dir), *([] if resume else [NO_RESUME])]
+               "-m", "worker.torchrun.rank", str(spec_path), str(run_dir), *([] if resume else [NO_RESUME])]
     log_path = run_dir / RANKS_LOG
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(command, env={**os.environ, CHANNEL_ENV: os.path.join(sock_dir, "rank0.sock")},

@@ -10,7 +10,7 @@ frozen copy of the starting weights, kept only when the loss has a KL term
 (kl_beta > 0); a warm start pins the loaded model (saved with checkpoints).
 
 Trainable weights are float32 master weights and frozen ones are held in the
-compute dtype; `autocast()` runs a forward in that dtype (worker/trainer/precision.py).
+compute dtype; `autocast()` runs a forward in that dtype (worker/model/precision.py).
 
 With several processes only rank 0 reads the weights: the other ranks build
 the same modules on the meta device (from the config; PEFT wraps them there
@@ -36,7 +36,7 @@ from worker.checkpoint import Checkpoint, CheckpointError, check_lora_config
 from worker.distributed import group
 from worker.distributed.shard import shard_model
 from worker.distributed.state import receive_from_rank0
-from worker.trainer import precision, quantization
+from worker.model import precision, quantization
 
 REFERENCE = "reference"
 MASTER_PREFIX = "master."  # a whole model's float32 weights among a checkpoint's trainer-state tensors
