@@ -141,3 +141,37 @@ def test_nothing_is_shared_when_a_row_has_no_context_before_its_last_prompt_toke
     masks = [first, [0, 0, 0, 1], [0, 0, 0, 1]]
     batch = collate_sequences(seqs, masks, pad_id=PAD, device=CPU, share_prefixes=True)
     assert batch.prefix_ids_GP is None and batch.input_ids_BT.tolist() == [s[:-1] for s in seqs]
+
+
+def test_fewer_masks_than_sequences_are_refused():
+    with pytest.raises(ValueError, match="shorter|longer"):
+        collate_sequences([[1, 2, 3], [1, 2, 3]], [[0, 1, 1]], pad_id=PAD, device=CPU)
+
+
+def test_a_row_without_action_tokens_is_collated_beside_shared_prefixes():
+    """A failed reset leaves a row with no generated token: it shares nothing, trains nothing, and does not stop
+    the other rows sharing their prompt."""
+    seqs = [[1, 5, 6, 30, 31], [1, 5, 6, 32], [1, 7, 8, 9]]
+    masks = [[0, 0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]]
+    batch = collate_sequences(seqs, masks, pad_id=PAD, device=CPU, share_prefixes=True)
+    assert batch.prefix_of_B.tolist() == [0, 0, 1]
+    assert batch.action_mask_BT[2].sum().item() == 0 and batch.num_action_tokens == 3
+
+
+def test_the_lm_head_runs_in_the_head_dtype_under_bf16_autocast(lora_model):
+    """training.lm_head_float32: with the body under bfloat16 autocast, head_dtype float32 gives the float32 head's
+    log-probs of the body's hidden states; without it the head runs in bfloat16 (visibly different)."""
+    from worker.trainer.scoring import _hidden_states
+
+    seqs, masks = groups()
+    batch = collate_sequences(seqs, masks, pad_id=PAD, device=CPU)
+    mask = batch.action_mask_BT.bool()
+    runs = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden_NH = _hidden_states(lora_model, batch)[mask]
+        for head in (None, torch.float32):
+            runs[head] = sequence_logprobs(lora_model, batch, temperature=0.8, chunk_size=16, head_dtype=head)[0][mask]
+    logits_NV = hidden_NH.float() @ lora_model.get_output_embeddings().weight.float().T / 0.8
+    want = torch.log_softmax(logits_NV, -1).gather(-1, batch.targets_BT[mask][:, None]).squeeze(-1)
+    torch.testing.assert_close(runs[torch.float32], want, rtol=0, atol=1e-4)
+    assert (runs[None] - want).abs().max() > 1e-3
