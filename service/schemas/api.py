@@ -191,6 +191,12 @@ class JobObject(BaseModel):
     total_steps: int
     reward_function: str | None
     environment: str | None = None  # the registered environment's id (env-...), when the job uses one
+    forecast: dict[str, Any] | None = Field(
+        None, description="The worker's sigmoid fit of reward against trained tokens (refit as evals arrive): "
+        "asymptote {mean, interval}, predicted_final_reward, estimated_finish, points, source (eval or "
+        "train_reward), trustworthy and, when not, reason. Null until the job has trained.")
+    best_checkpoint: str | None = Field(
+        None, description="The kept checkpoint with the best eval (with training.keep_best: of the whole run).")
 
 
 class DryRunCheck(BaseModel):
