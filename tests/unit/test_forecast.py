@@ -63,6 +63,11 @@ def test_a_flat_curve_is_not_trustworthy():
     assert not out["trustworthy"] and "do not bound the asymptote" in out["reason"]
 
 
+def test_a_constant_curve_is_not_fitted():
+    out = forecast(np.linspace(0, 4e5, 9), [0.0] * 9, final_compute=1e6)
+    assert (out["trustworthy"], "asymptote" in out) == (False, False) and "has not moved" in out["reason"]
+
+
 def test_a_curve_seen_only_before_its_midpoint_is_not_trustworthy():
     c, y = curve(8, 6e4, noise=0.02, seed=2)  # 60% of C_mid: the top of the curve is not in the data
     out = forecast(c, y, final_compute=1e6)

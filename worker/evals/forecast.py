@@ -172,6 +172,10 @@ def forecast(compute: Sequence[float], reward: Sequence[float], final_compute: f
     if n < MIN_POINTS or not any(c > 0 for c in compute):
         return {"points": n, "trustworthy": False,
                 "reason": f"too few points to fit ({n}; the forecast needs {MIN_POINTS})"}
+    if max(reward) - min(reward) <= 1e-9 * max(1.0, abs(max(reward))):
+        return {"points": n, "trustworthy": False,
+                "reason": f"every point has the same reward ({reward[0]:.4g}): the curve has not moved, so its "
+                          "asymptote is not bounded by the data"}
     fit = fit_sigmoid(compute, reward)
     interval = asymptote_interval(compute, reward, fit)
     y = np.asarray(reward, dtype=np.float64)
