@@ -44,7 +44,7 @@ def _run(api, database_url, tmp_path, toy_dir, **training) -> str:
 @pytest.mark.slow
 def test_a_finished_job_shows_its_forecast_and_its_best_checkpoint(database_url, toy_dir, tmp_path):
     steps = MIN_POINTS + 1  # an eval at every step and the step-0 baseline: enough evals to fit on
-    with running_api(database_url, tmp_path, model_dirs=str(toy_dir.parent)) as api:
+    with running_api(database_url, tmp_path) as api:
         job_id = _run(api, database_url, tmp_path, toy_dir, steps=steps, eval_interval=1, checkpoint_interval=1,
                       checkpoint_keep=1, keep_best=True)
         job = api.client.get(f"{JOBS}/{job_id}").json()
@@ -70,7 +70,7 @@ def test_a_finished_job_shows_its_forecast_and_its_best_checkpoint(database_url,
 def test_a_job_stops_early_when_its_eval_reaches_the_target(database_url, toy_dir, tmp_path):
     # exact_match rewards are 0 or 1, so a target of 0 is reached by the first eval after the baseline (step 2):
     # the run must end there, as succeeded, with the reason in its events and a checkpoint of that step.
-    with running_api(database_url, tmp_path, model_dirs=str(toy_dir.parent)) as api:
+    with running_api(database_url, tmp_path) as api:
         job_id = _run(api, database_url, tmp_path, toy_dir, steps=20, eval_interval=2, checkpoint_interval=0,
                       stop_when={"target": 0.0})
         job = api.client.get(f"{JOBS}/{job_id}").json()
@@ -87,7 +87,7 @@ def test_a_job_stops_early_when_its_eval_reaches_the_target(database_url, toy_di
 @pytest.mark.slow
 def test_a_job_stops_at_the_first_plateau_its_evals_show(database_url, toy_dir, tmp_path):
     """The run ends at the first eval where the pure rule fires on the evals it recorded, and not before."""
-    with running_api(database_url, tmp_path, model_dirs=str(toy_dir.parent)) as api:
+    with running_api(database_url, tmp_path) as api:
         job_id = _run(api, database_url, tmp_path, toy_dir, steps=20, eval_interval=1, checkpoint_interval=0,
                       stop_when={"plateau": {"evals": 2}})
         job = api.client.get(f"{JOBS}/{job_id}").json()
