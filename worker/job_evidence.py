@@ -1,7 +1,7 @@
 """Whether a running job is working, as its reporter sees it: the forecast, the early stop and the best checkpoint.
 
-- forecast: refit at every eval and every `total_steps / FORECAST_REFITS` steps (a fit takes about a second
-  of CPU) from the recorded curve (service/repositories/job_evidence.py): the eval curve once it has
+- forecast: refit at every eval, and every `total_steps / FORECAST_REFITS` steps while it is on the train
+  reward (a fit takes a fraction of a second of CPU) from the recorded curve (service/repositories/job_evidence.py): the eval curve once it has
   forecast.MIN_POINTS evals, else the train-reward curve (binned to at most TRAIN_POINTS points), against
   compute = trained tokens so far. Stored on the job (job.forecast) for the API to show.
 - stop_when: after each eval, worker/evals/stopping.py on the evals so far; when it fires, an event says
@@ -91,7 +91,10 @@ class JobEvidence:
         self.estimated_finish = estimated_finish
         if step % self.refit_every:
             return True
-        return self.refit(self._curve(), step)
+        curve = self._curve()
+        if sum("eval_reward_mean" in m for m in curve.values()) >= MIN_POINTS:
+            return True  # the forecast is on the eval curve, which only an eval changes (after_eval refits)
+        return self.refit(curve, step)
 
     def after_eval(self, step: int, event) -> bool:
         """Refit, then apply stop_when; `event(message, data=...)` reports a stop. False if the lease is lost."""

@@ -33,7 +33,7 @@ C_MID_SPAN = (0.1, 100.0)  # C_mid searched within [0.1 x the smallest, 100 x th
 A_SPAN = 3.0  # A searched within the observed rewards widened by 3 x their range on each side
 MAX_WIDTH_FRACTION = 1.0  # an asymptote interval wider than the observed reward range is not trusted
 GRID_B, GRID_C = 60, 160
-A_GRID = 601
+A_GRID = 201  # then each end of the interval is refined by bisection
 # Two-sided 97.5% Student t quantiles for 1..30 degrees of freedom: F(1, v; 0.95) = t(v; 0.975)^2.
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
          2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
@@ -154,15 +154,31 @@ def asymptote_interval(compute: Sequence[float], reward: Sequence[float], fit: F
     a_grid = np.linspace(lo, hi, A_GRID)
     b_grid, c_grid = _grids(c)
     b_all, c_all = (g.ravel() for g in np.meshgrid(b_grid, c_grid, indexing="ij"))
-    profile = _Grid(c, y, b_all, c_all).rss_at(a_grid)
+    grid = _Grid(c, y, b_all, c_all)
+    profile = grid.rss_at(a_grid)
     # A floor keeps noise-free data from an interval of zero width by rounding alone.
     floor = max(fit.rss, 1e-12 * float(((y - y.mean()) ** 2).sum()), 1e-300)
-    inside = np.flatnonzero(profile <= floor * (1 + t975(dof) ** 2 / dof))
+    limit = floor * (1 + t975(dof) ** 2 / dof)
+    inside = np.flatnonzero(profile <= limit)
     if inside.size == 0:  # the grid missed the fit's own A by less than a cell: the interval is that cell
         k = int(np.argmin(np.abs(a_grid - fit.a)))
         inside = np.array([k])
-    low, high = float(min(a_grid[inside[0]], fit.a)), float(max(a_grid[inside[-1]], fit.a))
-    return AsymptoteInterval(low, high, open_low=bool(inside[0] == 0), open_high=bool(inside[-1] == A_GRID - 1))
+    first, last = int(inside[0]), int(inside[-1])
+
+    def edge(inner: float, outer: float) -> float:
+        """Where the profile crosses the limit between an A inside and one outside: bisection."""
+        for _ in range(30):
+            middle = (inner + outer) / 2
+            if grid.rss_at(np.array([middle]))[0] <= limit:
+                inner = middle
+            else:
+                outer = middle
+        return inner
+
+    low = a_grid[0] if first == 0 else edge(a_grid[first], a_grid[first - 1])
+    high = a_grid[-1] if last == A_GRID - 1 else edge(a_grid[last], a_grid[last + 1])
+    return AsymptoteInterval(float(min(low, fit.a)), float(max(high, fit.a)), open_low=first == 0,
+                             open_high=last == A_GRID - 1)
 
 
 def forecast(compute: Sequence[float], reward: Sequence[float], final_compute: float) -> dict:
