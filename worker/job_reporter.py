@@ -15,7 +15,6 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.job_spec.spec import TrainingSpec
-
 from service.repositories import job_outputs, jobs
 from service.settings import Settings
 from service.storage import ObjectStore, StorageError
