@@ -69,6 +69,7 @@ class Fit:
     n: int
     b_at_bound: bool
     c_mid_at_bound: bool
+    a_at_bound: bool = False
 
     def predict(self, compute) -> np.ndarray:
         return sigmoid(compute, self.r0, self.a, self.b, self.c_mid)
@@ -84,12 +85,13 @@ class _Grid:
         self.ys, self.ss, self.yt, self.st, self.tt = s @ y, (s * s).sum(1), t @ y, (s * t).sum(1), (t * t).sum(1)
         self.yy = float(y @ y)
 
-    def best_linear(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(R0, A, RSS) per cell: least squares of y = R0 (1 - s) + A s."""
+    def best_linear(self, a_range: tuple[float, float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(R0, A, RSS) per cell: least squares of y = R0 (1 - s) + A s with A in `a_range` (the RSS is a convex
+        quadratic, so a cell whose free A lies outside has its optimum at the nearer end)."""
         det = self.tt * self.ss - self.st ** 2
         safe = np.where(np.abs(det) > 1e-300, det, np.nan)
-        r0 = (self.ss * self.yt - self.st * self.ys) / safe
-        a = (self.tt * self.ys - self.st * self.yt) / safe
+        a = np.clip(np.nan_to_num((self.tt * self.ys - self.st * self.yt) / safe, nan=a_range[0]), *a_range)
+        r0 = (self.yt - a * self.st) / np.maximum(self.tt, 1e-300)
         rss = self.yy - 2 * (r0 * self.yt + a * self.ys) + r0 ** 2 * self.tt + 2 * r0 * a * self.st + a ** 2 * self.ss
         return r0, a, np.where(np.isfinite(rss), rss, np.inf)
 
@@ -99,6 +101,12 @@ class _Grid:
         rss = (self.yy - 2 * a[None, :] * self.ys[:, None] + a[None, :] ** 2 * self.ss[:, None]
                - (self.yt[:, None] - a[None, :] * self.st[:, None]) ** 2 / tt)
         return rss.min(axis=0)
+
+
+def a_range(y: np.ndarray) -> tuple[float, float]:
+    """The asymptotes searched: the observed rewards widened by A_SPAN x their range on each side."""
+    span = max(float(y.max() - y.min()), 1e-6)
+    return float(y.min()) - A_SPAN * span, float(y.max()) + A_SPAN * span
 
 
 def _grids(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -114,8 +122,8 @@ def fit_sigmoid(compute: Sequence[float], reward: Sequence[float]) -> Fit:
         raise ValueError("a fit needs at least two points, one of them with compute > 0")
     b_grid, c_grid = _grids(c)
     b_all, c_all = (g.ravel() for g in np.meshgrid(b_grid, c_grid, indexing="ij"))
-    grid = _Grid(c, y, b_all, c_all)
-    r0, a, rss = grid.best_linear()
+    grid, bounds = _Grid(c, y, b_all, c_all), a_range(y)
+    r0, a, rss = grid.best_linear(bounds)
     i = int(np.argmin(rss))
     b_at_bound = i // GRID_C in (0, GRID_B - 1)
     c_at_bound = i % GRID_C in (0, GRID_C - 1)
@@ -126,13 +134,15 @@ def fit_sigmoid(compute: Sequence[float], reward: Sequence[float]) -> Fit:
         b_fine = b_fine[(b_fine >= B_RANGE[0]) & (b_fine <= B_RANGE[1])]
         c_fine = best[1] * np.exp(np.linspace(-c_step, c_step, 21))
         bb, cc = (g.ravel() for g in np.meshgrid(b_fine, c_fine, indexing="ij"))
-        r0, a, rss = _Grid(c, y, bb, cc).best_linear()
+        r0, a, rss = _Grid(c, y, bb, cc).best_linear(bounds)
         j = int(np.argmin(rss))
         if rss[j] < best[4]:
             best = (bb[j], cc[j], r0[j], a[j], rss[j])
         b_step, c_step = b_step / 10, c_step / 10
+    a_at_bound = bool(min(abs(best[3] - bounds[0]), abs(best[3] - bounds[1])) <= 1e-9 * (bounds[1] - bounds[0]))
     return Fit(r0=float(best[2]), a=float(best[3]), b=float(best[0]), c_mid=float(best[1]),
-               rss=max(float(best[4]), 0.0), n=len(c), b_at_bound=bool(b_at_bound), c_mid_at_bound=bool(c_at_bound))
+               rss=max(float(best[4]), 0.0), n=len(c), b_at_bound=bool(b_at_bound), c_mid_at_bound=bool(c_at_bound),
+               a_at_bound=a_at_bound)
 
 
 @dataclass(frozen=True)
@@ -149,9 +159,7 @@ def asymptote_interval(compute: Sequence[float], reward: Sequence[float], fit: F
     dof = len(y) - 4
     if dof < 1:
         raise ValueError(f"an interval needs more than 4 points, got {len(y)}")
-    span = max(float(y.max() - y.min()), 1e-6)
-    lo, hi = min(float(y.min()), fit.a) - A_SPAN * span, max(float(y.max()), fit.a) + A_SPAN * span
-    a_grid = np.linspace(lo, hi, A_GRID)
+    a_grid = np.linspace(*a_range(y), A_GRID)
     b_grid, c_grid = _grids(c)
     b_all, c_all = (g.ravel() for g in np.meshgrid(b_grid, c_grid, indexing="ij"))
     grid = _Grid(c, y, b_all, c_all)
@@ -201,6 +209,9 @@ def forecast(compute: Sequence[float], reward: Sequence[float], final_compute: f
         reasons.append(f"the steepness B ({fit.b:.3g}) is at the end of its search range {B_RANGE}")
     if fit.c_mid_at_bound:
         reasons.append("the midpoint C_mid is at the end of its search range")
+    if fit.a_at_bound:
+        reasons.append("the asymptote A is at the end of its search range (the observed rewards widened by "
+                       f"{A_SPAN:g} x their range)")
     if interval.open_low or interval.open_high:
         reasons.append("the data do not bound the asymptote (its interval is open)")
     elif interval.high - interval.low > MAX_WIDTH_FRACTION * span:
