@@ -72,6 +72,8 @@ def test_a_curve_seen_only_before_its_midpoint_is_not_trustworthy():
     c, y = curve(8, 6e4, noise=0.02, seed=2)  # 60% of C_mid: the top of the curve is not in the data
     out = forecast(c, y, final_compute=1e6)
     assert not out["trustworthy"] and out["asymptote"]["open"][1]
+    # the asymptote stays within the range searched (the observed rewards widened by 3 x their range)
+    assert out["asymptote"]["mean"] <= y.max() + 3 * (y.max() - y.min()) + 1e-9
 
 
 def test_t_quantiles():
