@@ -14,7 +14,8 @@ checks what would otherwise fail or mislead hours later:
 - quantization: lora.base_quantization nf4 (QLoRA) needs bitsandbytes;
 - estimate: the run's duration from the step rate this project's earlier jobs
   on the same model measured, scaled by the tokens they really sampled per
-  step, plus their time outside the steps.
+  step, plus their time outside the steps;
+- cost: expected trained tokens and worker-seconds (service/cost_estimate.py).
 
 A failed check refuses the request (400, all failures named); the answer
 lists every check with what it found, including what was not checked.
@@ -32,6 +33,7 @@ from sqlalchemy.orm import Session
 
 from service import files as files_service
 from service.db.models import Job, JobMetric
+from service.cost_estimate import estimate_cost
 from service.errors import InvalidRequest
 from service.models.check import ModelInfo, ModelProblem, check_model
 from service.models.engine_check import RULES, cpu_accepts, cuda_accepts, head_size, lora_rank_problem
@@ -59,6 +61,8 @@ class Check:
 class Report:
     checks: list[Check] = field(default_factory=list)
     estimated_seconds: int | None = None
+    expected_trained_tokens: int | None = None
+    expected_worker_seconds: int | None = None
 
     def add(self, name: str, status: str, message: str, param: str | None = None) -> None:
         self.checks.append(Check(name, status, message, param))
@@ -302,6 +306,9 @@ def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCrea
     _quantization(report, spec, "method.cispo.hyperparameters")
     report.estimated_seconds, how = _estimate(session, project_id, body, spec)
     report.add("estimate", "passed" if report.estimated_seconds is not None else "skipped", how)
+    cost = estimate_cost(session, project_id, spec)
+    report.expected_trained_tokens, report.expected_worker_seconds = cost.trained_tokens, cost.worker_seconds
+    report.add("cost", "passed" if cost.worker_seconds is not None else "skipped", cost.message)
 
     failed = [c for c in report.checks if c.status == "failed"]
     if failed:

@@ -14,11 +14,13 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.job_spec.spec import TrainingSpec
 from service.repositories import job_outputs, jobs
 from service.settings import Settings
 from service.storage import ObjectStore, StorageError
 from worker.artifacts import upload_checkpoint
 from worker.drain import DRAIN
+from worker.job_evidence import JobEvidence
 from worker.progress import StepClock
 from worker.rewards.errors import summarize
 from service.sandbox.channel import INTERRUPT
@@ -46,9 +48,10 @@ class JobReporter:
 
     def __init__(self, sessions: sessionmaker[Session], store: ObjectStore, job_id: str, epoch: int,
                  settings: Settings, total_steps: int, keep_checkpoints: int = 3, environment: str | None = None,
-                 export_merged: tuple[str, str] | None = None):
+                 export_merged: tuple[str, str] | None = None, training: TrainingSpec | None = None):
         """`environment`: the job's environment, described (its failures are reported as its own, not a reward's);
-        `export_merged`: (base model, spec dtype) when each checkpoint is also to be stored merged into its base."""
+        `export_merged`: (base model, spec dtype) when each checkpoint is also to be stored merged into its base;
+        `training`: the job's training section (its stop_when and keep_best: worker/job_evidence.py)."""
         self.export_merged = export_merged
         self.sessions, self.store, self.job_id, self.epoch = sessions, store, job_id, epoch
         self.environment = environment
@@ -58,6 +61,7 @@ class JobReporter:
         self._reward_errors_seen: set[str] = set()  # messages already shown in a warn event
         self._reward_warned_at: int | None = None
         self._clock = StepClock(total_steps)
+        self.evidence = JobEvidence(sessions, job_id, epoch, total_steps, training)  # forecast, early stop, best
         self.trackers = None  # the job's experiment trackers (worker/trackers.py), set by the job runner
         self._stop_beat = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{job_id}", daemon=True)
@@ -111,6 +115,8 @@ class JobReporter:
             eta = self._clock.estimate(time.time(), step, finite.get("step_seconds", 0.0))
             job_outputs.set_estimated_finish(s, self.job_id, self.epoch, eta)
         self._track(step, finite)
+        if not self.evidence.after_step(step, eta):
+            self.lost = True
         self.heartbeat()
 
     def _track(self, step: int, metrics: dict[str, float]) -> None:
@@ -127,6 +133,8 @@ class JobReporter:
             jobs.add_event(s, self.job_id, f"Evaluation at step {step}: reward {metrics.get('eval_reward_mean', float('nan')):.4f}",
                            type="metrics", data={"step": step, **metrics})
         self._track(step, metrics)
+        if not self.evidence.after_eval(step, self.event):
+            self.lost = True
 
     def on_preflight(self, metrics: dict[str, float]) -> None:
         """The pre-flight's baseline: metrics at step 0 and an event (a warning when no group has a signal)."""
@@ -169,7 +177,9 @@ class JobReporter:
                 self.lost = True
                 return
             jobs.add_event(s, self.job_id, f"Checkpoint saved at step {step}", data={"checkpoint": ckpt.id, "step": step})
-            dropped = jobs.prune_checkpoints(s, self.job_id, self.epoch, self.keep_checkpoints)
+            dropped = jobs.prune_checkpoints(s, self.job_id, self.epoch, self.keep_checkpoints,
+                                             spare=self.evidence.spared_checkpoint(s))
+            self.evidence.name_best(s)
         for old in dropped:  # after commit: no row points at them any more
             try:
                 self.store.delete_prefix(old)
@@ -217,4 +227,4 @@ class JobReporter:
                                        "errors": [{"message": m, "count": c} for m, c in top]})
 
     def should_stop(self) -> bool:
-        return self.cancel or self.pause or self.lost or DRAIN.is_set()
+        return self.cancel or self.pause or self.lost or DRAIN.is_set() or self.evidence.stop_reason is not None

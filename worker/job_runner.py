@@ -198,7 +198,8 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
                            environment=describe_environment(claimed.spec.environment)
                            if claimed.spec.environment else None,
                            export_merged=(claimed.spec.model, claimed.spec.dtype)
-                           if claimed.spec.training.export == "merged" else None)
+                           if claimed.spec.training.export == "merged" else None,
+                           training=claimed.spec.training)
     work = scratch.run_dir(settings, job_id, claimed.epoch)  # this run's own, removed however it ends
     status, error = "failed", None  # error: (code, message, retryable)
     reporter.start()
@@ -213,7 +214,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
             status = "cancelled"
         elif reporter.pause:
             status = "paused"
-        elif result.steps_done >= total:
+        elif result.steps_done >= total or reporter.evidence.stop_reason is not None:  # done, or stop_when fired
             status = "succeeded"
         elif DRAIN.is_set():
             status = "queued"

@@ -72,6 +72,7 @@ def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
         estimated_finish=row.estimated_finish if row.status == "running" else None,
         result_files=[f for f in (row.result_file_id, row.tensorboard_file_id) if f],
         integrations=row.spec.get("integrations", []),
+        forecast=finite(row.forecast) if row.forecast else None, best_checkpoint=row.best_checkpoint_id,
     )
 
 

@@ -177,6 +177,10 @@ class Job(Base):
     estimated_finish: Mapped[int | None] = mapped_column(BigInteger)
     result_file_id: Mapped[str | None] = mapped_column(String(40))  # the metrics CSV (purpose fine-tune-results)
     tensorboard_file_id: Mapped[str | None] = mapped_column(String(40))  # the same metrics as a TensorBoard file
+    # The worker's forecast of the reward curve (worker/evals/forecast.py), refit as points arrive; and the kept
+    # checkpoint with the best eval (training.keep_best keeps it from being pruned).
+    forecast: Mapped[dict | None] = mapped_column(JSON)
+    best_checkpoint_id: Mapped[str | None] = mapped_column(String(40))
     # A job queued again after a failed attempt is not claimed before this moment (retry backoff).
     not_before: Mapped[float | None] = mapped_column(Float)
     # A queued job whose broker message could not be sent (the broker was down): the reconciler's next

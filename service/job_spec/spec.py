@@ -17,6 +17,7 @@ from service.schemas.environments import EnvironmentSpec
 from service.schemas.recipe import OffPolicyMaskSpec, PassRateFilterSpec
 from service.schemas.integrations import Integrations
 from service.schemas.rewards import AnyReward
+from service.schemas.stopping import StopWhenSpec
 
 
 def refuse_float16_training(value: str | None) -> str | None:
@@ -314,6 +315,20 @@ class TrainingSpec(Strict):
         ".../checkpoints/{id}/merged or `cispo jobs export --merge`. A LoRA job's option: a full fine-tuning "
         "checkpoint's model/ is already whole.",
     )
+
+    stop_when: StopWhenSpec | None = Field(
+        None, description="End the job early (succeeded) on an eval plateau or a target eval reward; needs "
+        "eval_interval >= 1. null: train every step.")
+    keep_best: bool = Field(
+        False, description="Keep the checkpoint with the best eval beside the newest checkpoint_keep ones (never "
+        "pruned); the job object's best_checkpoint names it.")
+
+    @model_validator(mode="after")
+    def _stopping_needs_evals(self) -> TrainingSpec:
+        if self.stop_when is not None and self.eval_interval < 1:
+            raise ValueError("training.stop_when decides on evals, so it needs training.eval_interval >= 1 "
+                             "(0 evaluates only at the first and last step)")
+        return self
 
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainingSpec:

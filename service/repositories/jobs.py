@@ -330,12 +330,13 @@ def add_checkpoint(session: Session, job_id: str, epoch: int, *, step: int, stor
     return ckpt
 
 
-def prune_checkpoints(session: Session, job_id: str, epoch: int, keep: int) -> list[str]:
-    """Forget all but the newest `keep` checkpoints (fenced); returns their storage prefixes to delete."""
+def prune_checkpoints(session: Session, job_id: str, epoch: int, keep: int, *, spare: str | None = None) -> list[str]:
+    """Forget all but the newest `keep` checkpoints and `spare` (a checkpoint id kept besides them: the best
+    one, training.keep_best), fenced; returns their storage prefixes to delete."""
     if session.scalar(select(Job.id).where(_fenced(job_id, epoch))) is None:
         return []
-    old = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
-                               .order_by(Checkpoint.step.desc()).offset(keep)))
+    old = [c for c in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                                      .order_by(Checkpoint.step.desc()).offset(keep)) if c.id != spare]
     for ckpt in old:
         session.delete(ckpt)
     session.flush()

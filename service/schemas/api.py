@@ -191,10 +191,16 @@ class JobObject(BaseModel):
     total_steps: int
     reward_function: str | None
     environment: str | None = None  # the registered environment's id (env-...), when the job uses one
+    forecast: dict[str, Any] | None = Field(
+        None, description="The worker's sigmoid fit of reward against trained tokens (refit as evals arrive): "
+        "asymptote {mean, interval}, predicted_final_reward, estimated_finish, points, source (eval or "
+        "train_reward), trustworthy and, when not, reason. Null until the job has trained.")
+    best_checkpoint: str | None = Field(
+        None, description="The kept checkpoint with the best eval (with training.keep_best: of the whole run).")
 
 
 class DryRunCheck(BaseModel):
-    name: Literal["model", "reward_fields", "prompt_lengths", "engine", "estimate"]
+    name: Literal["model", "reward_fields", "prompt_lengths", "engine", "quantization", "estimate", "cost"]
     status: Literal["passed", "warning", "skipped"] = Field(
         description="skipped: not checked, and the message says why (a failed check refuses the request).")
     message: str
@@ -206,6 +212,12 @@ class DryRunObject(BaseModel):
     spec: dict[str, Any]
     checks: list[DryRunCheck] = Field(description="What was checked and found, and what was not checked.")
     estimated_seconds: int | None = Field(description="From earlier jobs' step rate on this model; null without one.")
+    expected_trained_tokens: int | None = Field(
+        None, description="Tokens the update should train on (the cost check says how it was found; an upper "
+        "bound without earlier jobs on the model); null for a supervised job.")
+    expected_worker_seconds: int | None = Field(
+        None, description="From this project's earlier succeeded jobs' seconds per trained token (on this model "
+        "when any exist); null when there are none, as the cost check says.")
 
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]

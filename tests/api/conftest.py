@@ -4,6 +4,7 @@ object store in tmp_path, and an `enqueue` that records what it was sent instead
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -54,7 +55,9 @@ class Api:
 
 def make_settings(database_url: str, tmp_path, **extra) -> Settings:
     extra.setdefault("model_hub_url", "")  # tests never reach a model hub
-    extra.setdefault("model_dirs", str(tmp_path.parent))  # the pytest root, where toy_dir builds the tiny model
+    # The pytest root, where toy_dir builds the tiny model, or the prebuilt one's directory (CISPO_TEST_TOY_DIR).
+    kept = os.environ.get("CISPO_TEST_TOY_DIR")
+    extra.setdefault("model_dirs", ",".join([str(tmp_path.parent), *([kept] if kept else [])]))
     return Settings(DATABASE_URL=database_url, STORAGE_URL=str(tmp_path / "objects"), home=tmp_path / "home",
                     **extra)
 

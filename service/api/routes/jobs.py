@@ -58,6 +58,8 @@ def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue:
         report = run_dry_run(session, store, who.project_id, body, prepared.spec, hub_url=settings.model_hub_url)
         session.rollback()
         return DryRunObject(spec=prepared.spec.model_dump(mode="json"), estimated_seconds=report.estimated_seconds,
+                            expected_trained_tokens=report.expected_trained_tokens,
+                            expected_worker_seconds=report.expected_worker_seconds,
                             checks=[DryRunCheck(**vars(c)) for c in report.checks])
     try:
         job, created = jobs_service.create(session, who.project_id, body, idempotency_key=idempotency_key,

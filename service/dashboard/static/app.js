@@ -7,10 +7,12 @@ const KEY_STORAGE = "cispo.apiKey";
 const LIVE = new Set(["validating_files", "queued", "running", "paused"]);
 const REFRESH_MS = 3000;
 // Curves to draw: a title and the metric names worker/trainer/loop.py and metrics.py write, first found wins;
-// `titles` names the curve after the metric found (kl_old is the KL to the rollout policy, not the reference).
+// `titles` names the curve after the metric found (kl_old is the KL to the rollout policy, not the reference);
+// `band`: the metrics of each point's 95% interval (worker/evals/intervals.py), drawn as a bar through the point.
 const CHARTS = [
   { title: "Reward (mean)", names: ["reward_mean"] },
-  { title: "Eval reward (greedy, held-out rows)", names: ["eval_reward_mean"] },
+  { title: "Eval reward (greedy, held-out rows; bars: 95% interval)", names: ["eval_reward_mean"],
+    band: ["eval_reward_ci_low", "eval_reward_ci_high"] },
   { title: "KL", names: ["kl_ref", "kl_old"],
     titles: { kl_ref: "KL to the reference (kl_ref)", kl_old: "KL to the rollout policy (kl_old)" } },
   { title: "Clip fraction", names: ["clip_fraction"] },
@@ -107,6 +109,15 @@ function renderJob(job) {
   $("job-title").replaceChildren(el("span", { class: "mono" }, job.id), " ", statusBadge(job.status));
   const parts = [`model ${job.model}`, `step ${job.steps_done} of ${job.total_steps}`, `created ${when(job.created_at)}`];
   if (job.fine_tuned_model) parts.push(`fine-tuned model ${job.fine_tuned_model}`);
+  const f = job.forecast;
+  if (f && f.asymptote) {
+    parts.push(`forecast: asymptote ${number(f.asymptote.mean)} (95% ${number(f.asymptote.interval[0])} to ` +
+      `${number(f.asymptote.interval[1])}), ${number(f.predicted_final_reward)} at step ${f.final_step}` +
+      (f.trustworthy ? "" : ` (not yet trustworthy: ${f.reason})`));
+  } else if (f) {
+    parts.push(`forecast: ${f.reason}`);
+  }
+  if (job.best_checkpoint) parts.push(`best checkpoint ${job.best_checkpoint}`);
   $("job-summary").textContent = parts.join(" · ");
   $("job-error").hidden = !job.error;
   $("job-error").textContent = job.error ? `${job.error.code}: ${job.error.message}` : "";
@@ -115,7 +126,7 @@ function renderJob(job) {
   $("cancel").disabled = !LIVE.has(job.status);
 }
 
-function chart(title, name, points) {
+function chart(title, name, points, band) {
   const W = 360, H = 180, L = 52, R = 12, T = 24, B = 28;
   const finite = points.filter((p) => p.value !== null);
   const box = el("figure", { class: "chart", "data-metric": name || "" }, el("figcaption", {}, title,
@@ -126,7 +137,10 @@ function chart(title, name, points) {
     box.append(plot);
     return box;
   }
-  const steps = points.map((p) => p.step), values = finite.map((p) => p.value);
+  // band: step -> [low, high]; the axis spans the intervals too, so a bar is never cut off.
+  const bars = finite.filter((p) => band && band[p.step] && band[p.step].every((v) => v !== null && v !== undefined));
+  const steps = points.map((p) => p.step), values = finite.map((p) => p.value)
+    .concat(...bars.map((p) => band[p.step]));
   const [first, last] = [Math.min(...steps), Math.max(...steps)];
   let [x0, x1, y0, y1] = [first, last, Math.min(...values), Math.max(...values)];
   if (x0 === x1) { x0 -= 1; x1 += 1; }
@@ -147,6 +161,11 @@ function chart(title, name, points) {
     pen = "L";
   }
   plot.append(svg("path", { d: d.trim(), class: "line", "data-points": String(finite.length) }));
+  for (const p of bars) {
+    const [low, high] = band[p.step];
+    plot.append(svg("line", { x1: x(p.step), x2: x(p.step), y1: y(low), y2: y(high), class: "interval",
+      "data-step": String(p.step) }, svg("title", {}, `step ${p.step}: 95% interval ${number(low)} to ${number(high)}`)));
+  }
   for (const p of finite) {
     plot.append(svg("circle", { cx: x(p.step), cy: y(p.value), r: 2.5, class: "dot" },
       svg("title", {}, `step ${p.step}: ${p.value}`)));
@@ -156,14 +175,21 @@ function chart(title, name, points) {
 }
 
 async function loadCharts(jobId) {
-  const names = [...new Set(CHARTS.flatMap((c) => c.names))];
+  const names = [...new Set(CHARTS.flatMap((c) => [...c.names, ...(c.band || [])]))];
   const query = names.map((n) => `name=${encodeURIComponent(n)}`).join("&");
   const page = await api(`/fine_tuning/jobs/${encodeURIComponent(jobId)}/metrics?${query}&limit=10000`);
   const series = {};
   for (const point of page.data) (series[point.name] ||= []).push(point);
-  $("charts").replaceChildren(...CHARTS.map(({ title, names: candidates, titles }) => {
+  $("charts").replaceChildren(...CHARTS.map(({ title, names: candidates, titles, band }) => {
     const name = candidates.find((n) => series[n]);
-    return chart((titles && titles[name]) || title, name, name ? series[name] : []);
+    let intervals = null;
+    if (band) {
+      intervals = {};
+      for (const [i, bound] of band.entries()) {
+        for (const p of series[bound] || []) (intervals[p.step] ||= [null, null])[i] = p.value;
+      }
+    }
+    return chart((titles && titles[name]) || title, name, name ? series[name] : [], intervals);
   }));
 }
 

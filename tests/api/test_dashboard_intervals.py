@@ -1,0 +1,66 @@
+"""The dashboard's eval chart draws each eval's 95% interval: the data the page fetches (its own metrics query,
+answered by the real API) and what its chart code draws from it, run in node with a minimal DOM (the full
+page in Chromium is tests/api/test_dashboard.py, skipped where Chromium is not installed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+from service.db.session import session_factory
+from service.repositories import jobs as jobs_repo
+from tests.api.conftest import created_job
+
+SCRIPT = Path(__file__).parent / "js" / "dashboard_charts.js"
+APP_JS = Path(__file__).parents[2] / "service" / "dashboard" / "static" / "app.js"
+EVALS = {0: (0.25, 0.10, 0.45), 2: (0.50, 0.30, 0.70), 4: (0.75, 0.55, 0.90)}  # step: mean, low, high
+
+
+def _draw(tmp_path, answers: dict) -> dict:
+    (tmp_path / "answers.json").write_text(json.dumps(answers))
+    out = subprocess.run(["node", str(SCRIPT), str(APP_JS), str(tmp_path / "answers.json")], capture_output=True,
+                         text=True, timeout=60)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_eval_chart_draws_each_evals_interval(api, tmp_path):
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed")
+    job_id = created_job(api)["id"]
+    with session_factory(api.database_url).begin() as s:
+        epoch = jobs_repo.claim(s, job_id, "test-worker", ttl_s=600)
+    for step in range(0, 5):
+        values = {"reward_mean": 0.1 * step} if step else {}
+        if step in EVALS:
+            mean, low, high = EVALS[step]
+            values |= {"eval_reward_mean": mean, "eval_reward_ci_low": low, "eval_reward_ci_high": high}
+        with session_factory(api.database_url).begin() as s:
+            assert jobs_repo.record_step(s, job_id, epoch, step, values, trained_tokens=10 if step else 0, ttl_s=600)
+
+    # The page's own query (asked of a fetch that knows no answer yet), answered by the real API.
+    [url] = _draw(tmp_path, {})["asked"]
+    assert url.startswith("/v1/fine_tuning/jobs/job/metrics?")
+    names = [unquote(p.split("=", 1)[1]) for p in url.split("?", 1)[1].split("&") if p.startswith("name=")]
+    assert {"eval_reward_mean", "eval_reward_ci_low", "eval_reward_ci_high"} <= set(names)
+    served = api.client.get(url.replace("/jobs/job/", f"/jobs/{job_id}/", 1))
+    assert served.status_code == 200, served.text
+    points = {(p["step"], p["name"]): p["value"] for p in served.json()["data"]}
+    for step, (mean, low, high) in EVALS.items():
+        assert (points[step, "eval_reward_ci_low"], points[step, "eval_reward_ci_high"]) == (low, high)
+
+    drawn = {c["metric"]: c for c in _draw(tmp_path, {url: served.json()})["charts"]}
+    evals = drawn["eval_reward_mean"]
+    assert [i["step"] for i in evals["intervals"]] == sorted(EVALS)
+    for dot, bar, (mean, low, high) in zip(evals["dots"], evals["intervals"], EVALS.values()):
+        assert bar["x"] == pytest.approx(dot["cx"])
+        assert bar["y_low"] > dot["cy"] > bar["y_high"]  # SVG y grows downward: low below the mean, high above
+    # bar lengths are in proportion to the interval widths (one axis for the whole chart)
+    heights = [b["y_low"] - b["y_high"] for b in evals["intervals"]]
+    widths = [high - low for _, low, high in EVALS.values()]
+    assert [h / heights[0] for h in heights] == pytest.approx([w / widths[0] for w in widths], rel=1e-3)
+    assert drawn["reward_mean"]["intervals"] == []  # the train reward has no interval to draw
