@@ -29,7 +29,6 @@ from worker.rewards.engine import ScoringContext
 
 log = logging.getLogger(__name__)
 NODE_DEATH_NOTICE_S = 30.0
-NO_CPU = {"num_cpus": 0}  # the channel's queues must not take a CPU the gang holds
 
 
 def run_on_ray(spec: JobSpec, run_dir: Path, callbacks, *, settings: Settings, scoring: ScoringContext | None = None,
@@ -58,7 +57,9 @@ def run_on_ray(spec: JobSpec, run_dir: Path, callbacks, *, settings: Settings, s
         port = ray.get(actors[0].free_port.remote(), timeout=startup_timeout_s)
         envs = rank_envs(places, port)
         _event(callbacks, f"Started {len(actors)} rank(s) on {len({p['node'] for p in places})} Ray node(s)")
-        queues = [Queue(actor_options=NO_CPU), Queue(actor_options=NO_CPU)]
+        # On rank 0's node: they live and die with it (and take no CPU from the gang).
+        beside_rank0 = {"num_cpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, 0)}
+        queues = [Queue(actor_options=beside_rank0), Queue(actor_options=beside_rank0)]
         channel = QueueChannel(*queues)
         files = ray.put(pack(_shipped(spec, run_dir, resume)))
         shipped = _relative(spec).model_dump_json()
@@ -95,7 +96,18 @@ def _relative(spec: JobSpec) -> JobSpec:
 
 
 def _serve(runs: list, places: list[dict], queues: list, callbacks, run_dir: Path, stop_grace_s: float) -> dict:
-    """Answer rank 0's requests until it returns; raise what a rank reports, or NodeLost."""
+    """Answer rank 0's requests until it returns; raise what a rank reports, NodeLost, or RankFailed."""
+    import ray
+
+    try:
+        return _relay(runs, queues, callbacks, run_dir, stop_grace_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:  # a rank, a queue or a ref died
+        raise _death(places, RankFailed(f"a rank's process died: {type(e).__name__}: {str(e)[:1000]}")) from None
+    except RankFailed as e:  # a rank's own error: when a peer's node went, its collective fails first
+        raise _death(places, e) from None
+
+
+def _relay(runs: list, queues: list, callbacks, run_dir: Path, stop_grace_s: float) -> dict:
     import ray
     from ray.util.queue import Empty
 
@@ -104,13 +116,13 @@ def _serve(runs: list, places: list[dict], queues: list, callbacks, run_dir: Pat
     while True:
         done, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
         for ref in done:
-            outcome = _outcome(ref, places[runs.index(ref)])
+            outcome = ray.get(ref)
             if "error" in outcome:
                 cls = KNOWN_ERRORS.get(outcome["error"])
-                rank = runs.index(ref)
                 if cls:
                     raise cls(outcome["message"])
-                raise RankFailed(f"rank {rank} failed: {outcome['error']}: {outcome['message']}\n{outcome['trace']}")
+                raise RankFailed(f"rank {runs.index(ref)} failed: {outcome['error']}: {outcome['message']}\n"
+                                 f"{outcome['trace']}")
             if ref is runs[0]:
                 return outcome
         try:
@@ -131,20 +143,17 @@ def _serve(runs: list, places: list[dict], queues: list, callbacks, run_dir: Pat
             answers.put(_dispatch(callbacks, kind, message))
 
 
-def _outcome(ref, place: dict) -> dict:
-    """A finished rank's return value; NodeLost when it died with its node, RankFailed when it died otherwise."""
-    import ray
-
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayActorError as e:
-        deadline = time.monotonic() + NODE_DEATH_NOTICE_S  # the cluster marks a node dead some seconds after
-        while time.monotonic() < deadline:
-            if place["node"] not in cluster.alive_nodes():
-                raise NodeLost(f"the Ray node {place['node'][:12]} ({place['ip']}) that held a rank left the "
-                               "cluster") from None
-            time.sleep(1.0)
-        raise RankFailed(f"a rank's process died: {e}") from None
+def _death(places: list[dict], otherwise: Exception) -> Exception:
+    """NodeLost when a node that held a rank left the cluster, else `otherwise`. The cluster marks a node dead
+    some seconds after its processes go, so this waits for the verdict (a failure on live nodes ends that late)."""
+    deadline = time.monotonic() + NODE_DEATH_NOTICE_S
+    while True:
+        lost = [p for p in places if p["node"] not in cluster.alive_nodes()]
+        if lost:
+            return NodeLost(f"the Ray node {lost[0]['node'][:12]} ({lost[0]['ip']}) that held a rank left the cluster")
+        if time.monotonic() >= deadline:
+            return otherwise
+        time.sleep(1.0)
 
 
 def _event(callbacks, message: str) -> None:
