@@ -4,6 +4,9 @@ grant, and a node lost mid-job, send the job back to queued using no attempt, an
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -11,7 +14,8 @@ from sqlalchemy import func, select
 
 from service.db.models import Checkpoint, JobEvent
 from service.db.session import session_factory
-from tests.ray.conftest import NODE
+from tests.ray.conftest import NODE, ROOT
+from tests.ray.test_ray_driver import _gone, _rank_pids
 from tests.worker.test_job_runner import job_row, make_settings, run_in_thread, submit
 from worker.job_runner import run_job
 
@@ -79,4 +83,40 @@ def test_a_node_lost_mid_job_queues_it_using_no_attempt_and_it_resumes_to_the_en
     assert run_job(job_id, settings) == "succeeded"
     job = job_row(settings, job_id)
     assert (job.steps_done, job.attempts) == (3, 1)
+    assert any(e.startswith("Resumed from the checkpoint at step") for e in _events(settings, job_id))
+
+
+def test_a_dead_driver_takes_its_ranks_with_it_and_the_next_worker_restarts_the_job(postgres_url, toy_dir, tmp_path,
+                                                                                     two_nodes):
+    """The driver (a worker process) is killed mid-job: Ray ends its ranks and placement group (they are its own),
+    and once the lease expires another worker claims the job (a higher epoch) and runs it to the end."""
+    settings = _settings(tmp_path, postgres_url, two_nodes, lease_ttl_s=5)
+    job_id = submit(settings, toy_dir, steps=3, checkpoint_interval=1, resources={"nodes": 2}, **TRAINING)
+    env = {**os.environ, "CISPO_DATABASE_URL": settings.database_url, "CISPO_STORAGE_URL": settings.storage_url,
+           "CISPO_HOME": str(settings.home), "CISPO_RAY_ADDRESS": two_nodes.address, "CISPO_LEASE_TTL_S": "5",
+           "CISPO_HEARTBEAT_S": "0.2", "PYTHONPATH": str(ROOT)}
+    driver = subprocess.Popen([sys.executable, "-c", f"from service.settings import Settings; from worker.job_runner "
+                               f"import run_job; run_job({job_id!r}, Settings())"], env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while _checkpoints(settings, job_id) < 1:
+            assert time.monotonic() < deadline and driver.poll() is None, "the job made no checkpoint"
+            time.sleep(0.2)
+        ranks = _rank_pids()
+        first_epoch = job_row(settings, job_id).lease_epoch
+        driver.kill()  # no drain, no goodbye: as a lost machine
+        driver.wait()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert len(ranks) >= 2 and _gone(ranks, within_s=60)
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU") != 2:  # the placement group went with its driver
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.5)
+
+    time.sleep(5)  # the lease expires
+    assert run_job(job_id, settings) == "succeeded"
+    job = job_row(settings, job_id)
+    assert job.steps_done == 3 and job.lease_epoch > first_epoch and job.attempts == 2
     assert any(e.startswith("Resumed from the checkpoint at step") for e in _events(settings, job_id))
