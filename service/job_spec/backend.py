@@ -2,9 +2,10 @@
 
 A job with resources.nodes above 1, or resources.backend 'ray', is driven by
 the claiming worker on the operator's Ray cluster (worker/ray_driver/). The
-deployment must name that cluster (CISPO_RAY_ADDRESS) and ship the `ray`
-extra; otherwise the job is refused now (400 naming the field), not failed
-later by a worker that cannot run it.
+deployment must name that cluster (CISPO_RAY_ADDRESS): without it the job is
+refused at create (400 naming the field). The `ray` package is the workers'
+(the API image ships without it, as without torch): a worker lacking it fails
+such a job at once (invalid_job naming the field, no retry).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def ray_installed() -> bool:
 
 
 def ray_refusal(spec: JobSpec, settings: Settings, *, installed: bool | None = None) -> tuple[str, str] | None:
-    """(field, why) when the job needs Ray and this deployment has none; None when it can run."""
+    """(field, why) when the job needs Ray and this deployment has none; None when it can run. `installed`:
+    whether the ray package is there (the worker says; None: not checked, as in the API)."""
     resources = spec.resources
     if not resources.on_ray:
         return None
@@ -30,7 +32,7 @@ def ray_refusal(spec: JobSpec, settings: Settings, *, installed: bool | None = N
     if not settings.ray_address:
         return field, (f"{asked}, which runs on a Ray cluster, but this deployment has none (the operator sets "
                        "CISPO_RAY_ADDRESS): use nodes 1 and backend 'local'")
-    if not (ray_installed() if installed is None else installed):
+    if installed is False:
         return field, (f"{asked}, which runs on a Ray cluster, but this deployment lacks the `ray` package "
                        "(the operator installs the `ray` extra): use nodes 1 and backend 'local'")
     return None

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from service.models.engine_check import EngineUnsupported
-from service.job_spec.backend import ray_refusal
+from service.job_spec.backend import ray_installed, ray_refusal
 from service.job_spec.spec import JobSpec
 from service.settings import Settings, get_settings
 from worker.checkpoint import CheckpointError
@@ -90,7 +90,7 @@ def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringCon
 
 
 def _run_on_ray(spec: JobSpec, run_dir: Path, callbacks, scoring: ScoringContext | None, settings: Settings):
-    refusal = ray_refusal(spec, settings)
+    refusal = ray_refusal(spec, settings, installed=ray_installed())
     if refusal is not None:  # the create check's twin, for this worker's deployment: the job fails, no retry
         raise ValueError(f"{refusal[0]}: {refusal[1]}")
     from worker.ray_driver.driver import run_on_ray  # Ray loads here, only for such jobs
