@@ -74,11 +74,11 @@ def refuse_too_few_gpus(gpus: int, visible: int | None) -> None:
 
 
 def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringContext | None = None,
-                 settings: Settings | None = None):
+                 settings: Settings | None = None, resume: bool = True):
     """Train the job in this process, across spec.resources.gpus processes, or on the Ray cluster (nodes > 1
     or backend 'ray'; `settings` name it); returns its TrainResult."""
     if spec.resources.on_ray:
-        return _run_on_ray(spec, run_dir, callbacks, scoring, settings or get_settings())
+        return _run_on_ray(spec, run_dir, callbacks, scoring, settings or get_settings(), resume)
     if spec.resources.gpus > 1:
         return run_distributed(spec, run_dir, callbacks, scoring=scoring)
     from worker.trainer.loop import Trainer  # torch loads here, not at worker import
@@ -89,13 +89,14 @@ def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringCon
     return trainer.run(callbacks)
 
 
-def _run_on_ray(spec: JobSpec, run_dir: Path, callbacks, scoring: ScoringContext | None, settings: Settings):
+def _run_on_ray(spec: JobSpec, run_dir: Path, callbacks, scoring: ScoringContext | None, settings: Settings,
+                resume: bool):
     refusal = ray_refusal(spec, settings, installed=ray_installed())
     if refusal is not None:  # the create check's twin, for this worker's deployment: the job fails, no retry
         raise ValueError(f"{refusal[0]}: {refusal[1]}")
     from worker.ray_driver.driver import run_on_ray  # Ray loads here, only for such jobs
 
-    return run_on_ray(spec, run_dir, callbacks, settings=settings, scoring=scoring,
+    return run_on_ray(spec, run_dir, callbacks, settings=settings, scoring=scoring, resume=resume,
                       job_name=getattr(callbacks, "job_id", "job"))
 
 
