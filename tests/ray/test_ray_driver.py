@@ -109,3 +109,22 @@ def _gone(pids, within_s: float = 30.0) -> bool:
     while pids_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     return not pids_alive(pids)
+
+
+def test_a_cancel_while_the_job_waits_for_its_nodes_ends_the_wait(toy_dir, tmp_path, two_nodes):
+    """The gang timeout is long; a stop request (cancel, pause, drain) ends the wait within a second or so."""
+    from worker.ray_driver.driver import run_on_ray
+
+    class CancelSoon(Recorder):
+        asked_at = time.monotonic() + 2.0
+
+        def should_stop(self):
+            return time.monotonic() > self.asked_at
+
+    calls = CancelSoon()
+    result = run_on_ray(_spec(toy_dir, nodes=3, batch_size=3), tmp_path, calls,
+                        settings=_settings(two_nodes, ray_gang_timeout_s=600))
+    assert result.stopped and result.steps_done == 0 and result.last_checkpoint is None
+    assert time.monotonic() - calls.asked_at < 30  # not the 600 s gang timeout
+    assert calls.events == ["Waiting for 3 Ray node(s) x 1 CPU(s)"]
+    assert ray.available_resources().get("CPU") == 2

@@ -1,6 +1,7 @@
 """Service jobs with resources.nodes 2, run by the job runner (real PostgreSQL, object store directory) as the
-driver of a real two-node Ray cluster (PostgreSQL only: the SQL side is the runner's, tested on both): the job succeeds with its checkpoints committed; a gang the cluster cannot
-grant, and a node lost mid-job, send the job back to queued using no attempt, and it resumes and finishes."""
+driver of a real two-node Ray cluster: the job succeeds with its checkpoints committed; a gang the cluster cannot
+grant, and a node lost mid-job, send the job back to queued using no attempt, and it resumes and finishes; a
+killed driver takes its ranks with it. PostgreSQL only: the SQL side is the job runner's, tested on both."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from worker.ray_driver.errors import GangUnavailable
 
@@ -33,21 +34,29 @@ def bundles(nodes: int, per_node: int, gpus: bool) -> list[dict[str, float]]:
     return [{"CPU": float(per_node), **({"GPU": float(per_node)} if gpus else {})} for _ in range(nodes)]
 
 
-def reserve(nodes: int, per_node: int, gpus: bool, timeout_s: float, name: str):
-    """The job's placement group, granted whole (gang) within timeout_s, or GangUnavailable (nothing held)."""
+def reserve(nodes: int, per_node: int, gpus: bool, timeout_s: float, name: str, should_stop=lambda: False):
+    """The job's placement group, granted whole (gang) within timeout_s, or GangUnavailable (nothing held);
+    None when `should_stop` says so first (a cancel, pause or drain while the job waits for its nodes)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     wanted = bundles(nodes, per_node, gpus)
     group = placement_group(wanted, strategy="STRICT_SPREAD" if nodes > 1 else "STRICT_PACK", name=name)
-    try:
-        ray.get(group.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
-        unit = "GPU" if gpus else "CPU"
-        raise GangUnavailable(f"the Ray cluster did not grant {nodes} node(s) x {per_node} {unit}(s) at once within "
-                              f"{timeout_s:.0f} s (it has {_free()})") from None
-    return group
+    ready, deadline = group.ready(), time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(ready, timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            return group
+        except ray.exceptions.GetTimeoutError:
+            pass
+        if should_stop():
+            remove_placement_group(group)
+            return None
+        if time.monotonic() >= deadline:
+            remove_placement_group(group)
+            unit = "GPU" if gpus else "CPU"
+            raise GangUnavailable(f"the Ray cluster did not grant {nodes} node(s) x {per_node} {unit}(s) at once "
+                                  f"within {timeout_s:.0f} s (it has {_free()})")
 
 
 def _free() -> str:

@@ -32,8 +32,10 @@ NODE_DEATH_NOTICE_S = 30.0
 
 
 def run_on_ray(spec: JobSpec, run_dir: Path, callbacks, *, settings: Settings, scoring: ScoringContext | None = None,
-               resume: bool = True, stop_grace_s: float = 60.0, startup_timeout_s: float = 600.0, job_name: str = "job"):
-    """Train the job on the Ray cluster at settings.ray_address; returns its TrainResult (as run_training)."""
+               resume: bool = True, stop_grace_s: float = 60.0, startup_timeout_s: float = 600.0, job_name: str = "job",
+               rank_actor: type = RankActor):
+    """Train the job on the Ray cluster at settings.ray_address; returns its TrainResult (as run_training).
+    `rank_actor`: RankActor or a subclass (bench/ray_step.py times the collectives in one)."""
     import ray
     from ray.util.queue import Queue
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -45,10 +47,13 @@ def run_on_ray(spec: JobSpec, run_dir: Path, callbacks, *, settings: Settings, s
     cluster.connect(settings.ray_address)
     gpus = cluster.uses_gpus()
     _event(callbacks, f"Waiting for {res.nodes} Ray node(s) x {res.gpus} {'GPU' if gpus else 'CPU'}(s)")
-    group = cluster.reserve(res.nodes, res.gpus, gpus, settings.ray_gang_timeout_s, name=f"cispo-{job_name}")
+    group = cluster.reserve(res.nodes, res.gpus, gpus, settings.ray_gang_timeout_s, name=f"cispo-{job_name}",
+                            should_stop=callbacks.should_stop)
+    if group is None:  # stopped while waiting for its nodes: nothing ran, the job keeps its newest checkpoint
+        return TrainResult(0, True, None, None, None)
     actors, queues = [], []
     try:
-        remote = ray.remote(RankActor)
+        remote = ray.remote(rank_actor)
         for node in range(res.nodes):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=node)
             actors += [remote.options(num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy=strategy,
