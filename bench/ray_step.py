@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from worker.ray_driver.rank_actor import RankActor  # noqa: E402
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-               "all_gather_object", "broadcast_object_list", "gather_object", "barrier", "reduce_scatter")
+# Every torch.distributed collective (FSDP2 calls all_gather_single / reduce_scatter_single in torch 2.13).
+COLLECTIVE_WORDS = ("gather", "scatter", "reduce", "broadcast", "barrier", "all_to_all")
 MARK = "bench-collectives "
 
 
@@ -72,9 +72,9 @@ class TimedRankActor(RankActor):
         import torch.distributed as dist
 
         clock = {"s": 0.0, "calls": 0}
-        for name in COLLECTIVES:
-            original = getattr(dist, name, None)
-            if original is not None:
+        for name in [n for n in dir(dist) if any(w in n for w in COLLECTIVE_WORDS) and not n.startswith("_")]:
+            original = getattr(dist, name)
+            if callable(original) and not isinstance(original, type):
                 setattr(dist, name, _timed(original, clock))
         marks = _StepMarks(channel, clock) if channel is not None else None
         result = super()._train(spec, resume, context, marks)
