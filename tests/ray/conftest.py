@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray")
-
 ROOT = Path(__file__).resolve().parents[2]
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 1024**2}
 
@@ -17,6 +15,7 @@ NODE = {"num_cpus": 1, "object_store_memory": 80 * 1024**2}
 @pytest.fixture(scope="module")
 def two_nodes():
     """The cluster (head + one worker node), with this process connected to it as a driver."""
+    ray = pytest.importorskip("ray")  # here, not at import: a conftest cannot skip itself
     from ray.cluster_utils import Cluster
 
     # The nodes' worker processes import this checkout, one thread each (the machine is small).
