@@ -109,7 +109,8 @@ def cmd_train(args) -> int:
     output = args.output or args.spec.parent / args.spec.stem
     output.mkdir(parents=True, exist_ok=True)
     from service.settings import get_settings
-    from worker.distributed.launch import RankFailed, run_distributed, run_training
+    from worker.distributed.launch import RankFailed, run_distributed
+    from worker.ray_driver.entry import run_on_ray_cluster
     from worker.ray_driver.errors import RayCapacity
     from worker.rewards.engine import ScoringContext
     from worker.rewards.errors import RewardErrorRateExceeded
@@ -123,7 +124,8 @@ def cmd_train(args) -> int:
     try:
         if spec.resources.on_ray:  # the Ray cluster at CISPO_RAY_ADDRESS, driven from here as the service does
             callbacks = ProgressCallbacks(spec.training.steps, output / "metrics.jsonl")
-            result = run_training(spec, output, callbacks, scoring=scoring, settings=get_settings(), resume=resume)
+            result = run_on_ray_cluster(spec, output, callbacks, settings=get_settings(), scoring=scoring,
+                                        resume=resume)
         elif spec.resources.gpus > 1:  # the service's own launcher: torchrun, one process per GPU (gloo on a CPU)
             callbacks = ProgressCallbacks(spec.training.steps, output / "metrics.jsonl")
             result = run_distributed(spec, output, callbacks, scoring=scoring, resume=resume)

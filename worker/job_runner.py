@@ -144,8 +144,12 @@ def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, 
         prefix, files = claimed.start
         local = download_checkpoint(store, prefix, files, work / "start" / claimed.spec.init_from)
         local_spec = local_spec.model_copy(update={"init_from": str(local)})
-    return run_training(local_spec, run_dir, reporter, scoring=ScoringContext.from_settings(settings, claimed.secrets),
-                        settings=settings)
+    scoring = ScoringContext.from_settings(settings, claimed.secrets)
+    if local_spec.resources.on_ray:  # larger than one machine: this worker drives it on the Ray cluster
+        from worker.ray_driver.entry import run_on_ray_cluster
+
+        return run_on_ray_cluster(local_spec, run_dir, reporter, settings=settings, scoring=scoring)
+    return run_training(local_spec, run_dir, reporter, scoring=scoring)
 
 
 def _failure(e: Exception) -> tuple[str, str, bool]:

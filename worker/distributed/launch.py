@@ -33,9 +33,7 @@ import time
 from pathlib import Path
 
 from service.models.engine_check import EngineUnsupported
-from service.job_spec.backend import ray_installed, ray_refusal
 from service.job_spec.spec import JobSpec
-from service.settings import Settings, get_settings
 from worker.checkpoint import CheckpointError
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded
@@ -73,12 +71,9 @@ def refuse_too_few_gpus(gpus: int, visible: int | None) -> None:
                          f"needed): ask for at most {visible}, or run the job on a worker with {gpus} GPUs")
 
 
-def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringContext | None = None,
-                 settings: Settings | None = None, resume: bool = True):
-    """Train the job in this process, across spec.resources.gpus processes, or on the Ray cluster (nodes > 1
-    or backend 'ray'; `settings` name it); returns its TrainResult."""
-    if spec.resources.on_ray:
-        return _run_on_ray(spec, run_dir, callbacks, scoring, settings or get_settings(), resume)
+def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringContext | None = None):
+    """Train the job in this process, or across spec.resources.gpus processes; returns its TrainResult.
+    (A job for the Ray cluster, spec.resources.on_ray, goes to worker/ray_driver instead.)"""
     if spec.resources.gpus > 1:
         return run_distributed(spec, run_dir, callbacks, scoring=scoring)
     from worker.trainer.loop import Trainer  # torch loads here, not at worker import
@@ -87,17 +82,6 @@ def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringCon
     if trainer.step:
         _event(callbacks, f"Resumed from the checkpoint at step {trainer.step}")
     return trainer.run(callbacks)
-
-
-def _run_on_ray(spec: JobSpec, run_dir: Path, callbacks, scoring: ScoringContext | None, settings: Settings,
-                resume: bool):
-    refusal = ray_refusal(spec, settings, installed=ray_installed())
-    if refusal is not None:  # the create check's twin, for this worker's deployment: the job fails, no retry
-        raise ValueError(f"{refusal[0]}: {refusal[1]}")
-    from worker.ray_driver.driver import run_on_ray  # Ray loads here, only for such jobs
-
-    return run_on_ray(spec, run_dir, callbacks, settings=settings, scoring=scoring, resume=resume,
-                      job_name=getattr(callbacks, "job_id", "job"))
 
 
 def run_distributed(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringContext | None = None,

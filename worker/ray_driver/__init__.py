@@ -1,5 +1,6 @@
 """Jobs larger than one machine: the claiming Celery worker drives them on a Ray cluster.
 
+entry.py       run_on_ray_cluster: the job runner's and `cispo train`'s door (the deployment check, then Ray)
 driver.py      run_on_ray: reserve the gang, start one actor per rank, relay rank 0's callbacks, clean up
 cluster.py     connecting to the cluster, the placement group (all GPUs at once, or GangUnavailable), release
 rank_actor.py  the Ray actor of one rank: today's FSDP2 Trainer under torchrun's environment variables
