@@ -94,7 +94,7 @@ COPY pyproject.toml README.md ./
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"; fi \
  && mkdir -p service worker \
  && touch service/__init__.py worker/__init__.py \
- && pip install "torch==${TORCH_VERSION}" "vllm==${VLLM_VERSION}" ".[worker,tracking]" \
+ && pip install "torch==${TORCH_VERSION}" "vllm==${VLLM_VERSION}" ".[worker,tracking,ray]" \
  && pip uninstall -y cispo-service \
  && rm -rf service worker build ./*.egg-info
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from service.db.models import Checkpoint, File, Job
+from service.job_spec.backend import check_backend
 from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, Unprocessable
 from service.dry_run import check_reward_fields
 from service.row_shapes import check_rows_fit_method
@@ -95,6 +96,7 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
                       start=start)
     if settings is not None:
         _check_integrations(spec, settings)
+        check_backend(spec, settings, where=f"method.{body.method.type}.hyperparameters")
     if spec.reward is not None:
         where = {"cispo": "method.cispo.reward_function" if reward_function_id else "method.cispo.reward",
                  "supervised": "method.supervised.reward_function" if reward_function_id

@@ -46,6 +46,12 @@ class Settings(BaseSettings):
     outage_deadline_s: float = Field(1800.0, ge=0, description="How long a job waits out an unreachable object "
                                      "store (runs again with backoff, using no attempt); after it, failed runs "
                                      "count again.")
+    ray_address: str = Field("", description="Address of the Ray cluster that runs jobs with resources.nodes "
+                             "above 1 or resources.backend 'ray' (e.g. ray://raycluster-head:10001 or "
+                             "head:6379); empty: such jobs are refused at create (400). Needs the `ray` extra.")
+    ray_gang_timeout_s: float = Field(300.0, gt=0, description="How long a Ray job waits for its whole "
+                                      "placement group (all its GPUs at once); then it goes back to queued, "
+                                      "using no attempt, with the reason in its events.")
     broker_timeout_s: float = Field(5.0, gt=0, description="Socket timeout on the broker: a stalled Redis "
                                     "fails a send or a ping instead of hanging the API.")
     work_dir: Path | None = Field(None, description="Worker scratch space (default HOME/work).")

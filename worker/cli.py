@@ -1,6 +1,7 @@
 """The `cispo` command line.
 
-    cispo train SPEC.yaml [--output DIR] [--no-resume]   a job locally, no service (resources.gpus processes)
+    cispo train SPEC.yaml [--output DIR] [--no-resume]   a job locally, no service (resources.gpus processes;
+                                                        nodes > 1: on the Ray cluster at CISPO_RAY_ADDRESS)
     cispo worker [--concurrency N]                      a Celery worker for service jobs (one job per GPU)
     cispo serve [--model BASE]...                       a serving worker for /v1/chat/completions, /v1/completions
     cispo up | api | db upgrade | keys create           see service/cli/main.py
@@ -109,6 +110,8 @@ def cmd_train(args) -> int:
     output.mkdir(parents=True, exist_ok=True)
     from service.settings import get_settings
     from worker.torchrun.launch import RankFailed, run_distributed
+    from worker.ray_driver.entry import run_on_ray_cluster
+    from worker.ray_driver.errors import RayCapacity
     from worker.rewards.engine import ScoringContext
     from worker.rewards.errors import RewardErrorRateExceeded
     from worker.trainer.learning_signal import NoLearningSignal
@@ -119,7 +122,11 @@ def cmd_train(args) -> int:
     resume = not args.no_resume
     callbacks = None
     try:
-        if spec.resources.gpus > 1:  # the service's own launcher: torchrun, one process per GPU (gloo on a CPU)
+        if spec.resources.on_ray:  # the Ray cluster at CISPO_RAY_ADDRESS, driven from here as the service does
+            callbacks = ProgressCallbacks(spec.training.steps, output / "metrics.jsonl")
+            result = run_on_ray_cluster(spec, output, callbacks, settings=get_settings(), scoring=scoring,
+                                        resume=resume)
+        elif spec.resources.gpus > 1:  # the service's own launcher: torchrun, one process per GPU (gloo on a CPU)
             callbacks = ProgressCallbacks(spec.training.steps, output / "metrics.jsonl")
             result = run_distributed(spec, output, callbacks, scoring=scoring, resume=resume)
         else:
@@ -130,7 +137,7 @@ def cmd_train(args) -> int:
     except ValueError as e:  # data, reward, checkpoint or resources problems carry their own message
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (RewardErrorRateExceeded, NoLearningSignal, RankFailed) as e:
+    except (RewardErrorRateExceeded, NoLearningSignal, RankFailed, RayCapacity) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -45,6 +45,7 @@ from worker.drain import DRAIN  # set by the worker's graceful shutdown (see wor
 from worker.envs import describe_environment
 from worker.job_reporter import JobReporter, LeaseLost
 from worker.progress import reward_trend
+from worker.ray_driver.errors import RAY_CAPACITY, RayCapacity
 from worker.results import publish as publish_results
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded
@@ -56,6 +57,7 @@ from worker.trainer.learning_signal import NoLearningSignal
 log = logging.getLogger(__name__)
 
 STORAGE_UNAVAILABLE = "storage_unavailable"  # the error code of a run stopped by an object-store outage
+OUTAGES = {STORAGE_UNAVAILABLE: "The object store is unavailable", RAY_CAPACITY: "The Ray cluster lacks capacity"}
 
 
 def _materialize(spec: JobSpec, store: ObjectStore, data_dir: Path) -> JobSpec:
@@ -142,7 +144,12 @@ def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, 
         prefix, files = claimed.start
         local = download_checkpoint(store, prefix, files, work / "start" / claimed.spec.init_from)
         local_spec = local_spec.model_copy(update={"init_from": str(local)})
-    return run_training(local_spec, run_dir, reporter, scoring=ScoringContext.from_settings(settings, claimed.secrets))
+    scoring = ScoringContext.from_settings(settings, claimed.secrets)
+    if local_spec.resources.on_ray:  # larger than one machine: this worker drives it on the Ray cluster
+        from worker.ray_driver.entry import run_on_ray_cluster
+
+        return run_on_ray_cluster(local_spec, run_dir, reporter, settings=settings, scoring=scoring)
+    return run_training(local_spec, run_dir, reporter, scoring=scoring)
 
 
 def _failure(e: Exception) -> tuple[str, str, bool]:
@@ -159,6 +166,8 @@ def _failure(e: Exception) -> tuple[str, str, bool]:
         return "invalid_job", str(e), False
     if isinstance(e, StorageError):
         return STORAGE_UNAVAILABLE if _is_outage(e) else "storage_error", f"the object store failed: {e}", True
+    if isinstance(e, RayCapacity):  # no gang, or a node lost: the cluster's, waited out as an outage
+        return RAY_CAPACITY, f"the Ray cluster cannot carry the job now: {e}", True
     return "training_error", f"{type(e).__name__}: {e}", True
 
 
@@ -167,7 +176,8 @@ def _is_outage(e: StorageError) -> bool:
     return not isinstance(e, StorageNotFound)
 
 
-def _wait_out_outage(s: Session, job_id: str, claimed: Claimed, settings: Settings, message: str) -> float | None:
+def _wait_out_outage(s: Session, job_id: str, claimed: Claimed, settings: Settings, message: str,
+                     what: str = "The object store is unavailable") -> float | None:
     """Queue the job again after a backoff, giving its attempt back, while the outage is younger than
     settings.outage_deadline_s; returns the delay, or None when the run should count as a failed attempt."""
     since = jobs.note_outage(s, job_id, claimed.epoch)
@@ -177,7 +187,7 @@ def _wait_out_outage(s: Session, job_id: str, claimed: Claimed, settings: Settin
     delay = jobs.outage_delay(waited, base_s=settings.retry_backoff_s)
     if not jobs.requeue(s, job_id, claimed.epoch, delay_s=delay, failed=False):
         return None
-    jobs.add_event(s, job_id, f"The object store is unavailable ({message[:300]}); the job runs again in "
+    jobs.add_event(s, job_id, f"{what} ({message[:300]}); the job runs again in "
                    f"{delay:.0f} s from its newest checkpoint, using no attempt (the outage has lasted "
                    f"{waited:.0f} s; it is waited out for {settings.outage_deadline_s:.0f} s)", level="warn")
     return delay
@@ -290,9 +300,9 @@ def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claim
          status: str, error: tuple[str, str, bool] | None) -> tuple[str | None, float]:
     """Record how the run ended (fenced); returns (the job's status now, seconds before its next run)."""
     epoch, delay = claimed.epoch, 0.0
-    if error and error[0] == STORAGE_UNAVAILABLE:  # infrastructure, not the job: no attempt spent, up to a deadline
+    if error and error[0] in OUTAGES:  # infrastructure, not the job: no attempt spent, up to a deadline
         with sessions.begin() as s:
-            outage_delay = _wait_out_outage(s, job_id, claimed, settings, error[1])
+            outage_delay = _wait_out_outage(s, job_id, claimed, settings, error[1], OUTAGES[error[0]])
         if outage_delay is not None:
             return "queued", outage_delay
     with sessions.begin() as s:

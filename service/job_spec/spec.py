@@ -353,6 +353,25 @@ class ResourcesSpec(Strict):
         description="Training processes, one per GPU (FSDP2 under torchrun when above 1; on a CPU-only worker the "
         "processes share the CPU over gloo). Each process generates whole groups for batch_size / gpus prompts.",
     )
+    nodes: int = Field(
+        1, ge=1, le=64,
+        description="Machines the job spans, each giving `gpus` training processes. Above 1 the job runs on the "
+        "operator's Ray cluster (as with backend 'ray'): nodes x gpus processes, one FSDP2 group across them.",
+    )
+    backend: Literal["local", "ray"] = Field(
+        "local", description="'local': the worker that claims the job runs it on its own GPUs (torchrun above 1 "
+        "GPU). 'ray': that worker drives it on the Ray cluster at CISPO_RAY_ADDRESS (needs the `ray` extra).",
+    )
+
+    @property
+    def on_ray(self) -> bool:
+        """Whether the job runs on the Ray cluster: asked for, or larger than one machine."""
+        return self.backend == "ray" or self.nodes > 1
+
+    @property
+    def processes(self) -> int:
+        """Training processes in the job's group (its world size)."""
+        return self.nodes * self.gpus
 
 
 class JobSpec(Strict):
@@ -394,8 +413,9 @@ class JobSpec(Strict):
         if self.method == "supervised":
             if self.environment is not None:
                 raise ValueError("a supervised job learns from its rows' assistant turns; leave environment out")
-            if self.resources.gpus > 1:
-                raise ValueError("a supervised job trains in one process: set resources.gpus to 1")
+            if self.resources.processes > 1:
+                raise ValueError("a supervised job trains in one process: set resources.gpus and resources.nodes "
+                                 "to 1")
             return self
         if (self.reward is None) == (self.environment is None):
             raise ValueError("give exactly one of reward (scores a single completion) or environment (multi-turn)")
@@ -406,14 +426,15 @@ class JobSpec(Strict):
 
     @model_validator(mode="after")
     def _shares_fit(self) -> JobSpec:
-        gpus, tc = self.resources.gpus, self.training
-        if tc.batch_size % gpus:
-            raise ValueError(f"resources.gpus ({gpus}) must divide training.batch_size ({tc.batch_size}): "
+        processes, tc = self.resources.processes, self.training
+        name = "resources.gpus" if self.resources.nodes == 1 else "resources.nodes x resources.gpus"
+        if tc.batch_size % processes:
+            raise ValueError(f"{name} ({processes}) must divide training.batch_size ({tc.batch_size}): "
                              "each process generates whole groups for an equal share of the prompts")
-        per_process = tc.batch_size // gpus * tc.group_size
+        per_process = tc.batch_size // processes * tc.group_size
         if tc.mini_batches > per_process:
             raise ValueError(f"training.mini_batches ({tc.mini_batches}) exceeds the sequences per process "
-                             f"(batch_size / resources.gpus * group_size = {per_process})")
+                             f"(batch_size / {name} * group_size = {per_process})")
         return self
 
     @model_validator(mode="after")
@@ -421,11 +442,11 @@ class JobSpec(Strict):
         if self.advantages.scale == "batch_std" and self.advantages.per_turn:
             raise ValueError("advantages.scale 'batch_std' is not supported with advantages.per_turn: use "
                              "'none' or 'group_std' for per-turn advantages")
-        if self.training.lm_head_float32 and self.resources.gpus > 1:
+        if self.training.lm_head_float32 and self.resources.processes > 1:
             raise ValueError("training.lm_head_float32 runs in one process: with resources.gpus > 1 FSDP casts the "
                              "head's weights to the compute dtype itself")
         if self.lora is not None and self.lora.base_quantization != "none":
-            if self.rollout.engine != "hf" or self.resources.gpus > 1:
+            if self.rollout.engine != "hf" or self.resources.processes > 1:
                 raise ValueError("lora.base_quantization 'nf4' runs with rollout.engine 'hf' and resources.gpus 1 "
                                  "(vLLM and FSDP are not given the 4-bit base)")
         return self
@@ -441,9 +462,11 @@ class JobSpec(Strict):
     def _vllm_in_one_process(self) -> JobSpec:
         # The in-process vLLM engine would be handed each rank's FSDP shards and meet the trainer's process
         # group; it needs GPUs of its own (a separate sampler), which the service does not give it yet.
-        if self.rollout.engine == "vllm" and self.resources.gpus > 1:
+        if self.rollout.engine == "vllm" and (self.resources.processes > 1 or self.resources.on_ray):
             raise ValueError(f"rollout.engine 'vllm' runs in one training process, but resources.gpus is "
-                             f"{self.resources.gpus}: set resources.gpus to 1, or rollout.engine to 'hf'")
+                             f"{self.resources.gpus} (nodes {self.resources.nodes}, backend "
+                             f"{self.resources.backend!r}): set resources.gpus and nodes to 1 and backend 'local', "
+                             "or rollout.engine to 'hf'")
         return self
 
     @model_validator(mode="after")
@@ -455,6 +478,7 @@ class JobSpec(Strict):
         unsupported = [why for why, bad in (
             ("rollout.engine is 'vllm' (needs 'hf')", self.rollout.engine != "hf"),
             (f"resources.gpus is {self.resources.gpus} (needs 1)", self.resources.gpus > 1),
+            ("the job runs on Ray (needs resources.backend 'local' and nodes 1)", self.resources.on_ray),
             ("the job has an environment (needs a reward)", self.environment is not None),
         ) if bad]
         if unsupported:

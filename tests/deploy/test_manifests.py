@@ -310,8 +310,11 @@ def test_compose_worker_reserves_a_gpu():
         gpus = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
         assert gpus, f"the {gpu_user} reserves no nvidia GPU"
         assert all(d.get("count") == 1 or d.get("device_ids") for d in gpus), f"one GPU per {gpu_user}"
+    # a Ray node (the `ray` profile) is a whole machine: all its GPUs, one rank each
+    node = compose_services()["ray-node"]["deploy"]["resources"]["reservations"]["devices"]
+    assert [d["count"] for d in node if d.get("driver") == "nvidia"] == ["all"]
     for name, svc in compose_services().items():
-        if name not in ("worker", "serve"):
+        if name not in ("worker", "serve", "ray-node"):
             assert "deploy" not in svc or "devices" not in str(svc["deploy"]), f"{name} reserves devices"
 
 

@@ -72,7 +72,8 @@ def refuse_too_few_gpus(gpus: int, visible: int | None) -> None:
 
 
 def run_training(spec: JobSpec, run_dir: Path, callbacks, *, scoring: ScoringContext | None = None):
-    """Train the job in this process, or across spec.resources.gpus processes; returns its TrainResult."""
+    """Train the job in this process, or across spec.resources.gpus processes; returns its TrainResult.
+    (A job for the Ray cluster, spec.resources.on_ray, goes to worker/ray_driver instead.)"""
     if spec.resources.gpus > 1:
         return run_distributed(spec, run_dir, callbacks, scoring=scoring)
     from worker.trainer.loop import Trainer  # torch loads here, not at worker import

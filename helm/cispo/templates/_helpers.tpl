@@ -100,6 +100,8 @@ CISPO_SANDBOX_UID_COUNT: {{ .Values.config.sandboxUidCount | int64 | toString | 
 CISPO_EGRESS_ALLOW: {{ .Values.config.egressAllow | quote }}
 CISPO_JUDGE_BASE_URL: {{ .Values.config.judgeBaseUrl | quote }}
 CISPO_JUDGE_MODELS: {{ .Values.config.judgeModels | quote }}
+CISPO_RAY_ADDRESS: {{ include "cispo.rayAddress" . | quote }}
+CISPO_RAY_GANG_TIMEOUT_S: {{ .Values.ray.gangTimeoutS | toString | quote }}
 {{- range $key, $value := .Values.config.extraEnv }}
 {{ $key }}: {{ $value | toString | quote }}
 {{- end }}
@@ -165,5 +167,15 @@ a pod annotation instead.
 {{- $value = printf "localhost/%s" $profile.localhostProfile }}
 {{- end }}
 container.apparmor.security.beta.kubernetes.io/worker: {{ $value | quote }}
+{{- end }}
+{{- end }}
+
+{{/* CISPO_RAY_ADDRESS: ray.address, else the chart's RayCluster head through Ray Client (KubeRay names its
+Service <cluster>-head-svc), else empty (no Ray: jobs with nodes > 1 are refused at create). */}}
+{{- define "cispo.rayAddress" -}}
+{{- if .Values.ray.address }}
+{{- .Values.ray.address }}
+{{- else if .Values.ray.enabled }}
+{{- printf "ray://%s-head-svc:10001" (include "cispo.componentName" (dict "ctx" . "component" "ray")) }}
 {{- end }}
 {{- end }}
