@@ -67,8 +67,10 @@ def _build_sampler(spec: JobSpec, state: dict[str, torch.Tensor]):
     return policy, transformers_sampler(policy, spec.sampling, dtype=dtype, logprobs=True)
 
 
-def _sampler_main(spec_json: dict, version: int, state: dict, inbox, outbox, max_staleness: int) -> None:
+def _sampler_main(spec_json: dict, version: int, state: dict, inbox, outbox, max_staleness: int,
+                  threads: int) -> None:
     """The child's whole life: build, then serve requests until stopped (see the module docstring)."""
+    torch.set_num_threads(threads)  # its share of the cores (worker/rollout/thread_split.py)
     # A Ctrl-C or SIGTERM to the process group is the trainer's to handle (it drains the job and stops us);
     # dying of it here would fail the job instead. close() ends a child that does not stop with SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -135,13 +137,13 @@ def _serve(spec: JobSpec, version: int, state: dict, inbox, outbox, max_stalenes
 class SamplerProcess:
     """The parent's handle on the sampler child: send versions and requests, receive batches, stop it."""
 
-    def __init__(self, spec: JobSpec, *, version: int, state: dict[str, torch.Tensor]):
+    def __init__(self, spec: JobSpec, *, version: int, state: dict[str, torch.Tensor], threads: int):
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked CUDA context, threads or locks
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(
             target=_sampler_main, name="cispo-sampler", daemon=True,
             args=(spec.model_dump(mode="json"), version, state, self.inbox, self.outbox,
-                  spec.rollout.max_staleness))
+                  spec.rollout.max_staleness, threads))
         self.process.start()
         self.closed = False
 

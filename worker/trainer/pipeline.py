@@ -28,6 +28,7 @@ import torch
 from service.job_spec.spec import JobSpec
 from worker.rollout.async_sampler import SamplerDied, SamplerProcess
 from worker.rollout.policy_versions import Freshness, trainable_state
+from worker.rollout.thread_split import split_threads
 from worker.trainer.feedback import Feedback, collect_feedback
 from worker.trainer.rewards import Scorer, Scores
 from worker.rollout.rollout import Rollout
@@ -68,7 +69,11 @@ class RolloutPipeline:
         self.max_staleness, self.steps = spec.rollout.max_staleness, spec.training.steps
         self.failure_score = spec.training.reward_failure_score
         self.scorer, self.draw = scorer, draw
-        self.sampler = SamplerProcess(spec, version=step, state=trainable_state(model))
+        # The trainer and the sampler each on cores of their own; close() gives the trainer all of them back.
+        self._threads = torch.get_num_threads()
+        trainer_threads, sampler_threads = split_threads(self._threads)
+        self.sampler = SamplerProcess(spec, version=step, state=trainable_state(model), threads=sampler_threads)
+        torch.set_num_threads(trainer_threads)
         self._next_request = step
         self._data_states: dict[int, dict] = {}  # requested, not yet taken: the data position before each
         self._ready: dict[int, ScoredBatch] = {}
@@ -148,6 +153,7 @@ class RolloutPipeline:
             self.sampler.close()
         finally:
             self._thread.join(timeout=10.0)
+            torch.set_num_threads(self._threads)
 
 
 def pipeline_metrics(scored: ScoredBatch, fresh: Freshness) -> dict[str, float]:
