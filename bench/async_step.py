@@ -201,6 +201,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps per run left out (at least 1)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads of the trainer (0: torch's default)")
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # each row as it is measured, also into a file
     if args.warmup < 1 or 0 not in args.staleness:
         parser.error("--warmup must be at least 1 and --staleness must include 0 (the baseline)")
     if args.threads:

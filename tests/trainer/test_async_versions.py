@@ -1,5 +1,6 @@
 """Asynchronous CISPO's policy versions on the tiny model: what the sampler process samples with is exactly what the
-trainer sent (LoRA adapter or every weight), the two processes split the cores, and the toy task still learns."""
+trainer sent (LoRA adapter or every weight), environment episodes in the sampler, the two processes split the
+cores, and the toy task still learns."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import pytest
 import torch
 
 from service.job_spec.spec import JobSpec
-from tests.trainer.test_async_rollouts import Recorder, assert_gone, async_spec
+from service.sandbox.spawn import sandbox_level
+from tests.rollout.test_multi_turn import Scripted
+from tests.trainer.test_async_rollouts import Recorder, assert_gone, async_spec, sampler_children  # noqa: F401
 from worker.rollout.async_sampler import SamplerProcess
 from worker.rollout.policy_versions import trainable_state
 from worker.rollout.thread_split import split_threads
 from worker.toy.__main__ import toy_spec
+from worker.toy.two_turn import environment_spec, plain_chat_model
 from worker.trainer.loop import Trainer, train
 from worker.trainer.policy import load_policy
 from worker.trainer.update import Updater
@@ -103,6 +107,45 @@ def test_trainer_keeps_its_share_of_threads_while_the_sampler_runs(toy_dir, tmp_
         assert seen == [1, 1] and torch.get_num_threads() == 2  # given back when the run ends
     finally:
         torch.set_num_threads(threads)
+
+
+def environment_job(toy_dir: Path, model: Path, max_staleness: int) -> JobSpec:
+    raw = toy_spec(toy_dir)
+    raw.pop("reward")
+    raw["model"] = str(model)
+    raw["environment"] = environment_spec()
+    raw["sampling"] = {"temperature": 1.0, "max_output_tokens": 2, "max_model_len": 64}
+    raw["rollout"] = {"max_staleness": max_staleness}
+    raw["training"].update({"steps": 2, "batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 8,
+                            "eval_interval": 0, "eval_max_rows": 2, "checkpoint_interval": 0, "max_turns": 2,
+                            "preflight_groups": 0})
+    return JobSpec.model_validate(raw)
+
+
+@pytest.mark.skipif(sandbox_level() != "namespaces", reason="this host cannot sandbox user code")
+def test_environment_episodes_run_in_the_sampler_process(toy_dir, tmp_path, sampler_children):
+    """A sandboxed two-turn environment job at max_staleness 1: the sampler process runs the episodes against its
+    own environment, with the synchronous loop's seeds, so step 1 (version 0 on both sides) is the same batch."""
+    started, taken = sampler_children
+    model = plain_chat_model(toy_dir / "model", tmp_path / "model")
+    runs = {}
+    for s in (0, 1):
+        cb = Recorder()
+        assert Trainer(environment_job(toy_dir, model, s), tmp_path / f"run{s}").run(cb).steps_done == 2
+        runs[s] = cb.metrics
+    assert len(started) == 1
+    assert_gone(started[0])
+    assert [step for step, _ in taken] == [0, 1] and all(v == [0] * 8 for _, v in taken)
+    for m in runs[1]:
+        assert m["turns_mean"] == 2 and m["reward_errors"] == 0
+    for key in ("reward_mean", "completion_length_mean", "turns_mean"):
+        assert runs[1][0][key] == runs[0][0][key]
+
+
+def test_a_stand_in_environment_is_refused_asynchronously(toy_dir, tmp_path):
+    """An in-process environment object cannot cross into the sampler process: refused, not silently dropped."""
+    with pytest.raises(ValueError, match="stand-in environment"):
+        Trainer(async_spec(toy_dir, 1), tmp_path, environment=Scripted(lambda turn, action, row: None)).run(Recorder())
 
 
 @pytest.mark.slow
