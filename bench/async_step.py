@@ -186,6 +186,9 @@ def report(name: str, description: str, runs: list[Run], warmup: int) -> dict[in
     bound = sync["step"] / sync[longest]
     print(f"overlap bound (sync step {sync['step']:.3f} s / longest phase, {longest} {sync[longest]:.3f} s): "
           f"{bound:.2f}x")
+    if any(r.max_staleness and r.phases(warmup)["update"] < 0.9 * sync["update"] for r in runs):
+        print("note: the asynchronous update is cheaper here: logp_old is the sampler's, so the frozen forward that "
+              "recomputes it for a multi-mini-batch step is skipped; the speed-up can exceed the bound")
     for s, speedup in speedups.items():
         if s:
             print(f"achieved at max_staleness {s}: {speedup:.2f}x = {speedup / bound:.0%} of the bound "
@@ -208,6 +211,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()} ({os.cpu_count()} CPUs); load average at start "
           f"{os.getloadavg()[0]:.2f} (a shared machine: figures move with the load)", flush=True)
+    if os.getloadavg()[0] > (os.cpu_count() or 1) and torch.get_num_threads() > 1:
+        print("warning: the load is above the CPU count: a multi-threaded synchronous step is preempted "
+              "mid-matmul (its threads wait on each other), which flatters the split; --threads 1 is steadier")
     with tempfile.TemporaryDirectory(prefix="async-step-") as tmp:
         for name, (description, raw, reward_fn) in workloads(args.workloads, Path(tmp)).items():
             runs = [measure(raw, s, steps=args.steps, warmup=args.warmup, out=Path(tmp) / f"{name}-{s}",
