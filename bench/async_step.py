@@ -21,6 +21,8 @@ phases can give), and the achieved speed-up over max_staleness 0 as a ratio
 and as a share of the bound. The load average is printed beside every row: the
 machine is shared, and the figures move with it.
 
+ASYNC_STEP_TOY_DIR names a prepared toy directory (python -m worker.toy DIR) to reuse instead of building one.
+
 Threads: the synchronous run uses all of torch's threads (--threads, default
 torch's); an asynchronous run splits them between the trainer and the sampler
 process (worker/rollout/thread_split.py: one core each on 2 cores).
