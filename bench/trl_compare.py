@@ -142,14 +142,9 @@ def trl_reward(completions, **_kwargs) -> list[float]:
     return [reward(c) for c in completions]
 
 
-def our_trainer(model_dir: Path, data: Path, out: Path, w: Workload):
-    """Our Trainer on the workload; full fine-tuning swaps in the bare model where the spec cannot say `lora: null`."""
-    from pydantic import ValidationError
-
-    from service.job_spec.spec import JobSpec
-    from worker.trainer.loop import Trainer
-
-    raw = {
+def our_spec(model_dir: Path, data: Path, w: Workload) -> dict:
+    """Our job spec of the workload (as JSON), with LoRA whatever w.lora_r says (our_trainer swaps it out)."""
+    return {
         "model": str(model_dir), "dtype": w.dtype, "seed": 0,
         "data": {"train_file": str(data)},
         "reward": {"type": "import", "path": "bench.trl_compare:reward"},  # the same function, passed as reward_fn
@@ -162,6 +157,16 @@ def our_trainer(model_dir: Path, data: Path, out: Path, w: Workload):
         "training": {"steps": 10**6, "batch_size": w.batch, "group_size": w.group, "mini_batches": 1,
                      "micro_batch_size": w.batch * w.group},
     }
+
+
+def our_trainer(model_dir: Path, data: Path, out: Path, w: Workload):
+    """Our Trainer on the workload; full fine-tuning swaps in the bare model where the spec cannot say `lora: null`."""
+    from pydantic import ValidationError
+
+    from service.job_spec.spec import JobSpec
+    from worker.trainer.loop import Trainer
+
+    raw = our_spec(model_dir, data, w)
     if not w.lora_r:
         try:
             return Trainer(JobSpec.model_validate({**raw, "lora": None}), out, reward_fn=reward, resume=False)

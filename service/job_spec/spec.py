@@ -471,15 +471,14 @@ class JobSpec(Strict):
 
     @model_validator(mode="after")
     def _asynchronous_scope(self) -> JobSpec:
-        # The sampler process runs our decode loop on one device for single-turn reward jobs; an environment's
-        # sandbox lives in the trainer, and the vLLM and multi-process samplers are not split off yet.
+        # The sampler process runs our decode loop (and an environment's episodes) on one device; the vLLM and
+        # multi-process (FSDP) samplers are not split off yet.
         if self.rollout.max_staleness == 0:
             return self
         unsupported = [why for why, bad in (
             ("rollout.engine is 'vllm' (needs 'hf')", self.rollout.engine != "hf"),
             (f"resources.gpus is {self.resources.gpus} (needs 1)", self.resources.gpus > 1),
             ("the job runs on Ray (needs resources.backend 'local' and nodes 1)", self.resources.on_ray),
-            ("the job has an environment (needs a reward)", self.environment is not None),
         ) if bad]
         if unsupported:
             raise ValueError(f"rollout.max_staleness ({self.rollout.max_staleness}) > 0 is not supported when "

@@ -4,10 +4,14 @@ A spawned child holds its own copy of the model (built from the job spec,
 then given the trainer's trainable tensors as version `step`) and runs our
 decode loop (worker/rollout/rollout.py's generate, the hf engine's
 sampler) with per-token log-probs always on: they are logp_old of the
-samples it produces. Its inbox carries, in order:
+samples it produces. A job with an environment runs its episodes here too,
+against the child's own instance of the environment (a python environment's
+sandbox is started by this child; an http one is called from it). Its inbox
+carries, in order:
 
-    ("version", v, tensors)           the policy after v trainer steps
-    ("request", step, rows, seeds)    the prompts and sampling seeds of trainer step `step` (0-based)
+    ("version", v, tensors)                         the policy after v trainer steps
+    ("request", step, rows, seeds, episode_seeds)   trainer step `step`'s prompts (0-based), sampling seeds and
+                                                    environment reset seeds (empty without an environment)
     ("stop",)
 
 and it answers on its outbox ("batch", step, version, rollout, sample_s,
@@ -67,24 +71,42 @@ def _build_sampler(spec: JobSpec, state: dict[str, torch.Tensor]):
     return policy, transformers_sampler(policy, spec.sampling, dtype=dtype, logprobs=True)
 
 
-def _sampler_main(spec_json: dict, version: int, state: dict, inbox, outbox, max_staleness: int) -> None:
+def _sampler_main(spec_json: dict, version: int, state: dict, inbox, outbox, max_staleness: int,
+                  threads: int, environment_access: tuple) -> None:
     """The child's whole life: build, then serve requests until stopped (see the module docstring)."""
+    torch.set_num_threads(threads)  # its share of the cores (worker/rollout/thread_split.py)
     # A Ctrl-C or SIGTERM to the process group is the trainer's to handle (it drains the job and stops us);
     # dying of it here would fail the job instead. close() ends a child that does not stop with SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        _serve(JobSpec.model_validate(spec_json), version, state, inbox, outbox, max_staleness)
+        _serve(JobSpec.model_validate(spec_json), version, state, inbox, outbox, max_staleness, environment_access)
     except BaseException:  # noqa: BLE001 - everything goes to the parent, which raises it
         outbox.put(("error", traceback.format_exc()))
 
 
-def _serve(spec: JobSpec, version: int, state: dict, inbox, outbox, max_staleness: int) -> None:
+def _serve(spec: JobSpec, version: int, state: dict, inbox, outbox, max_staleness: int,
+           environment_access: tuple) -> None:
+    from worker.envs import make_environment
+
+    environment = None
+    if spec.environment is not None:
+        egress, secrets = environment_access
+        environment = make_environment(spec.environment, egress=egress, secrets=secrets)
+    try:
+        _serve_requests(spec, version, state, inbox, outbox, max_staleness, environment)
+    finally:
+        if environment is not None:
+            environment.close()
+
+
+def _serve_requests(spec: JobSpec, version: int, state: dict, inbox, outbox, max_staleness: int,
+                    environment) -> None:
     from worker.rollout.rollout import generate
 
     policy, sample = _build_sampler(spec, state)
     parent = mp.parent_process()
-    pending: deque[tuple[int, list[dict], list[int]]] = deque()
+    pending: deque[tuple[int, list[dict], list[int], list[int]]] = deque()
     newest: tuple[int, dict] | None = None  # a version received but not loaded yet
     waited = 0.0  # seconds spent waiting for weights since the last batch
 
@@ -95,7 +117,7 @@ def _serve(spec: JobSpec, version: int, state: dict, inbox, outbox, max_stalenes
         if message[0] == "version":
             newest = (message[1], message[2])
         elif message[0] == "request":
-            pending.append((message[1], message[2], message[3]))
+            pending.append((message[1], message[2], message[3], message[4]))
         return True
 
     while True:
@@ -111,10 +133,12 @@ def _serve(spec: JobSpec, version: int, state: dict, inbox, outbox, max_stalenes
             version = newest[0]
         newest = None
         if pending and version >= pending[0][0] - max_staleness:
-            step, rows, seeds = pending.popleft()
+            step, rows, seeds, episode_seeds = pending.popleft()
+            episodes = {} if environment is None else {
+                "environment": environment, "max_turns": spec.training.max_turns, "seeds": episode_seeds}
             started = time.perf_counter()
             rollout = generate(policy, rows, spec.sampling, group_size=spec.training.group_size,
-                               sampling_seeds=seeds, sampler=sample)
+                               sampling_seeds=seeds, sampler=sample, **episodes)
             outbox.put(("batch", step, version, rollout, time.perf_counter() - started, waited))
             waited = 0.0
             continue
@@ -135,13 +159,15 @@ def _serve(spec: JobSpec, version: int, state: dict, inbox, outbox, max_stalenes
 class SamplerProcess:
     """The parent's handle on the sampler child: send versions and requests, receive batches, stop it."""
 
-    def __init__(self, spec: JobSpec, *, version: int, state: dict[str, torch.Tensor]):
+    def __init__(self, spec: JobSpec, *, version: int, state: dict[str, torch.Tensor], threads: int,
+                 egress=None, secrets: dict[str, str] | None = None):
+        """`egress`, `secrets`: what the job's environment may reach and its auth secret (worker/envs/)."""
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked CUDA context, threads or locks
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(
             target=_sampler_main, name="cispo-sampler", daemon=True,
             args=(spec.model_dump(mode="json"), version, state, self.inbox, self.outbox,
-                  spec.rollout.max_staleness))
+                  spec.rollout.max_staleness, threads, (egress, dict(secrets or {}))))
         self.process.start()
         self.closed = False
 
@@ -152,8 +178,8 @@ class SamplerProcess:
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
         self.inbox.put(("version", version, state))
 
-    def request(self, step: int, rows: list[dict], seeds: list[int]) -> None:
-        self.inbox.put(("request", step, rows, seeds))
+    def request(self, step: int, rows: list[dict], seeds: list[int], episode_seeds: list[int] = ()) -> None:
+        self.inbox.put(("request", step, rows, seeds, list(episode_seeds)))
 
     def receive(self, timeout: float):
         """The child's next message, or None after `timeout`; SamplerDied when it reported an error or is gone."""

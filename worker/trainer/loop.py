@@ -104,7 +104,7 @@ class Trainer:
         say = progress or (lambda message: None)
         if engine is None:
             refuse_unavailable_engine(spec)  # before any sandboxed child starts
-        self.spec, self.output_dir = spec, Path(output_dir)
+        self.spec, self.output_dir, self.scoring = spec, Path(output_dir), scoring
         self.checkpoint_root = self.output_dir / "checkpoints"
         seed_everything(spec.seed)
         self.callbacks: Callbacks = NoCallbacks()
@@ -418,9 +418,13 @@ class Trainer:
     def run(self, callbacks: Callbacks | None = None) -> TrainResult:
         try:
             if self.spec.rollout.max_staleness > 0 and self.step < self.spec.training.steps:
-                self.scorer = SerialScorer(self.scorer)  # the scoring thread and evaluations share it
+                if self.environment is not None and self.spec.environment is None:
+                    raise ValueError("an in-process stand-in environment cannot run in the sampler process: "
+                                     "set rollout.max_staleness to 0")
+                if self.scorer is not None:  # the scoring thread and evaluations share it
+                    self.scorer = SerialScorer(self.scorer)
                 self.pipeline = RolloutPipeline(self.spec, self.policy.model, step=self.step, scorer=self.scorer,
-                                                draw=self._draw)
+                                                draw=self._draw, scoring=self.scoring)
             return self._run(callbacks)
         finally:
             self.close()

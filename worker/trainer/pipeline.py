@@ -28,8 +28,11 @@ import torch
 from service.job_spec.spec import JobSpec
 from worker.rollout.async_sampler import SamplerDied, SamplerProcess
 from worker.rollout.policy_versions import Freshness, trainable_state
+from worker.rollout.thread_split import split_threads
 from worker.trainer.feedback import Feedback, collect_feedback
+from worker.rewards.engine import ScoringContext
 from worker.trainer.rewards import Scorer, Scores
+from worker.model.streams import stream_seed
 from worker.rollout.rollout import Rollout
 
 DEAD_GRACE_S = 5.0  # after the sampler died, how long take() leaves the scoring thread to report it
@@ -64,11 +67,21 @@ class SerialScorer:
 
 
 class RolloutPipeline:
-    def __init__(self, spec: JobSpec, model: torch.nn.Module, *, step: int, scorer: Scorer, draw: Draw):
+    def __init__(self, spec: JobSpec, model: torch.nn.Module, *, step: int, scorer: Scorer | None, draw: Draw,
+                 scoring: ScoringContext | None = None):
+        """`scorer` None: an environment job (its episodes' rewards come with the rollout); `scoring`: the egress
+        policy and secrets the sampler's instance of the environment gets."""
+        self.spec = spec
         self.max_staleness, self.steps = spec.rollout.max_staleness, spec.training.steps
         self.failure_score = spec.training.reward_failure_score
         self.scorer, self.draw = scorer, draw
-        self.sampler = SamplerProcess(spec, version=step, state=trainable_state(model))
+        # The trainer and the sampler each on cores of their own; close() gives the trainer all of them back.
+        self._threads = torch.get_num_threads()
+        trainer_threads, sampler_threads = split_threads(self._threads)
+        self.sampler = SamplerProcess(spec, version=step, state=trainable_state(model), threads=sampler_threads,
+                                      egress=scoring.egress if scoring else None,
+                                      secrets=scoring.secrets if scoring else None)
+        torch.set_num_threads(trainer_threads)
         self._next_request = step
         self._data_states: dict[int, dict] = {}  # requested, not yet taken: the data position before each
         self._ready: dict[int, ScoredBatch] = {}
@@ -88,7 +101,8 @@ class RolloutPipeline:
         while self._next_request <= min(version + self.max_staleness, self.steps - 1):
             rows, seeds, state = self.draw(self._next_request)
             self._data_states[self._next_request] = state
-            self.sampler.request(self._next_request, rows, seeds)
+            self.sampler.request(self._next_request, rows, seeds, episode_seeds(self.spec, self._next_request,
+                                                                                len(rows)))
             self._next_request += 1
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
@@ -148,6 +162,14 @@ class RolloutPipeline:
             self.sampler.close()
         finally:
             self._thread.join(timeout=10.0)
+            torch.set_num_threads(self._threads)
+
+
+def episode_seeds(spec: JobSpec, step: int, prompts: int) -> list[int]:
+    """Each prompt's environment reset seed at trainer step `step`: the synchronous loop's (worker/trainer/loop.py)."""
+    if spec.environment is None:
+        return []
+    return [stream_seed("episode", spec.seed, step, p) % (2**31 - 1) for p in range(prompts)]
 
 
 def pipeline_metrics(scored: ScoredBatch, fresh: Freshness) -> dict[str, float]:
