@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ REDIS_TEST_DB = int(os.environ.get("CISPO_TEST_REDIS_DB", "14")) + WORKER_INDEX
 if not 0 <= REDIS_TEST_DB <= 15:
     raise pytest.UsageError(f"Redis test database {REDIS_TEST_DB} (CISPO_TEST_REDIS_DB + xdist worker index) is "
                             "outside 0-15: set CISPO_TEST_REDIS_DB lower or run fewer workers")
-REDIS_TEST_URL = f"redis://127.0.0.1:6379/{REDIS_TEST_DB}"
+# CISPO_TEST_REDIS_PORT: a Redis server of one's own, for more workers than one server's databases allow.
+REDIS_TEST_URL = f"redis://127.0.0.1:{os.environ.get('CISPO_TEST_REDIS_PORT', '6379')}/{REDIS_TEST_DB}"
 
 if WORKER:
     # Each worker is one of several processes on the machine's cores: torch's intra-op threads (one per core by
@@ -87,41 +89,80 @@ def toy_dir(tmp_path_factory) -> Path:
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
-def _fresh_postgres(name: str) -> str:
+def _admin(sql: str) -> None:
     from sqlalchemy import create_engine, text
 
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
+        conn.execute(text(sql))
     admin.dispose()
+
+
+def _postgres_url(name: str) -> str:
     return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
 
 
 def _drop_postgres(name: str) -> None:
-    from sqlalchemy import create_engine, text
+    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+
+# `alembic upgrade head` takes seconds (more on a loaded machine) and hundreds of tests want a fresh database, so
+# each test process migrates one template per kind, the first time one is asked for, and every database after
+# that is a copy of it: the same schema, built the same way (the migrations themselves are tested on their own
+# in tests/service/test_migrations.py). The templates go when the session ends.
+_templates: dict[str, str] = {}  # kind -> the migrated template: a PostgreSQL database name, or an SQLite file
+
+
+def _template(kind: str) -> str:
+    import tempfile
+
+    from service.db.migrate import upgrade
+
+    if kind not in _templates:
+        if kind == "sqlite":
+            path = Path(tempfile.mkdtemp(prefix="cispo-test-schema-")) / "template.sqlite"
+            upgrade(f"sqlite:///{path}")
+            _templates[kind] = str(path)
+        else:
+            name = f"cispo_template_{uuid.uuid4().hex[:10]}"
+            _drop_postgres(name)
+            _admin(f'CREATE DATABASE "{name}"')
+            try:
+                upgrade(_postgres_url(name))
+            except BaseException:
+                _drop_postgres(name)
+                raise
+            from service.db.session import session_factory
+
+            session_factory(_postgres_url(name)).kw["bind"].dispose()  # a template must have no connections
+            _templates[kind] = name
+    return _templates[kind]
+
+
+def pytest_sessionfinish(session):
+    for kind, template in _templates.items():
+        if kind == "sqlite":
+            shutil.rmtree(Path(template).parent, ignore_errors=True)
+        else:
+            _drop_postgres(template)
+    _templates.clear()
 
 
 def make_database(kind: str, tmp_path: Path) -> tuple[str, callable]:
     """A new, migrated database of the kind ('sqlite' or 'postgresql'); returns (url, drop)."""
-    import uuid
+    from service.private_paths import private_file
 
-    from service.db.migrate import upgrade
-
+    template = _template(kind)
     if kind == "sqlite":
-        url = f"sqlite:///{tmp_path / f'db-{uuid.uuid4().hex[:8]}.sqlite'}"
-        drop = lambda: None  # noqa: E731
-    else:
-        name = f"cispo_test_{uuid.uuid4().hex[:10]}"
-        url = _fresh_postgres(name)
-        drop = lambda: _drop_postgres(name)  # noqa: E731
-    upgrade(url)
-    return url, drop
+        import sqlite3
+
+        path = private_file(tmp_path / f"db-{uuid.uuid4().hex[:8]}.sqlite")  # 0600, as upgrade() makes it
+        with closing(sqlite3.connect(template)) as source, closing(sqlite3.connect(path)) as copy:
+            source.backup(copy)
+        return f"sqlite:///{path}", lambda: None
+    name = f"cispo_test_{uuid.uuid4().hex[:10]}"
+    _admin(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    return _postgres_url(name), lambda: _drop_postgres(name)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
