@@ -282,6 +282,7 @@ def xdist_group_of(item) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids it schedules by
 def pytest_collection_modifyitems(config, items):
     if not WORKER:  # single-process: nothing to distribute (and xdist's marker may not be registered)
         return
