@@ -26,8 +26,9 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 WORKER_INDEX = int(WORKER.removeprefix("gw")) if WORKER.startswith("gw") else 0
 
 # A Redis database of the tests' own, flushed per stack: CISPO_TEST_REDIS_DB (parallel checkouts on one machine set
-# their own) for a single process, that plus the worker's index under xdist. Redis has databases 0-15 by default.
-REDIS_TEST_DB = int(os.environ.get("CISPO_TEST_REDIS_DB", "14")) + WORKER_INDEX
+# their own) for a single process, that plus the worker's index under xdist. Redis has databases 0-15 by default;
+# the default base 12 leaves 12-15 to up to four workers.
+REDIS_TEST_DB = int(os.environ.get("CISPO_TEST_REDIS_DB", "12")) + WORKER_INDEX
 if not 0 <= REDIS_TEST_DB <= 15:
     raise pytest.UsageError(f"Redis test database {REDIS_TEST_DB} (CISPO_TEST_REDIS_DB + xdist worker index) is "
                             "outside 0-15: set CISPO_TEST_REDIS_DB lower or run fewer workers")
