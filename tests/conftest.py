@@ -40,6 +40,19 @@ if WORKER:
     # default) would oversubscribe them, so a worker, and the API and worker processes its tests start, use one.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+    # Sandboxed user code (service/sandbox): each worker's sandboxes (and those of the servers its tests start) run
+    # as uids of a range of their own and keep their working directories in a temporary directory of their own,
+    # so the sandbox tests' check that nothing was left behind (tests/service/sandbox/attacks.py) sees no other
+    # worker's sandboxes. Keyed by the Redis database, like the ports: distinct per worker and per checkout.
+    os.environ.setdefault("CISPO_SANDBOX_UID", str(200000 + 1000 * REDIS_TEST_DB))
+    os.environ.setdefault("CISPO_SANDBOX_UID_COUNT", "1000")
+    _worker_tmp = Path(f"/tmp/cispo-tests-{REDIS_TEST_DB}")
+    _worker_tmp.mkdir(exist_ok=True)
+    _worker_tmp.chmod(0o1777)  # as /tmp itself
+    os.environ["TMPDIR"] = str(_worker_tmp)
+    import tempfile
+
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
 def shared_temp(basetemp: Path) -> Path:
