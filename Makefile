@@ -51,9 +51,9 @@ demo-local: install
 	$(PY) -m worker.toy $(DEMO)
 	$(VENV)/bin/cispo train $(DEMO)/spec.yaml --no-resume
 
-# The suite on TEST_WORKERS pytest-xdist workers (chosen by measurement on a 2-core CI machine; tests wait on
-# servers and subprocesses, so more workers than cores pays); `--dist loadgroup` keeps tests that share a costly
-# fixture on one worker (tests/conftest.py). A plain `pytest tests/some_test.py` runs single-process.
+# The suite on TEST_WORKERS pytest-xdist workers: on 2 cores 3 beat 2 and 4 (tests wait on servers and
+# subprocesses; README "Running the tests"); `--dist loadgroup` keeps tests that share a costly fixture on one
+# worker (tests/conftest.py). A plain `pytest tests/some_test.py` runs single-process.
 TEST_WORKERS ?= 3
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
