@@ -51,8 +51,12 @@ demo-local: install
 	$(PY) -m worker.toy $(DEMO)
 	$(VENV)/bin/cispo train $(DEMO)/spec.yaml --no-resume
 
+# The suite on TEST_WORKERS pytest-xdist workers: on 2 cores 3 beat 2 and 4 (tests wait on servers and
+# subprocesses; README "Running the tests"); `--dist loadgroup` keeps tests that share a costly fixture on one
+# worker (tests/conftest.py). A plain `pytest tests/some_test.py` runs single-process.
+TEST_WORKERS ?= 3
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # Mutation testing (mutmut) of the modules where a bug costs most; slow, so never part of `test` or CI.
 # MODULES picks some (names in bench/mutate.py, e.g. cispo-loss egress access); the scores go in README's table.

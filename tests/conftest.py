@@ -1,8 +1,10 @@
-"""Shared fixtures: the tiny model and the toy dataset, built once per test session."""
+"""Shared fixtures: the tiny model and the toy dataset, built once per test run (shared by xdist workers)."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import itertools
 import os
 import shutil
 import socket
@@ -11,13 +13,80 @@ import sys
 import time
 import urllib.request
 import uuid
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 
 BUCKET = "cispo-test"
-# A Redis database of the tests' own, flushed per stack; parallel checkouts on one machine set their own.
-REDIS_TEST_URL = f"redis://127.0.0.1:6379/{os.environ.get('CISPO_TEST_REDIS_DB', '15')}"
+
+# Under pytest-xdist (`make test` runs several workers) each worker is a process named gw0, gw1, ...; whatever one
+# test process owns (a Redis database it flushes, a port range) is per worker. "" when running single-process.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+WORKER_INDEX = int(WORKER.removeprefix("gw")) if WORKER.startswith("gw") else 0
+
+# A Redis database of the tests' own, flushed per stack: CISPO_TEST_REDIS_DB (parallel checkouts on one machine set
+# their own) for a single process, that plus the worker's index under xdist. Redis has databases 0-15 by default;
+# the default base 12 leaves 12-15 to up to four workers.
+REDIS_TEST_DB = int(os.environ.get("CISPO_TEST_REDIS_DB", "12")) + WORKER_INDEX
+if not 0 <= REDIS_TEST_DB <= 15:
+    raise pytest.UsageError(f"Redis test database {REDIS_TEST_DB} (CISPO_TEST_REDIS_DB + xdist worker index) is "
+                            "outside 0-15: set CISPO_TEST_REDIS_DB lower or run fewer workers")
+# CISPO_TEST_REDIS_PORT: a Redis server of one's own, for more workers than one server's databases allow.
+REDIS_TEST_URL = f"redis://127.0.0.1:{os.environ.get('CISPO_TEST_REDIS_PORT', '6379')}/{REDIS_TEST_DB}"
+
+if WORKER:
+    # Each worker is one of several processes on the machine's cores: torch's intra-op threads (one per core by
+    # default) would oversubscribe them, so a worker, and the API and worker processes its tests start, use one.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    # Sandboxed user code (service/sandbox): each worker's sandboxes (and those of the servers its tests start) run
+    # as uids of a range of their own and keep their working directories in a temporary directory of their own,
+    # so the sandbox tests' check that nothing was left behind (tests/service/sandbox/attacks.py) sees no other
+    # worker's sandboxes. Keyed by the Redis database, like the ports: distinct per worker and per checkout.
+    os.environ.setdefault("CISPO_SANDBOX_UID", str(200000 + 1000 * REDIS_TEST_DB))
+    os.environ.setdefault("CISPO_SANDBOX_UID_COUNT", "1000")
+    _worker_tmp = Path(f"/tmp/cispo-tests-{REDIS_TEST_DB}")
+    _worker_tmp.mkdir(exist_ok=True)
+    _worker_tmp.chmod(0o1777)  # as /tmp itself
+    os.environ["TMPDIR"] = str(_worker_tmp)
+    import tempfile
+
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def shared_temp(basetemp: Path) -> Path:
+    """The temporary directory of this run that every xdist worker shares: under xdist a worker's basetemp is
+    <run's basetemp>/popen-gwN, so its parent; single-process, basetemp itself."""
+    return basetemp.parent if WORKER else basetemp
+
+
+def toy_root(basetemp: Path) -> Path:
+    """Where toy_dir is: CISPO_TEST_TOY_DIR (bench/mutate.py, parallel checkouts: one build for all their runs),
+    else in the run's shared temporary directory."""
+    kept = os.environ.get("CISPO_TEST_TOY_DIR")
+    return Path(kept) if kept else shared_temp(basetemp) / "toy"
+
+
+def model_dirs_for_tests(basetemp: Path) -> str:
+    """CISPO_MODEL_DIRS for services under test: the directory that holds toy_dir's model."""
+    return str(toy_root(basetemp).parent)
+
+
+def build_once(root: Path, build) -> Path:
+    """build(dir) into root unless it is there, once among concurrent processes (xdist workers, parallel runs):
+    under a lock beside root, built aside and renamed into place, so nobody ever sees half of it."""
+    if root.exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.with_name(f"{root.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the holder dies
+        if not root.exists():
+            building = root.with_name(f"{root.name}.{os.getpid()}")
+            shutil.rmtree(building, ignore_errors=True)
+            build(building)
+            os.rename(building, root)
+    return root
 
 
 @pytest.fixture(scope="session")
@@ -26,20 +95,7 @@ def toy_dir(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
     from worker.toy.__main__ import prepare
 
-    kept = os.environ.get("CISPO_TEST_TOY_DIR")  # bench/mutate.py: one build for all its test runs
-    if not kept:
-        root = tmp_path_factory.mktemp("toy")
-        prepare(root)
-        return root
-    root = Path(kept)
-    if not (root / "spec.yaml").exists():  # built aside, then renamed: a concurrent run never sees half of it
-        building = root.with_name(f"{root.name}.{os.getpid()}")
-        prepare(building)
-        try:
-            os.rename(building, root)
-        except OSError:  # another run got there first
-            shutil.rmtree(building, ignore_errors=True)
-    return root
+    return build_once(toy_root(tmp_path_factory.getbasetemp()), prepare)
 
 
 # -- databases -----------------------------------------------------------------
@@ -47,41 +103,80 @@ def toy_dir(tmp_path_factory) -> Path:
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
-def _fresh_postgres(name: str) -> str:
+def _admin(sql: str) -> None:
     from sqlalchemy import create_engine, text
 
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
+        conn.execute(text(sql))
     admin.dispose()
+
+
+def _postgres_url(name: str) -> str:
     return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
 
 
 def _drop_postgres(name: str) -> None:
-    from sqlalchemy import create_engine, text
+    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+
+# `alembic upgrade head` takes seconds (more on a loaded machine) and hundreds of tests want a fresh database, so
+# each test process migrates one template per kind, the first time one is asked for, and every database after
+# that is a copy of it: the same schema, built the same way (the migrations themselves are tested on their own
+# in tests/service/test_migrations.py). The templates go when the session ends.
+_templates: dict[str, str] = {}  # kind -> the migrated template: a PostgreSQL database name, or an SQLite file
+
+
+def _template(kind: str) -> str:
+    import tempfile
+
+    from service.db.migrate import upgrade
+
+    if kind not in _templates:
+        if kind == "sqlite":
+            path = Path(tempfile.mkdtemp(prefix="cispo-test-schema-")) / "template.sqlite"
+            upgrade(f"sqlite:///{path}")
+            _templates[kind] = str(path)
+        else:
+            name = f"cispo_template_{uuid.uuid4().hex[:10]}"
+            _drop_postgres(name)
+            _admin(f'CREATE DATABASE "{name}"')
+            try:
+                upgrade(_postgres_url(name))
+            except BaseException:
+                _drop_postgres(name)
+                raise
+            from service.db.session import session_factory
+
+            session_factory(_postgres_url(name)).kw["bind"].dispose()  # a template must have no connections
+            _templates[kind] = name
+    return _templates[kind]
+
+
+def pytest_sessionfinish(session):
+    for kind, template in _templates.items():
+        if kind == "sqlite":
+            shutil.rmtree(Path(template).parent, ignore_errors=True)
+        else:
+            _drop_postgres(template)
+    _templates.clear()
 
 
 def make_database(kind: str, tmp_path: Path) -> tuple[str, callable]:
     """A new, migrated database of the kind ('sqlite' or 'postgresql'); returns (url, drop)."""
-    import uuid
+    from service.private_paths import private_file
 
-    from service.db.migrate import upgrade
-
+    template = _template(kind)
     if kind == "sqlite":
-        url = f"sqlite:///{tmp_path / f'db-{uuid.uuid4().hex[:8]}.sqlite'}"
-        drop = lambda: None  # noqa: E731
-    else:
-        name = f"cispo_test_{uuid.uuid4().hex[:10]}"
-        url = _fresh_postgres(name)
-        drop = lambda: _drop_postgres(name)  # noqa: E731
-    upgrade(url)
-    return url, drop
+        import sqlite3
+
+        path = private_file(tmp_path / f"db-{uuid.uuid4().hex[:8]}.sqlite")  # 0600, as upgrade() makes it
+        with closing(sqlite3.connect(template)) as source, closing(sqlite3.connect(path)) as copy:
+            source.backup(copy)
+        return f"sqlite:///{path}", lambda: None
+    name = f"cispo_test_{uuid.uuid4().hex[:10]}"
+    _admin(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    return _postgres_url(name), lambda: _drop_postgres(name)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -109,10 +204,23 @@ def postgres_url(tmp_path) -> str:
 
 
 
+# Ports for servers the tests start. One the kernel picks (bind to 0) is free only until the socket closes, so two
+# processes could be handed the same one; instead each test process takes turns through a range of its own, below
+# the kernel's ephemeral range (32768+), keyed by its Redis test database (distinct per worker and per checkout).
+PORTS_PER_PROCESS = 500
+_ports = itertools.cycle(range(20000 + REDIS_TEST_DB * PORTS_PER_PROCESS, 20000 + (REDIS_TEST_DB + 1) * PORTS_PER_PROCESS))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on, that no other test process of this machine is handed."""
+    for port in itertools.islice(_ports, PORTS_PER_PROCESS):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or still in TIME_WAIT from an earlier test
+                continue
+            return port
+    raise RuntimeError(f"no free port in this test process's range (CISPO_TEST_REDIS_DB={REDIS_TEST_DB})")
 
 
 @pytest.fixture(scope="session")
@@ -165,3 +273,33 @@ def moto_endpoint(tmp_path_factory):
 def s3_url(moto_endpoint) -> str:
     """A fresh, empty prefix in the test bucket, as an s3:// URL usable with open_store."""
     return f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}?endpoint_url={moto_endpoint}"
+
+
+# -- pytest-xdist: what must run on one worker -----------------------------------
+
+# `make test` runs the suite on several xdist workers with `--dist loadgroup`: each test goes to whichever worker is
+# free, except tests of one xdist_group, which all go to one worker. A fixture wider than a test is built once per
+# worker that runs a test using it, so the tests sharing a costly one are grouped: those of the vLLM engine (one
+# per worker process, 20-40 s to start and GBs of memory) in one group, and those of a module-scoped fixture (a
+# whole stack of processes, a served model, a two-process training) with the rest of their module.
+SESSION_GROUPS = {"vllm_engine": "vllm", "vllm_toy_dir": "vllm"}
+
+
+def xdist_group_of(item) -> str | None:
+    names = item.fixturenames
+    for fixture, group in SESSION_GROUPS.items():
+        if fixture in names:
+            return group
+    for name in names:
+        if any(d.scope in ("module", "class", "package") for d in item._fixtureinfo.name2fixturedefs.get(name, ())):
+            return item.nodeid.split("::")[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids it schedules by
+def pytest_collection_modifyitems(config, items):
+    if not WORKER:  # single-process: nothing to distribute (and xdist's marker may not be registered)
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None and (group := xdist_group_of(item)):
+            item.add_marker(pytest.mark.xdist_group(group))

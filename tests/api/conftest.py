@@ -20,7 +20,7 @@ from service.db.session import session_factory
 from service.repositories import jobs as jobs_repo
 from service.repositories import projects
 from service.settings import Settings
-from tests.conftest import free_port
+from tests.conftest import free_port, model_dirs_for_tests
 
 TRAIN_ROWS = [{"prompt": f"Say {w}", "answer": w} for w in ("alpha", "beta", "gamma", "delta", "epsilon")]
 
@@ -55,9 +55,7 @@ class Api:
 
 def make_settings(database_url: str, tmp_path, **extra) -> Settings:
     extra.setdefault("model_hub_url", "")  # tests never reach a model hub
-    # The pytest root, where toy_dir builds the tiny model, or the prebuilt one's directory (CISPO_TEST_TOY_DIR).
-    kept = os.environ.get("CISPO_TEST_TOY_DIR")
-    extra.setdefault("model_dirs", ",".join([str(tmp_path.parent), *([kept] if kept else [])]))
+    extra.setdefault("model_dirs", model_dirs_for_tests(tmp_path.parent))  # tmp_path's parent: the basetemp
     return Settings(DATABASE_URL=database_url, STORAGE_URL=str(tmp_path / "objects"), home=tmp_path / "home",
                     **extra)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, model_dirs_for_tests
 from worker.toy.demo import wait_healthy
 
 from tests.conftest import REDIS_TEST_URL as REDIS_E2E
@@ -81,7 +81,7 @@ def stack(tmp_path_factory, moto_endpoint):
         "STORAGE_URL": s3_url,
         "CISPO_HOME": str(root / "home"),
         "CISPO_HEARTBEAT_S": "1",
-        "CISPO_MODEL_DIRS": str(tmp_path_factory.getbasetemp()),  # where toy_dir builds the tiny model
+        "CISPO_MODEL_DIRS": model_dirs_for_tests(tmp_path_factory.getbasetemp()),  # where toy_dir's model is
         "PYTHONUNBUFFERED": "1",
     })
     port = free_port()

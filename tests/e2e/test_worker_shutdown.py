@@ -58,10 +58,11 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_sigterm_drains_the_job_to_another_worker(stack, toy_dir):
     client = stack.client(stack.new_key("drain"))
-    job_id, get = _start_job(client, toy_dir, steps=60)
+    # 18 steps left after the first 2 (each samples 16 completions: most of a second even on an idle machine):
+    # the job cannot end on its own before the drain (a poll may be 1 s stale); a second worker runs the rest.
+    job_id, get = _start_job(client, toy_dir, steps=20)
 
     worker = stack.procs["worker"]
-    # Enough steps are left that the job cannot end on its own before the drain (a poll may be 1 s stale).
     worker.send_signal(signal.SIGTERM)  # warm shutdown: waits for the job, which drains
     assert worker.wait(timeout=120) == 0
     job = get()
@@ -82,7 +83,7 @@ def test_sigterm_drains_the_job_to_another_worker(stack, toy_dir):
 @pytest.mark.slow
 def test_sigterm_to_a_pool_child_drains_its_job_and_the_worker_runs_on(stack, toy_dir):
     client = stack.client(stack.new_key("child-drain"))
-    job_id, get = _start_job(client, toy_dir, steps=30)
+    job_id, get = _start_job(client, toy_dir, steps=15)  # 13 steps left when the child is signalled
     with session_factory(stack.env["DATABASE_URL"])() as s:
         owner = s.scalar(select(Job.lease_owner).where(Job.id == job_id))
     child = int(owner.rsplit(":", 1)[1])  # the runner's "host:pid"

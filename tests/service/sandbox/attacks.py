@@ -7,6 +7,7 @@ Imported by tests/service/sandbox/test_containment.py and test_kernel.py
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,12 +38,32 @@ def _uid_processes(uids: range) -> set[int]:
     return found
 
 
+def _others(cgroup: Path) -> bool:
+    """Whether the cgroup holds a process of another test process's sandboxes: a sandbox uid (the range's
+    first is 100000 or more) outside this one's range (pytest-xdist workers have ranges of their own)."""
+    try:
+        pids = (cgroup / "cgroup.procs").read_text().split()
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        uid_line = next((line for line in status.splitlines() if line.startswith("Uid:")), "Uid: 0")
+        uid = int(uid_line.split()[1])
+        if uid >= 100000 and uid not in SANDBOX_UIDS:
+            return True
+    return False
+
+
 def _leftovers() -> dict[str, set]:
     return {
         "sandbox uid processes": _uid_processes(SANDBOX_UIDS),
-        "workdirs": {p.name for p in Path("/tmp").glob("cispo-reward-*")  # not the reward runner's homes:
-                     if not p.name.startswith("cispo-reward-test-")},  # other checkouts' tests make those
-        "cgroups": {str(c) for p in sandbox_cgroup.parents()[1] for c in p.glob("cispo-sandbox-*")},
+        # Where this process's sandboxes make them (TMPDIR: /tmp, or a pytest-xdist worker's own directory).
+        "workdirs": {p.name for p in Path(tempfile.gettempdir()).glob("cispo-reward-*")  # not the reward runner's
+                     if not p.name.startswith("cispo-reward-test-")},  # homes: other checkouts' tests make those
+        "cgroups": {str(c) for p in sandbox_cgroup.parents()[1] for c in p.glob("cispo-sandbox-*") if not _others(c)},
     }
 
 
@@ -62,10 +83,15 @@ def trainer():
     stop.set()
     thread.join()
     assert ticks[0] > 0
+    # Left behind: what is new and stays, all of 5 s. Sandboxes that others (pytest-xdist workers, other checkouts)
+    # start and end meanwhile come and go, one after another; each is dropped once it is seen gone.
     deadline = time.monotonic() + 5
-    while _new_since(before) and time.monotonic() < deadline:
+    left = _new_since(before)
+    while left and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _new_since(before) == {}
+        now = _new_since(before)
+        left = {k: v & now[k] for k, v in left.items() if v & now.get(k, set())}
+    assert left == {}, f"left behind: {left}"
 
 
 def _new_since(before: dict[str, set]) -> dict[str, set]:
