@@ -4,7 +4,6 @@ object store in tmp_path, and an `enqueue` that records what it was sent instead
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
