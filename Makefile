@@ -20,8 +20,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/4] installing $(TORCH) (the largest download: a few hundred MB on CPU, GBs with CUDA)"
 	$(PIP) "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	@echo "==> [3/4] installing the project with its worker, test, bench and tracking extras"
-	$(PIP) -e ".[worker,test,bench,tracking]"
+	@echo "==> [3/4] installing the project with its worker, test, bench, tracking and ray extras"
+	$(PIP) -e ".[worker,test,bench,tracking,ray]"
 	@echo "==> [4/4] installing the vLLM rollout engine"
 	$(MAKE) --no-print-directory vllm
 	@echo "==> installed; later runs skip these steps until pyproject.toml changes"
