@@ -223,10 +223,10 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
 
 
 def make_reporter(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claimed: Claimed,
-                  settings: Settings) -> JobReporter:
+                  settings: Settings, kind: type[JobReporter] = JobReporter) -> JobReporter:
     """The run's fenced reporter (heartbeat, metrics, events, checkpoints), not yet started."""
     spec = claimed.spec
-    return JobReporter(sessions, store, job_id, claimed.epoch, settings, spec.training.steps,
+    return kind(sessions, store, job_id, claimed.epoch, settings, spec.training.steps,
                        keep_checkpoints=spec.training.checkpoint_keep,
                        environment=describe_environment(spec.environment) if spec.environment else None,
                        export_merged=(spec.model, spec.dtype) if spec.training.export == "merged" else None)
