@@ -13,6 +13,14 @@ computes what it would in a batch of its own job alone. A job that does not
 adapt a layer (other target modules) adds nothing there. Gradients reach
 A_j and B_j only through job j's rows: the adapters are disjoint.
 
+With several segments the low-rank paths run grouped, a fixed number of
+kernels whatever the number of jobs: the segments' A and B are stacked (ranks
+zero-padded to the largest, a missing adapter all zeros, which adds exact
+zeros), each row picks its segment's pair, and two batched matmuls do every
+row at once (x_b @ A_seg(b)^T @ B_seg(b)^T * scale_seg(b)). Stacking is
+differentiable, so each adapter still gets exactly its own rows' gradient.
+LoRA dropout in training draws per segment instead (the loop above).
+
 The segments are set per forward by `SegmentRouter.rows(job_index_per_row)`;
 rows must be sorted by job (the callers build their batches that way).
 """
@@ -50,14 +58,25 @@ class SegmentRouter:
 
     def __init__(self):
         self.segments: list[tuple[str | None, int, int]] | None = None
+        self._row_segment: dict = {}  # device -> each row's segment index, for the current segments
 
     @contextmanager
     def rows(self, names_per_row: list[str | None]):
-        previous, self.segments = self.segments, segments_of(names_per_row)
+        previous = self.segments, self._row_segment
+        self.segments, self._row_segment = segments_of(names_per_row), {}
         try:
             yield
         finally:
-            self.segments = previous
+            self.segments, self._row_segment = previous
+
+    def row_segment(self, device) -> Tensor:
+        """(rows,) the segment index of each row, made once per routed forward and device."""
+        index = self._row_segment.get(device)
+        if index is None:
+            counts = torch.tensor([end - start for _, start, end in self.segments], device=device)
+            index = self._row_segment[device] = torch.repeat_interleave(
+                torch.arange(len(self.segments), device=device), counts)
+        return index
 
     def current(self, batch: int) -> list[tuple[str | None, int, int]]:
         if self.segments is None:
@@ -73,8 +92,11 @@ def _segmented_forward(module, router: SegmentRouter):
     def forward(x: Tensor, *args, **kwargs) -> Tensor:
         result = base(x, *args, **kwargs)
         result_dtype = result.dtype
+        segments = router.current(x.shape[0])
+        if len(segments) > 1 and x.dim() == 3 and not (module.training and _drops(module, segments)):
+            return (result + _grouped_delta(module, router, segments, x)).to(result_dtype)
         deltas = []
-        for name, start, end in router.current(x.shape[0]):
+        for name, start, end in segments:
             if name is BASE_ONLY or name not in module.lora_A:
                 deltas.append(result.new_zeros((end - start, *result.shape[1:])))
                 continue
@@ -86,6 +108,40 @@ def _segmented_forward(module, router: SegmentRouter):
         return (result + delta).to(result_dtype)
 
     return forward
+
+
+def _drops(module, segments) -> bool:
+    """Whether any segment's adapter on `module` has LoRA dropout."""
+    return any(name in module.lora_dropout and not isinstance(module.lora_dropout[name], torch.nn.Identity)
+               for name, _, _ in segments)
+
+
+def _grouped_delta(module, router: SegmentRouter, segments, x: Tensor) -> Tensor:
+    """Every row's low-rank path, each through its own segment's adapter, in two batched matmuls."""
+    in_features, out_features = module.in_features, module.out_features
+    adapted = [name for name, _, _ in segments if name is not BASE_ONLY and name in module.lora_A]
+    if not adapted:
+        return x.new_zeros((*x.shape[:-1], out_features))
+    dtype = module.lora_A[adapted[0]].weight.dtype
+    rank = max(module.lora_A[name].weight.shape[0] for name in adapted)
+    a_parts, b_parts, scales = [], [], []
+    for name, _, _ in segments:
+        if name is BASE_ONLY or name not in module.lora_A:
+            a_parts.append(x.new_zeros((rank, in_features), dtype=dtype))
+            b_parts.append(x.new_zeros((out_features, rank), dtype=dtype))
+            scales.append(0.0)
+            continue
+        a, b = module.lora_A[name].weight, module.lora_B[name].weight
+        pad = rank - a.shape[0]
+        a_parts.append(torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a)
+        b_parts.append(torch.nn.functional.pad(b, (0, pad)) if pad else b)
+        scales.append(float(module.scaling[name]))
+    row = router.row_segment(x.device)
+    a_rows = torch.stack(a_parts)[row]  # (rows, rank, in)
+    b_rows = torch.stack(b_parts)[row]  # (rows, out, rank)
+    scale_rows = torch.tensor(scales, dtype=dtype, device=x.device)[row]
+    h = torch.bmm(x.to(dtype), a_rows.transpose(1, 2))
+    return torch.bmm(h, b_rows.transpose(1, 2)) * scale_rows[:, None, None]
 
 
 class SharedBase:
