@@ -100,6 +100,7 @@ CISPO_SANDBOX_UID_COUNT: {{ .Values.config.sandboxUidCount | int64 | toString | 
 CISPO_EGRESS_ALLOW: {{ .Values.config.egressAllow | quote }}
 CISPO_JUDGE_BASE_URL: {{ .Values.config.judgeBaseUrl | quote }}
 CISPO_JUDGE_MODELS: {{ .Values.config.judgeModels | quote }}
+CISPO_WORKER_JOBS: {{ .Values.config.workerJobs | default 1 | toString | quote }}
 {{- range $key, $value := .Values.config.extraEnv }}
 {{ $key }}: {{ $value | toString | quote }}
 {{- end }}
