@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/multi_job.py                  # K = 1, 2, 4 (and --ks 1,2,4,8), a few minutes on 2 CPUs
     .venv/bin/python bench/multi_job.py --steps 6 --ks 1,2,4,8
+    .venv/bin/python bench/multi_job.py --width 512 --layers 4   # a base whose matmuls weigh
 
 Each configuration runs in a fresh child process (its peak RSS is its own):
 - sequential K: the K jobs one after another, each by today's trainer (worker/trainer/loop.py: its own base);
@@ -28,12 +29,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _spec(toy_dir: Path, seed: int, steps: int):
+def wide_model(toy_dir: Path, width: int, layers: int) -> Path:
+    """The toy model's tokenizer and shape, `width` wide and `layers` deep, random weights (made once): a base
+    whose matmuls, not the per-job bookkeeping, take the time."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    out = toy_dir.parent / f"{toy_dir.name}-wide-{width}x{layers}"
+    if (out / "config.json").exists():
+        return out
+    config = AutoConfig.from_pretrained(toy_dir / "model")
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = width, 2 * width, layers
+    config.num_attention_heads = config.num_key_value_heads = max(1, width // 32)
+    config.head_dim = width // config.num_attention_heads
+    torch.manual_seed(0)
+    building = out.with_name(f"{out.name}.{os.getpid()}")
+    LlamaForCausalLM(config).save_pretrained(building)
+    AutoTokenizer.from_pretrained(toy_dir / "model").save_pretrained(building)
+    building.rename(out)
+    return out
+
+
+def _spec(toy_dir: Path, seed: int, steps: int, model: Path | None = None):
     from service.job_spec.spec import JobSpec
     from worker.toy.__main__ import toy_spec
 
     raw = toy_spec(toy_dir)
     raw["seed"] = seed
+    if model is not None:
+        raw["model"] = str(model)
     raw["training"].update({"steps": steps, "batch_size": 8, "group_size": 4, "mini_batches": 1,
                             "micro_batch_size": 32, "eval_interval": 0, "eval_max_rows": 8, "checkpoint_interval": 0,
                             "preflight_groups": 0})
@@ -58,7 +82,7 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def child(mode: str, k: int, steps: int, toy_dir: Path, threads: int) -> dict:
+def child(mode: str, k: int, steps: int, toy_dir: Path, threads: int, width: int = 0, layers: int = 4) -> dict:
     """One configuration, in this (fresh) process."""
     import torch
 
@@ -72,7 +96,8 @@ def child(mode: str, k: int, steps: int, toy_dir: Path, threads: int) -> dict:
     from worker.multi.lora import SharedBase
     from worker.trainer.loop import Trainer
 
-    specs = [_spec(toy_dir, seed, steps) for seed in range(k)]
+    model = wide_model(toy_dir, width, layers) if width else None
+    specs = [_spec(toy_dir, seed, steps, model) for seed in range(k)]
     counts = [_Count(s.training.batch_size * s.training.group_size) for s in specs]
     out = Path(tempfile.mkdtemp(prefix="multi-job-bench-"))
     started = time.perf_counter()  # imports done: both modes pay loading the model, the jobs' starts and ends
@@ -102,7 +127,8 @@ def child(mode: str, k: int, steps: int, toy_dir: Path, threads: int) -> dict:
 
 def _run(mode: str, k: int, args) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--k", str(k), "--steps", str(args.steps),
-           "--toy-dir", str(args.toy_dir), "--threads", str(args.threads)]
+           "--toy-dir", str(args.toy_dir), "--threads", str(args.threads), "--width", str(args.width),
+           "--layers", str(args.layers)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
@@ -123,6 +149,9 @@ def main() -> None:
     parser.add_argument("--ks", default="1,2,4")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--width", type=int, default=0, help="a random base this wide instead of the toy model "
+                        "(64 wide, 2 layers), so that its matmuls weigh as a real base's do")
+    parser.add_argument("--layers", type=int, default=4, help="with --width: its depth")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration, the best kept")
     parser.add_argument("--toy-dir", type=Path, default=None)
     parser.add_argument("--child", choices=["sequential", "shared"])
@@ -135,11 +164,14 @@ def main() -> None:
         if not (args.toy_dir / "spec.yaml").exists():
             prepare(args.toy_dir)
     if args.child:
-        print(json.dumps(child(args.child, args.k, args.steps, args.toy_dir, args.threads)))
+        print(json.dumps(child(args.child, args.k, args.steps, args.toy_dir, args.threads, args.width, args.layers)))
         return
     ks = [int(k) for k in args.ks.split(",")]
+    if args.width:
+        wide_model(args.toy_dir, args.width, args.layers)  # made once, before any timing
     one = _best("sequential", 1, args)  # one job alone: the memory reference
-    print(f"{args.steps} steps a job, batch 8 x group 4, {args.threads} thread(s), best of {args.repeats}; one job "
+    base = f"random base {args.width} wide, {args.layers} layers" if args.width else "the toy base (64 wide, 2 layers)"
+    print(f"{base}; {args.steps} steps a job, batch 8 x group 4, {args.threads} thread(s), best of {args.repeats}; one job "
           f"alone: {one['steps'] / one['seconds']:.2f} steps/s, peak RSS {one['peak_rss_mb']:.0f} MB "
           f"(load {one['load']:.2f})")
     print("| K | sequential steps/s | shared steps/s | wall x | shared tokens/s | tokens x | CPU-time x "

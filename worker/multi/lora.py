@@ -14,11 +14,12 @@ adapt a layer (other target modules) adds nothing there. Gradients reach
 A_j and B_j only through job j's rows: the adapters are disjoint.
 
 With several segments the low-rank paths run grouped, a fixed number of
-kernels whatever the number of jobs: the segments' A and B are stacked (ranks
-zero-padded to the largest, a missing adapter all zeros, which adds exact
-zeros), each row picks its segment's pair, and two batched matmuls do every
-row at once (x_b @ A_seg(b)^T @ B_seg(b)^T * scale_seg(b)). Stacking is
-differentiable, so each adapter still gets exactly its own rows' gradient.
+kernels whatever the number of jobs: the segments' A and B are concatenated
+along the rank, every row is projected by all of them, and a per-row mask
+keeps its own job's block (scaled) before the B matmul (`_grouped_delta`);
+the other blocks add exact zeros. Concatenation is differentiable and the
+mask zeroes the other jobs' paths, so each adapter still gets exactly its own
+rows' gradient.
 LoRA dropout in training draws per segment instead (the loop above).
 
 The segments are set per forward by `SegmentRouter.rows(job_index_per_row)`;
@@ -58,25 +59,32 @@ class SegmentRouter:
 
     def __init__(self):
         self.segments: list[tuple[str | None, int, int]] | None = None
-        self._row_segment: dict = {}  # device -> each row's segment index, for the current segments
+        self._masks: dict = {}  # the current segments' block masks (block_mask)
 
     @contextmanager
     def rows(self, names_per_row: list[str | None]):
-        previous = self.segments, self._row_segment
-        self.segments, self._row_segment = segments_of(names_per_row), {}
+        previous = self.segments, self._masks
+        self.segments, self._masks = segments_of(names_per_row), {}
         try:
             yield
         finally:
-            self.segments, self._row_segment = previous
+            self.segments, self._masks = previous
 
-    def row_segment(self, device) -> Tensor:
-        """(rows,) the segment index of each row, made once per routed forward and device."""
-        index = self._row_segment.get(device)
-        if index is None:
-            counts = torch.tensor([end - start for _, start, end in self.segments], device=device)
-            index = self._row_segment[device] = torch.repeat_interleave(
-                torch.arange(len(self.segments), device=device), counts)
-        return index
+    def block_mask(self, module, blocks: list[tuple[int, int, float]], device, dtype) -> Tensor:
+        """(rows, sum of ranks): for each row, its segment's scale over that segment's block of the concatenated
+        ranks, zero elsewhere; made once per routed forward for each layout (layers of one shape share it)."""
+        key = (tuple(blocks), device, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            rows = self.segments[-1][2]
+            mask = torch.zeros((rows, sum(r for _, r, _ in blocks)), dtype=dtype)
+            offset = 0
+            for s, rank, scale in blocks:
+                _, start, end = self.segments[s]
+                mask[start:end, offset : offset + rank] = scale
+                offset += rank
+            mask = self._masks[key] = mask.to(device)
+        return mask
 
     def current(self, batch: int) -> list[tuple[str | None, int, int]]:
         if self.segments is None:
@@ -117,31 +125,26 @@ def _drops(module, segments) -> bool:
 
 
 def _grouped_delta(module, router: SegmentRouter, segments, x: Tensor) -> Tensor:
-    """Every row's low-rank path, each through its own segment's adapter, in two batched matmuls."""
-    in_features, out_features = module.in_features, module.out_features
+    """Every row's low-rank path, each through its own segment's adapter, in two matmuls over all rows.
+
+    The segments' A are concatenated along the rank (S*r x in) and their B likewise (out x S*r): x @ A_cat^T
+    gives every row every adapter's rank-r projection; a mask keeps only the row's own segment's block (times
+    its scale, zero elsewhere) before @ B_cat^T. Every other block adds exact zeros, and no per-row copy of a
+    weight is made (the extra cost: the rank dimension S times over, small beside the base matmul)."""
     adapted = [name for name, _, _ in segments if name is not BASE_ONLY and name in module.lora_A]
     if not adapted:
-        return x.new_zeros((*x.shape[:-1], out_features))
+        return x.new_zeros((*x.shape[:-1], module.out_features))
     dtype = module.lora_A[adapted[0]].weight.dtype
-    rank = max(module.lora_A[name].weight.shape[0] for name in adapted)
-    a_parts, b_parts, scales = [], [], []
-    for name, _, _ in segments:
+    a_parts, b_parts, blocks = [], [], []  # blocks: (segment index, rank, scale) per adapted segment
+    for s, (name, _, _) in enumerate(segments):
         if name is BASE_ONLY or name not in module.lora_A:
-            a_parts.append(x.new_zeros((rank, in_features), dtype=dtype))
-            b_parts.append(x.new_zeros((out_features, rank), dtype=dtype))
-            scales.append(0.0)
             continue
-        a, b = module.lora_A[name].weight, module.lora_B[name].weight
-        pad = rank - a.shape[0]
-        a_parts.append(torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a)
-        b_parts.append(torch.nn.functional.pad(b, (0, pad)) if pad else b)
-        scales.append(float(module.scaling[name]))
-    row = router.row_segment(x.device)
-    a_rows = torch.stack(a_parts)[row]  # (rows, rank, in)
-    b_rows = torch.stack(b_parts)[row]  # (rows, out, rank)
-    scale_rows = torch.tensor(scales, dtype=dtype, device=x.device)[row]
-    h = torch.bmm(x.to(dtype), a_rows.transpose(1, 2))
-    return torch.bmm(h, b_rows.transpose(1, 2)) * scale_rows[:, None, None]
+        a_parts.append(module.lora_A[name].weight)
+        b_parts.append(module.lora_B[name].weight)
+        blocks.append((s, a_parts[-1].shape[0], float(module.scaling[name])))
+    mask = router.block_mask(module, blocks, x.device, dtype)  # (rows, S*r): the row's own block, scaled
+    h = torch.nn.functional.linear(x.to(dtype), torch.cat(a_parts))  # (rows, T, S*r)
+    return torch.nn.functional.linear(h * mask[:, None, :], torch.cat(b_parts, dim=1))
 
 
 class SharedBase:
