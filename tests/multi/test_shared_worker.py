@@ -59,3 +59,14 @@ def test_a_cancelled_job_leaves_the_other_running_to_success(database_url, toy_d
     assert finished.status == "succeeded" and finished.steps_done == 6
     assert _count(settings, JobMetric, survivor, name="reward_mean") == 6
     assert cancelled.steps_done < 6  # it left before the survivor ended
+
+
+def test_a_job_whose_reward_fails_ends_alone_and_the_other_succeeds(database_url, toy_dir, tmp_path):
+    settings = make_settings(tmp_path, database_url).model_copy(update={"worker_jobs": 3})
+    healthy = submit(settings, toy_dir, steps=3, checkpoint_interval=0)
+    broken = submit(settings, toy_dir, steps=3,
+                    reward={"type": "import", "path": "tests.trainer.test_reward_errors:always_fails"})
+    assert run_shared(healthy, settings) == "succeeded"
+    job = job_row(settings, broken)
+    assert job.status == "failed" and job.error_code == "reward_error_rate" and job.steps_done == 0
+    assert job_row(settings, healthy).steps_done == 3
