@@ -9,9 +9,10 @@ Each configuration runs in a fresh child process (its peak RSS is its own):
 - shared K: the K jobs resident on one base, advanced by cycles (worker/multi/cycle.py).
 The jobs differ in seed only (same shapes); each runs its pre-flight-free run of --steps steps with the step-0 and
 final evaluation and the final checkpoint, as a job does. Printed: aggregate steps/s and sampled tokens/s, and the
-ratios shared / sequential by wall time and by CPU time (steps per CPU-second: on a loaded, shared machine the
-steadier figure, since waiting for a core costs wall time but no CPU time), peak RSS against one job alone, with
-the load average beside them. Each configuration runs --repeats times, the best kept.
+ratios shared / sequential by wall time, by CPU time (steps per CPU-second: on a loaded, shared machine the
+steadier figure, since waiting for a core costs wall time but no CPU time), and by steady-state CPU time per step
+(between step reports: no model load, no job start or end), peak RSS against one job alone, with the load average
+beside them. Each configuration runs --repeats times, the best kept.
 """
 
 from __future__ import annotations
@@ -67,10 +68,12 @@ def _spec(toy_dir: Path, seed: int, steps: int, model: Path | None = None):
 class _Count:
     def __init__(self, sequences: int):
         self.sequences, self.steps, self.tokens = sequences, 0, 0.0
+        self.cpu_marks: list[float] = []  # process CPU time at each step's report
 
     def on_step(self, step, metrics):
         self.steps += 1
         self.tokens += metrics["completion_length_mean"] * self.sequences
+        self.cpu_marks.append(_cpu_seconds())
 
     def on_eval(self, step, metrics): pass
     def on_checkpoint(self, step, path): pass
@@ -121,7 +124,13 @@ def child(mode: str, k: int, steps: int, toy_dir: Path, threads: int, width: int
             if failures:
                 raise RuntimeError(f"jobs failed: {failures}")
     seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu_started
-    return {"seconds": seconds, "cpu_seconds": cpu, "steps": sum(c.steps for c in counts), "tokens": sum(c.tokens for c in counts),
+    # Steady state: CPU time between step reports, so neither the model load, the jobs' starts (adapter, step-0
+    # evaluation) nor their ends count: sequential, each job's steps 2..N; shared, the cycles after the first.
+    if mode == "sequential":
+        steady = sum(c.cpu_marks[-1] - c.cpu_marks[0] for c in counts)
+    else:
+        steady = max(c.cpu_marks[-1] for c in counts) - min(c.cpu_marks[0] for c in counts)
+    return {"seconds": seconds, "cpu_seconds": cpu, "steady_cpu_per_step": steady / (k * (steps - 1)), "steps": sum(c.steps for c in counts), "tokens": sum(c.tokens for c in counts),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "load": os.getloadavg()[0]}
 
 
@@ -141,6 +150,7 @@ def _best(mode: str, k: int, args) -> dict:
     measure the neighbours."""
     runs = [_run(mode, k, args) for _ in range(args.repeats)]
     return {**min(runs, key=lambda r: r["seconds"]), "cpu_seconds": min(r["cpu_seconds"] for r in runs),
+            "steady_cpu_per_step": min(r["steady_cpu_per_step"] for r in runs),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "load": sum(r["load"] for r in runs) / len(runs)}
 
 
@@ -175,8 +185,8 @@ def main() -> None:
           f"alone: {one['steps'] / one['seconds']:.2f} steps/s, peak RSS {one['peak_rss_mb']:.0f} MB "
           f"(load {one['load']:.2f})")
     print("| K | sequential steps/s | shared steps/s | wall x | shared tokens/s | tokens x | CPU-time x "
-          "| shared peak RSS MB | vs one job | load seq / shared |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| steady CPU ms/step seq / shared | steady x | shared peak RSS MB | vs one job | load seq / shared |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for k in ks:
         seq = one if k == 1 else _best("sequential", k, args)
         sh = _best("shared", k, args)
@@ -184,7 +194,9 @@ def main() -> None:
         seq_tok, sh_tok = seq["tokens"] / seq["seconds"], sh["tokens"] / sh["seconds"]
         cpu_x = (sh["steps"] / sh["cpu_seconds"]) / (seq["steps"] / seq["cpu_seconds"])
         print(f"| {k} | {seq_rate:.2f} | {sh_rate:.2f} | {sh_rate / seq_rate:.2f}x | {sh_tok:.0f} | "
-              f"{sh_tok / seq_tok:.2f}x | {cpu_x:.2f}x | {sh['peak_rss_mb']:.0f} | "
+              f"{sh_tok / seq_tok:.2f}x | {cpu_x:.2f}x | {1000 * seq['steady_cpu_per_step']:.0f} / "
+              f"{1000 * sh['steady_cpu_per_step']:.0f} | {seq['steady_cpu_per_step'] / sh['steady_cpu_per_step']:.2f}x | "
+              f"{sh['peak_rss_mb']:.0f} | "
               f"{sh['peak_rss_mb'] / one['peak_rss_mb']:.2f}x | {seq['load']:.1f} / {sh['load']:.1f} |", flush=True)
 
 
