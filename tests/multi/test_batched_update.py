@@ -13,7 +13,7 @@ at most ~n * 2^-24 of the sum of the terms' magnitudes: ~1e-6 relative for most 
 entry whose per-token terms nearly cancel (advantages of both signs). Adam's step is lr * m / (sqrt(v) + eps),
 at most ~lr per entry, and its direction carries the gradient's relative error, so one optimizer step moves an
 entry by at most lr * (that error). Asserted: |w_shared - w_alone| <= 1e-3 * lr * optimizer steps, a thousandth
-of what one step may move an entry (measured here: at most ~4e-5 * lr * steps, printed). Adam hides the gradient's
+of what one step may move an entry (measured here: at most ~1e-4 * lr * steps, printed). Adam hides the gradient's
 scale, so the losses and gradient norms of every optimizer step are compared too (relative 1e-4): a wrong
 normaliser or a gradient leaking between jobs changes those by far more.
 """
@@ -83,7 +83,8 @@ def test_each_adapter_equals_its_job_trained_alone(toy_dir, tokenizer, steps):
     shared = shared_with_adapters(toy_dir, {name: spec.lora for name, spec in specs.items()})
     alones = {name: alone(toy_dir, shared, name) for name in specs}  # the same starting adapters
     start = {name: {k: v.clone() for k, v in shared.adapter_state(name).items()} for name in specs}
-    requests = [RolloutRequest(name, _rows(toy_dir, 9 * k, spec.training.batch_size), spec.sampling,
+    # job-d draws job-c's prompts: their rows must never share a prompt pass (their adapters differ).
+    requests = [RolloutRequest(name, _rows(toy_dir, 9 * min(k, 2), spec.training.batch_size), spec.sampling,
                                spec.training.group_size,
                                sampling_seeds=[stream_seed("sample", spec.seed, 0, p)
                                                for p in range(spec.training.batch_size)])

@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
 
 from service.job_spec.spec import JobSpec
 from worker.cispo import LossInputs, cispo_loss, sequence_weights, token_logprobs
 from worker.multi.lora import BASE_ONLY, SharedBase
 from worker.rollout.rollout import Rollout
 from worker.trainer.metrics import UpdateStats
+from worker.rollout.decode import CACHE_ARG
 from worker.trainer.scoring import _last_hidden, collate_sequences
 from worker.trainer.streams import generator
 from worker.trainer.update import micro_batches, off_policy_options
@@ -85,9 +87,46 @@ def _prepare(job: JobUpdate) -> None:
 
 
 def _collate(shared: SharedBase, parts: list[tuple[JobUpdate, list[int]]], pad_id: int, device):
+    """The combined micro-batch, a group's shared prompt held once (as the trainer alone does, scoring.py) unless
+    two jobs' rows would share one: their adapters differ, so each job's prompt pass must be its own."""
     ids = [job.rollout.token_ids[i] for job, micro in parts for i in micro]
     masks = [job.rollout.action_mask[i] for job, micro in parts for i in micro]
-    return collate_sequences(ids, masks, pad_id=pad_id, device=device)
+    batch = collate_sequences(ids, masks, pad_id=pad_id, device=device, share_prefixes=True)
+    if batch.prefix_of_B is not None:
+        names = [job.name for job, micro in parts for _ in micro]
+        owners: dict[int, set] = {}
+        for name, g in zip(names, batch.prefix_of_B.tolist()):
+            owners.setdefault(g, set()).add(name)
+        if any(len(o) > 1 for o in owners.values()):
+            batch = collate_sequences(ids, masks, pad_id=pad_id, device=device)
+    return batch
+
+
+def _hidden(shared: SharedBase, batch, names: list[str | None], autocast) -> Tensor:
+    """scoring.py's _hidden_states over the shared base, each pass routed: the prompt pass by the job of each
+    distinct prompt, the rest by the job of each row."""
+    model = shared.model
+    if batch.prefix_ids_GP is None:
+        with shared.router.rows(names), autocast():
+            return _last_hidden(model, input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
+                                use_cache=False)
+    prefix_names: list[str | None] = [None] * batch.prefix_ids_GP.shape[0]
+    for name, g in zip(names, batch.prefix_of_B.tolist()):
+        prefix_names[g] = name
+    cache = DynamicCache(config=model.config)
+    prefix_mask_GP = batch.prefix_mask_GP
+    with shared.router.rows(prefix_names), autocast():
+        model(input_ids=batch.prefix_ids_GP, attention_mask=prefix_mask_GP,
+              position_ids=(prefix_mask_GP.cumsum(-1) - 1).clamp(min=0), **{CACHE_ARG: cache}, use_cache=True,
+              logits_to_keep=1)
+    cache.batch_select_indices(batch.prefix_of_B)
+    start_B1 = prefix_mask_GP.sum(-1)[batch.prefix_of_B][:, None]
+    T = batch.input_ids_BT.shape[1]
+    with shared.router.rows(names), autocast():
+        return _last_hidden(model, input_ids=batch.input_ids_BT,
+                            attention_mask=torch.cat([prefix_mask_GP[batch.prefix_of_B], batch.attention_mask_BT], 1),
+                            position_ids=start_B1 + torch.arange(T, device=start_B1.device), **{CACHE_ARG: cache},
+                            use_cache=True)
 
 
 def _job_logprobs(shared: SharedBase, job: JobUpdate, hidden_BTH: Tensor, batch, rows: slice):
@@ -123,9 +162,7 @@ def _frozen_logprobs(shared: SharedBase, jobs: list[JobUpdate], *, reference: bo
             parts = [(j, micros[j][k]) for j in range(len(jobs)) if k < len(micros[j])]
             batch = _collate(shared, [(jobs[j], m) for j, m in parts], pad_id, device)
             names = [BASE_ONLY if reference else jobs[j].name for j, m in parts for _ in m]
-            with shared.router.rows(names), autocast():
-                hidden = _last_hidden(model, input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
-                                      use_cache=False)
+            hidden = _hidden(shared, batch, names, autocast)
             for (j, micro), rows in zip(parts, _row_slices([(jobs[j], m) for j, m in parts])):
                 logp, _ = _job_logprobs(shared, jobs[j], hidden, batch, rows)
                 mask = batch.action_mask_BT[rows].bool()
@@ -185,20 +222,17 @@ def _round(shared: SharedBase, jobs: list[JobUpdate], r: int, pad_id: int, devic
         parts = [(job, micros[job.name][k]) for job in stepping if k < len(micros[job.name])]
         batch = _collate(shared, parts, pad_id, device)
         names = [job.name for job, micro in parts for _ in micro]
-        with shared.router.rows(names):
+        hidden = _hidden(shared, batch, names, autocast)
+        total = None
+        for (job, micro), rows in zip(parts, _row_slices(parts)):
             with autocast():
-                hidden = _last_hidden(shared.model, input_ids=batch.input_ids_BT,
-                                      attention_mask=batch.attention_mask_BT, use_cache=False)
-            total = None
-            for (job, micro), rows in zip(parts, _row_slices(parts)):
-                with autocast():
-                    logp, entropy = _job_logprobs(shared, job, hidden, batch, rows)
-                out = _job_loss(job, micro, logp, batch.action_mask_BT[rows], normalizers[job.name],
-                                weight_of[job.name])
-                total = out.loss if total is None else total + out.loss
-                losses[job.name] += float(out.loss.detach())
-                job.stats.add(out, float((entropy * batch.action_mask_BT[rows]).sum()))
-            total.backward()  # one backward for every job's micro-batch: the adapters are disjoint
+                logp, entropy = _job_logprobs(shared, job, hidden, batch, rows)
+            out = _job_loss(job, micro, logp, batch.action_mask_BT[rows], normalizers[job.name],
+                            weight_of[job.name])
+            total = out.loss if total is None else total + out.loss
+            losses[job.name] += float(out.loss.detach())
+            job.stats.add(out, float((entropy * batch.action_mask_BT[rows]).sum()))
+        total.backward()  # one backward for every job's micro-batch: the adapters are disjoint
     for job in stepping:
         max_norm = job.spec.optimizer.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(job.params, max_norm if max_norm is not None else float("inf"))
