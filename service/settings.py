@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     work_dir: Path | None = Field(None, description="Worker scratch space (default HOME/work).")
     worker_concurrency: int = Field(1, ge=1, le=64, description="Jobs a prefork worker runs at once, one per "
                                     "GPU: pool child i sees only the worker's GPU i (`cispo worker --concurrency`).")
+    worker_jobs: int = Field(1, ge=1, le=64, description="LoRA jobs of one base model a worker (each pool child) "
+                             "trains at once on one resident copy of the base (worker/multi/); 1: a job owns its "
+                             "worker, today's path unchanged.")
     sandbox: Literal["auto", "namespaces", "off"] = Field("auto", description="User code: 'off' refuses it.")
     sandbox_uid: int = Field(100000, ge=1, description="The first of the uids sandboxes run as, one per live "
                              "sandbox (host-wide); no host user may own them.")

@@ -56,7 +56,10 @@ def _refuse_while_draining() -> None:
 @app.task(name=RUN_JOB, acks_late=True)
 def run_job(job_id: str) -> str | None:
     _refuse_while_draining()
-    from worker.job_runner import run_job as run
+    if get_settings().worker_jobs > 1:  # one resident base, several LoRA jobs of it (worker/multi/runner.py)
+        from worker.multi.runner import run_shared as run
+    else:
+        from worker.job_runner import run_job as run
 
     status = run(job_id, get_settings())
     log.info("job %s ended as %s", job_id, status)

@@ -126,6 +126,18 @@ def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, 
     spec.resources.gpus processes under torchrun (the lease and heartbeat stay here); returns its TrainResult."""
     from worker.torchrun.launch import run_training  # torch loads here, not at worker import
 
+    local_spec, run_dir = prepare_run(claimed, store, work, reporter)
+    scoring = ScoringContext.from_settings(settings, claimed.secrets)
+    if local_spec.resources.on_ray:  # larger than one machine: this worker drives it on the Ray cluster
+        from worker.ray_driver.entry import run_on_ray_cluster
+
+        return run_on_ray_cluster(local_spec, run_dir, reporter, settings=settings, scoring=scoring)
+    return run_training(local_spec, run_dir, reporter, scoring=scoring)
+
+
+def prepare_run(claimed: Claimed, store: ObjectStore, work: Path, reporter: JobReporter) -> tuple[JobSpec, Path]:
+    """The job's data and newest committed checkpoint on local disk: (the spec pointing at them, the run
+    directory the trainer resumes in)."""
     reporter.event("Fetching the dataset")
     local_spec = _materialize(claimed.spec, store, work / "data")
     run_dir = work / "run"
@@ -144,12 +156,7 @@ def train(claimed: Claimed, store: ObjectStore, work: Path, settings: Settings, 
         prefix, files = claimed.start
         local = download_checkpoint(store, prefix, files, work / "start" / claimed.spec.init_from)
         local_spec = local_spec.model_copy(update={"init_from": str(local)})
-    scoring = ScoringContext.from_settings(settings, claimed.secrets)
-    if local_spec.resources.on_ray:  # larger than one machine: this worker drives it on the Ray cluster
-        from worker.ray_driver.entry import run_on_ray_cluster
-
-        return run_on_ray_cluster(local_spec, run_dir, reporter, settings=settings, scoring=scoring)
-    return run_training(local_spec, run_dir, reporter, scoring=scoring)
+    return local_spec, run_dir
 
 
 def _failure(e: Exception) -> tuple[str, str, bool]:
@@ -203,39 +210,16 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         return claimed
 
     total = claimed.spec.training.steps
-    reporter = JobReporter(sessions, store, job_id, claimed.epoch, settings, total,
-                           keep_checkpoints=claimed.spec.training.checkpoint_keep,
-                           environment=describe_environment(claimed.spec.environment)
-                           if claimed.spec.environment else None,
-                           export_merged=(claimed.spec.model, claimed.spec.dtype)
-                           if claimed.spec.training.export == "merged" else None,
-                           training=claimed.spec.training)
+    reporter = make_reporter(sessions, store, job_id, claimed, settings)
     work = scratch.run_dir(settings, job_id, claimed.epoch)  # this run's own, removed however it ends
     status, error = "failed", None  # error: (code, message, retryable)
     reporter.start()
     try:
-        if claimed.spec.integrations:
-            reporter.trackers = Trackers(claimed.spec.integrations, job_id, settings, tracker_config(claimed.spec),
-                                         reporter.event)
+        start_trackers(reporter, job_id, claimed, settings)
         result = train(claimed, store, work, settings, reporter)
-        if reporter.lost:
-            raise LeaseLost()
-        if reporter.cancel:
-            status = "cancelled"
-        elif reporter.pause:
-            status = "paused"
-        elif result.steps_done >= total or reporter.evidence.stop_reason is not None:  # done, or stop_when fired
-            status = "succeeded"
-        elif DRAIN.is_set():
-            status = "queued"
-        else:
-            error = ("training_error", f"the run stopped at step {result.steps_done} of {total}", False)
+        status, error = run_outcome(reporter, result.steps_done, total)
     except LeaseLost:
-        log.warning("job %s: lease lost; another worker owns it now", job_id)
-        if reporter.trackers is not None:  # close this process's handle; the new owner's run logs on to it
-            reporter.trackers.finish("lost")
-        scratch.remove(work)
-        _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints/epoch-{claimed.epoch:06d}")
+        abandon(sessions, store, job_id, claimed, reporter, work)
         return None
     except Interrupted:  # the cancel stopped the user code mid-batch
         status = "cancelled"
@@ -245,7 +229,54 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     finally:
         reporter.stop()
         INTERRUPT.clear()  # the cancel was this job's: later user code in this process must run
+    return conclude(sessions, store, job_id, claimed, settings, reporter, work, status, error)
 
+
+def make_reporter(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claimed: Claimed,
+                  settings: Settings, kind: type[JobReporter] = JobReporter) -> JobReporter:
+    """The run's fenced reporter (heartbeat, metrics, events, checkpoints), not yet started."""
+    spec = claimed.spec
+    return kind(sessions, store, job_id, claimed.epoch, settings, spec.training.steps,
+                keep_checkpoints=spec.training.checkpoint_keep,
+                       environment=describe_environment(spec.environment) if spec.environment else None,
+                       export_merged=(spec.model, spec.dtype) if spec.training.export == "merged" else None,
+                       training=spec.training)
+
+
+def start_trackers(reporter: JobReporter, job_id: str, claimed: Claimed, settings: Settings) -> None:
+    if claimed.spec.integrations:
+        reporter.trackers = Trackers(claimed.spec.integrations, job_id, settings, tracker_config(claimed.spec),
+                                     reporter.event)
+
+
+def run_outcome(reporter: JobReporter, steps_done: int, total: int) -> tuple[str, tuple[str, str, bool] | None]:
+    """(status, error) of a run that returned after `steps_done` steps; raises LeaseLost when it lost its lease."""
+    if reporter.lost:
+        raise LeaseLost()
+    if reporter.cancel:
+        return "cancelled", None
+    if reporter.pause:
+        return "paused", None
+    if steps_done >= total or reporter.evidence.stop_reason is not None:  # done, or stop_when fired
+        return "succeeded", None
+    if DRAIN.is_set():
+        return "queued", None
+    return "failed", ("training_error", f"the run stopped at step {steps_done} of {total}", False)
+
+
+def abandon(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claimed: Claimed, reporter: JobReporter,
+            work: Path) -> None:
+    """A run that lost its lease: another worker owns the job now; leave it every SQL row untouched."""
+    log.warning("job %s: lease lost; another worker owns it now", job_id)
+    if reporter.trackers is not None:  # close this process's handle; the new owner's run logs on to it
+        reporter.trackers.finish("lost")
+    scratch.remove(work)
+    _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints/epoch-{claimed.epoch:06d}")
+
+
+def conclude(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claimed: Claimed, settings: Settings,
+             reporter: JobReporter, work: Path, status: str, error: tuple[str, str, bool] | None) -> str | None:
+    """Record how a run ended (fenced), queue its next run if any, clean up; returns the job's status now."""
     status, delay = _end(sessions, store, job_id, claimed, settings, status, error)
     if reporter.trackers is not None:
         reporter.trackers.finish(status or "lost")

@@ -121,11 +121,14 @@ def cmd_up(args) -> int:
     settings = get_settings()
     print(f"cispo: state in {settings.home.resolve()}; API on http://{args.host}:{args.port}", flush=True)
     cli = [sys.executable, "-m", "worker.cli"]
+    env = os.environ.copy()
+    if args.worker_jobs is not None:  # LoRA jobs of one base trained at once on one copy of it (worker/multi/)
+        env["CISPO_WORKER_JOBS"] = str(args.worker_jobs)
     exit_without_teardown(supervise([
         Child("api", [*cli, "api", "--host", args.host, "--port", str(args.port)], restart=False),
         Child("worker", [*cli, "worker", "--pool", "solo"], restart=True),
         Child("serve", [*cli, "serve"], restart=True),  # /v1/chat/completions for any base, loaded on first use
-    ], env=os.environ.copy()))
+    ], env=env))
 
 
 def exit_without_teardown(code: int) -> None:
@@ -160,4 +163,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=8000)
+        if name == "up":
+            p.add_argument("--worker-jobs", type=int, choices=range(1, 65), metavar="N",
+                           help="LoRA jobs of one base model the worker trains at once on one copy of the base "
+                                "(default CISPO_WORKER_JOBS, 1: one job at a time)")
         p.set_defaults(func=func)

@@ -527,6 +527,7 @@ def test_values_validate_against_the_schema():
         pytest.param(lambda v: v["worker"].pop("image"), id="missing-image"),
         pytest.param(lambda v: v["api"].update(port="8000"), id="port-as-string"),
         pytest.param(lambda v: v["config"].update(sandbox="on"), id="sandbox-mode-cispo-does-not-know"),
+        pytest.param(lambda v: v["config"].update(workerJobs=0), id="no-job-slot"),
         pytest.param(lambda v: v["worker"].pop("containerSecurityContext"), id="worker-without-its-security-context"),
         pytest.param(lambda v: v["worker"]["containerSecurityContext"].update(appArmorProfile={"type": "unconfined"}),
                      id="apparmor-type-misspelt"),

@@ -102,6 +102,7 @@ CISPO_JUDGE_BASE_URL: {{ .Values.config.judgeBaseUrl | quote }}
 CISPO_JUDGE_MODELS: {{ .Values.config.judgeModels | quote }}
 CISPO_RAY_ADDRESS: {{ include "cispo.rayAddress" . | quote }}
 CISPO_RAY_GANG_TIMEOUT_S: {{ .Values.ray.gangTimeoutS | toString | quote }}
+CISPO_WORKER_JOBS: {{ .Values.config.workerJobs | default 1 | toString | quote }}
 {{- range $key, $value := .Values.config.extraEnv }}
 {{ $key }}: {{ $value | toString | quote }}
 {{- end }}

@@ -1,0 +1,70 @@
+"""One cycle: every resident job advances by one trainer step, sampled together and updated together.
+
+    begin_step (each job: lr, prompts, streams) -> one shared rollout (worker/multi/rollout.py)
+    -> take_rollout (each job: rewards, advantages) -> one batched update (worker/multi/update.py)
+    -> end_step (each job: metrics, evaluation, checkpoint)
+
+A job's own failure (its reward's error rate, a bad prompt, NaN logits in its
+rows, its callbacks) removes that job only: it is returned among the
+failures and the others go on. A failure of the shared update itself (the
+combined backward) is every stepping job's, since none of their steps is whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from worker.multi.job import ResidentJob
+from worker.multi.lora import SharedBase
+from worker.multi.rollout import generate_jobs
+from worker.multi.update import batched_update
+
+log = logging.getLogger(__name__)
+
+
+def run_cycle(shared: SharedBase, jobs: list[ResidentJob], *, device: torch.device,
+              autocast=None) -> dict[str, BaseException]:
+    """Advance every job (none done) by one step; returns {job name: the exception that stopped it}."""
+    failures: dict[str, BaseException] = {}
+
+    def guarded(job: ResidentJob, call):
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - this job's own problem; the others go on
+            log.warning("resident job %s failed: %s", job.name, e, exc_info=True)
+            failures[job.name] = e
+            return None
+
+    requests = {job.name: guarded(job, job.begin_step) for job in jobs}
+    sampling = [job for job in jobs if job.name not in failures]
+    if not sampling:
+        return failures
+    tokenizer = sampling[0].policy.tokenizer
+    started = time.perf_counter()
+    rollouts = generate_jobs(shared, tokenizer, device, [requests[job.name] for job in sampling])
+    rollout_s = time.perf_counter() - started
+    updates = []
+    for job, rollout in zip(sampling, rollouts):
+        if isinstance(rollout, Exception):
+            failures[job.name] = rollout
+            continue
+        update = guarded(job, lambda job=job, rollout=rollout: job.take_rollout(rollout, rollout_s))
+        if update is not None:
+            updates.append((job, update))
+    if not updates:
+        return failures
+    started = time.perf_counter()
+    try:
+        stats = batched_update(shared, [u for _, u in updates], pad_id=tokenizer.pad_token_id, device=device,
+                               **({"autocast": autocast} if autocast is not None else {}))
+    except Exception as e:  # noqa: BLE001 - the shared backward: no stepping job's step is whole
+        log.exception("the batched update of %d jobs failed", len(updates))
+        failures.update({job.name: e for job, _ in updates})
+        return failures
+    update_s = time.perf_counter() - started
+    for (job, _), job_stats in zip(updates, stats):
+        guarded(job, lambda job=job, job_stats=job_stats: job.end_step(job_stats, update_s))
+    return failures

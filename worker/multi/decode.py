@@ -1,0 +1,123 @@
+"""One decode loop for several jobs' rows over the shared base, each row through its own job's adapter.
+
+worker/rollout/decode.py's eager loop, generalised to rows of several jobs:
+the rows are sorted by job and every forward is routed (worker/multi/lora.py),
+so one pass over the base weights per decode step serves every job. What a row
+samples depends on its own job only:
+- each job has its own picker (worker/rollout/decode.py's `_Picker`): its
+  sampling knobs, its per-row uniform streams drawn up front for exactly the
+  (rows, max_new) shape the job would use alone, its recorded log-probs at its
+  own temperature, its min_output_tokens;
+- a row's token history (repetition penalty) is cut to its job's own
+  left-padded width, as alone;
+- a distinct prompt is prefilled once per job (two jobs with one prompt have
+  different adapters, so they never share a prefill);
+- a job's rows stop at its own max_new; finished rows leave the batch and the
+  cache at every step (CPU: a sync costs nothing), which keeps rows sorted.
+The numbers of a row can still differ from its job decoded alone in float
+rounding (the batch is padded to the longest prompt of all jobs, and a kernel
+may sum in another order for another batch shape); the tests bound that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from service.job_spec.spec import SamplingSpec
+from worker.multi.lora import SegmentRouter
+from worker.rollout.decode import CACHE_ARG, NonFiniteLogits, _Picker, left_padded
+
+
+@dataclass
+class JobRows:
+    """One job's share of a shared decode call."""
+
+    name: str  # the job's adapter on the shared base
+    prompts: list[list[int]]
+    max_new: int
+    sampling: SamplingSpec
+    greedy: bool = False
+    seeds: list[int] | None = None  # one per prompt (None: greedy)
+    logprobs: bool = False
+
+
+@torch.no_grad()
+def sample_jobs(model, router: SegmentRouter, jobs: list[JobRows], *, eos_id: int, pad_id: int,
+                device: torch.device) -> list[tuple[list[list[int]], list[list[float]] | None] | NonFiniteLogits]:
+    """Per job, in order: (new tokens per prompt, up to and including EOS, at most its max_new; log-probs or
+    None), as worker/rollout/decode.sample_tokens returns for that job alone, or NonFiniteLogits for a job whose
+    rows gave NaN or inf logits (rows never mix, so the other jobs' rows are unaffected). `model` is the shared
+    PeftModel in eval mode."""
+    prompts = [p for job in jobs for p in job.prompts]
+    if not prompts:
+        return [([], None) for _ in jobs]
+    max_new = max(job.max_new for job in jobs)
+    B, P = len(prompts), max(map(len, prompts))
+    ids, mask, positions = (t.to(device) for t in left_padded(prompts, max_new, pad_id))
+    job_of = torch.tensor([j for j, job in enumerate(jobs) for _ in job.prompts], device=device)
+    local = torch.tensor([i for job in jobs for i in range(len(job.prompts))], device=device)
+    widths = [max(map(len, job.prompts), default=0) for job in jobs]  # each job's own left-padded width
+    pickers = [_Picker(job.sampling, job.greedy, (len(job.prompts), job.max_new), device, record=job.logprobs,
+                       seeds=job.seeds, eos_id=eos_id) for job in jobs]
+    lengths = torch.tensor([job.max_new for job in jobs for _ in job.prompts], device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    names = [job.name for job in jobs]
+
+    # Prefill each (job, prompt) once; torch.unique sorts by the job column first, so rows stay sorted by job.
+    keyed = torch.cat([job_of[:, None], ids[:, :P]], dim=1)
+    unique, row_of = torch.unique(keyed, dim=0, return_inverse=True)
+    firsts = torch.full((unique.shape[0],), B, dtype=torch.long, device=device).scatter_reduce(
+        0, row_of, torch.arange(B, device=device), reduce="amin")
+    cache = DynamicCache(config=model.config)
+    with router.rows([names[j] for j in job_of[firsts].tolist()]):
+        logits = model(input_ids=ids[firsts, :P], attention_mask=mask[firsts, :P],
+                       position_ids=positions[firsts, :P], **{CACHE_ARG: cache}, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
+    cache.batch_select_indices(row_of)
+    logits = logits[row_of]
+    live = torch.arange(B, device=device)
+    bad = [False] * len(jobs)
+    for t in range(max_new):
+        finite = torch.isfinite(logits).all(-1)
+        token = torch.empty(live.shape[0], dtype=torch.long, device=device)
+        live_jobs = job_of[live]
+        for j, pick in enumerate(pickers):
+            sel = (live_jobs == j).nonzero().squeeze(1)
+            if sel.numel() == 0:
+                continue
+            rows = live[sel]
+            bad[j] = bad[j] or not bool(finite[sel].all())
+            history = ids[rows, P - widths[j] : P + t]
+            token[sel] = pick(logits[sel], history, local[rows], t)
+        ids[live, P + t] = token
+        newly = (token == eos_id) & ~finished[live]
+        lengths[live] = torch.where(newly, t + 1, lengths[live])
+        finished[live] = finished[live] | newly | (lengths[live] == t + 1)  # EOS, or the job's max_new reached
+        keep = (~finished[live]).nonzero().squeeze(1)
+        if keep.numel() == 0:
+            break
+        if keep.numel() < live.numel():
+            live, token = live[keep], token[keep]
+            cache.batch_select_indices(keep)
+        end = P + t + 1
+        with router.rows([names[j] for j in job_of[live].tolist()]):
+            logits = model(input_ids=token[:, None], attention_mask=mask[live, :end],
+                           position_ids=positions[live, end - 1 : end], **{CACHE_ARG: cache}, use_cache=True,
+                           logits_to_keep=1).logits[:, -1]
+    out = []
+    for j, (job, pick) in enumerate(zip(jobs, pickers)):
+        if bad[j]:
+            out.append(NonFiniteLogits(
+                "the model gave NaN or inf logits while sampling (an overflow, or weights that diverged); the "
+                "rollout is refused rather than sampled from them"))
+            continue
+        rows = (job_of == j).nonzero().squeeze(1).tolist()
+        tokens = [ids[r, P : P + int(lengths[r])].tolist() for r in rows]
+        logps = None if pick.logprobs_BT is None else [
+            pick.logprobs_BT[i, : int(lengths[r])].tolist() for i, r in enumerate(rows)]
+        out.append((tokens, logps))
+    return out
+

@@ -1,0 +1,218 @@
+"""One frozen base, many jobs' LoRA adapters, each row of a batch through its own job's adapter.
+
+PEFT runs one active adapter for a whole batch (its `adapter_names` mixed
+batches are inference only). Here every LoRA linear of the shared model gets a
+forward that computes the base output for all rows at once, then each job's
+low-rank path on its own contiguous segment of rows only:
+
+    y = base(x);  y[s:e] += B_j(A_j(drop_j(x[s:e]))) * scale_j   for each segment (j, s, e)
+
+the arithmetic of PEFT's own LoRA forward, per segment (x cast to the
+adapter's dtype, the sum cast back to the base output's dtype), so a row
+computes what it would in a batch of its own job alone. A job that does not
+adapt a layer (other target modules) adds nothing there. Gradients reach
+A_j and B_j only through job j's rows: the adapters are disjoint.
+
+With several segments the low-rank paths run grouped, a fixed number of
+kernels whatever the number of jobs: the segments' A and B are concatenated
+along the rank, every row is projected by all of them, and a per-row mask
+keeps its own job's block (scaled) before the B matmul (`_grouped_delta`);
+the other blocks add exact zeros. Concatenation is differentiable and the
+mask zeroes the other jobs' paths, so each adapter still gets exactly its own
+rows' gradient.
+LoRA dropout in training draws per segment instead (the loop above).
+
+The segments are set per forward by `SegmentRouter.rows(job_index_per_row)`;
+rows must be sorted by job (the callers build their batches that way).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from peft import PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch import Tensor
+
+from service.job_spec.spec import LoraSpec
+from worker.model.policy import lora_config
+
+BASE_ONLY = None  # a segment's job name meaning "no adapter" (the reference policy of a KL term)
+
+
+def segments_of(names_per_row: list[str | None]) -> list[tuple[str | None, int, int]]:
+    """[(job name, start, end)] of consecutive rows with one job; a job's rows must be contiguous."""
+    segments: list[tuple[str | None, int, int]] = []
+    for i, name in enumerate(names_per_row):
+        if segments and segments[-1][0] == name:
+            segments[-1] = (name, segments[-1][1], i + 1)
+        else:
+            if any(s[0] == name for s in segments):
+                raise ValueError(f"rows of job {name!r} are not contiguous: sort the batch by job")
+            segments.append((name, i, i + 1))
+    return segments
+
+
+class SegmentRouter:
+    """Which rows of the next forwards belong to which job (shared by every patched layer)."""
+
+    def __init__(self):
+        self.segments: list[tuple[str | None, int, int]] | None = None
+        self._masks: dict = {}  # the current segments' block masks (block_mask)
+
+    @contextmanager
+    def rows(self, names_per_row: list[str | None]):
+        previous = self.segments, self._masks
+        self.segments, self._masks = segments_of(names_per_row), {}
+        try:
+            yield
+        finally:
+            self.segments, self._masks = previous
+
+    def block_mask(self, module, blocks: list[tuple[int, int, float]], device, dtype) -> Tensor:
+        """(rows, sum of ranks): for each row, its segment's scale over that segment's block of the concatenated
+        ranks, zero elsewhere; made once per routed forward for each layout (layers of one shape share it)."""
+        key = (tuple(blocks), device, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            rows = self.segments[-1][2]
+            mask = torch.zeros((rows, sum(r for _, r, _ in blocks)), dtype=dtype)
+            offset = 0
+            for s, rank, scale in blocks:
+                _, start, end = self.segments[s]
+                mask[start:end, offset : offset + rank] = scale
+                offset += rank
+            mask = self._masks[key] = mask.to(device)
+        return mask
+
+    def current(self, batch: int) -> list[tuple[str | None, int, int]]:
+        if self.segments is None:
+            raise RuntimeError("a shared-base forward ran without its rows' jobs (SegmentRouter.rows)")
+        if self.segments[-1][2] != batch:
+            raise RuntimeError(f"the routed rows cover {self.segments[-1][2]} rows, the forward has {batch}")
+        return self.segments
+
+
+def _segmented_forward(module, router: SegmentRouter):
+    base = module.get_base_layer()
+
+    def forward(x: Tensor, *args, **kwargs) -> Tensor:
+        result = base(x, *args, **kwargs)
+        result_dtype = result.dtype
+        segments = router.current(x.shape[0])
+        if len(segments) > 1 and x.dim() == 3 and not (module.training and _drops(module, segments)):
+            return (result + _grouped_delta(module, router, segments, x)).to(result_dtype)
+        deltas = []
+        for name, start, end in segments:
+            if name is BASE_ONLY or name not in module.lora_A:
+                deltas.append(result.new_zeros((end - start, *result.shape[1:])))
+                continue
+            a, b = module.lora_A[name], module.lora_B[name]
+            h = x[start:end].to(a.weight.dtype)
+            drop = module.lora_dropout[name]
+            deltas.append(b(a(drop(h))) * module.scaling[name])
+        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas)
+        return (result + delta).to(result_dtype)
+
+    return forward
+
+
+def _drops(module, segments) -> bool:
+    """Whether any segment's adapter on `module` has LoRA dropout."""
+    return any(name in module.lora_dropout and not isinstance(module.lora_dropout[name], torch.nn.Identity)
+               for name, _, _ in segments)
+
+
+def _grouped_delta(module, router: SegmentRouter, segments, x: Tensor) -> Tensor:
+    """Every row's low-rank path, each through its own segment's adapter, in two matmuls over all rows.
+
+    The segments' A are concatenated along the rank (S*r x in) and their B likewise (out x S*r): x @ A_cat^T
+    gives every row every adapter's rank-r projection; a mask keeps only the row's own segment's block (times
+    its scale, zero elsewhere) before @ B_cat^T. Every other block adds exact zeros, and no per-row copy of a
+    weight is made (the extra cost: the rank dimension S times over, small beside the base matmul)."""
+    adapted = [name for name, _, _ in segments if name is not BASE_ONLY and name in module.lora_A]
+    if not adapted:
+        return x.new_zeros((*x.shape[:-1], module.out_features))
+    dtype = module.lora_A[adapted[0]].weight.dtype
+    a_parts, b_parts, blocks = [], [], []  # blocks: (segment index, rank, scale) per adapted segment
+    for s, (name, _, _) in enumerate(segments):
+        if name is BASE_ONLY or name not in module.lora_A:
+            continue
+        a_parts.append(module.lora_A[name].weight)
+        b_parts.append(module.lora_B[name].weight)
+        blocks.append((s, a_parts[-1].shape[0], float(module.scaling[name])))
+    mask = router.block_mask(module, blocks, x.device, dtype)  # (rows, S*r): the row's own block, scaled
+    h = torch.nn.functional.linear(x.to(dtype), torch.cat(a_parts))  # (rows, T, S*r)
+    return torch.nn.functional.linear(h * mask[:, None, :], torch.cat(b_parts, dim=1))
+
+
+class SharedBase:
+    """The resident base model with one adapter per job, every LoRA linear routed by segments.
+
+    Adapters are added and removed while the worker runs (a job joining or leaving between cycles); each
+    job's trainable parameters are its adapter's only.
+    """
+
+    def __init__(self, base: torch.nn.Module):
+        base.requires_grad_(False)
+        self.base = base
+        self.model: PeftModel | None = None
+        self.router = SegmentRouter()
+        self.specs: dict[str, LoraSpec] = {}
+
+    def add(self, name: str, spec: LoraSpec) -> list[torch.nn.Parameter]:
+        """Add job `name`'s adapter (PEFT's initialisation, from torch's global RNG); returns its parameters."""
+        if spec.base_quantization != "none":
+            raise ValueError("a shared base is held unquantised: base_quantization must be 'none'")
+        if self.model is None:
+            self.model = get_peft_model(self.base, lora_config(spec), adapter_name=name)
+        else:
+            if name in self.specs:
+                raise ValueError(f"job {name!r} already has an adapter on this base")
+            self.model.add_adapter(name, lora_config(spec))
+        self.specs[name] = spec
+        self._route_all()
+        for job in self.specs:  # PEFT leaves only its active adapter trainable; every job's adapter trains
+            for param in self.parameters(job):
+                param.requires_grad_(True)
+        return self.parameters(name)
+
+    def remove(self, name: str) -> None:
+        """Drop job `name`'s adapter (its memory goes with it)."""
+        if name not in self.specs:
+            return
+        del self.specs[name]
+        if self.specs:
+            self.model.delete_adapter(name)
+        else:  # PEFT keeps at least one adapter: the last one goes with the wrapper
+            self.model = None
+            self.base = _unwrapped(self.base)
+
+    def parameters(self, name: str) -> list[torch.nn.Parameter]:
+        """Job `name`'s adapter parameters, in a stable order (the model's)."""
+        key = f".{name}."
+        return [p for n, p in self.model.named_parameters() if key in n and ".lora_" in n]
+
+    def adapter_state(self, name: str) -> dict[str, Tensor]:
+        """Job `name`'s adapter weights under PEFT's saved names (".<name>" dropped), detached."""
+        key = f".{name}."
+        return {n.replace(key, "."): p.detach() for n, p in self.model.named_parameters()
+                if key in n and ".lora_" in n}
+
+    def _route_all(self) -> None:
+        """Give every LoRA linear the segmented forward (new layers appear when a job adapts other modules)."""
+        for module in self.model.modules():
+            if isinstance(module, LoraLayer) and "forward" not in module.__dict__:
+                if type(module).__name__ != "Linear":
+                    raise ValueError(f"a shared base routes LoRA linears only, not {type(module).__name__}")
+                module.forward = _segmented_forward(module, self.router)
+
+
+def _unwrapped(base: torch.nn.Module) -> torch.nn.Module:
+    """The base with PEFT's layers replaced by their base layers again."""
+    for parent in list(base.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, LoraLayer):
+                setattr(parent, child_name, child.get_base_layer())
+    return base

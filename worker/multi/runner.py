@@ -1,0 +1,234 @@
+"""A worker that keeps one base model resident and trains up to CISPO_WORKER_JOBS LoRA jobs of it at once.
+
+The Celery task of a job (worker/celery_app.py) comes here when the setting is
+above 1. The job's base model is loaded once; between cycles, while slots are
+free, queued jobs of the same base (the job row's model, the precision it is
+held in) are claimed from SQL, the source of truth: jobs of one base meet on
+the worker that holds it, and their own broker messages, delivered later,
+find the lease taken and are dropped (as any duplicate is). A job that cannot
+share (worker/multi/support.py) runs the ordinary way.
+
+Every job keeps what it has alone, by the job runner's own code
+(worker/job_runner.py): its claim and lease epoch, its fenced reporter
+(heartbeat, metrics, events, checkpoints, samples), its scratch directory,
+its attempts, retries and end. Cancel, pause, a lost lease, a failure or the
+job's end removes that job at the cycle boundary; the others go on. A worker
+that dies stops heartbeating for all its jobs: the reconciler queues each
+again, and each resumes from its own checkpoint.
+
+A cancel is honoured at the next cycle boundary, not mid-batch as alone: the
+interrupt that stops sandboxed user code is process-wide and would stop every
+resident job's scoring (ResidentReporter).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db.models import Job
+from service.db.session import session_factory
+from service.job_spec.spec import JobSpec
+from service.repositories import jobs
+from service.sandbox.channel import INTERRUPT
+from service.settings import Settings
+from service.storage import ObjectStore, open_store
+from worker import job_runner, scratch
+from worker.drain import DRAIN
+from worker.job_reporter import JobReporter, LeaseLost
+from worker.multi.support import base_key, refusal
+from worker.rewards.engine import ScoringContext
+
+log = logging.getLogger(__name__)
+
+
+class ResidentReporter(JobReporter):
+    """A job reporter that leaves the process-wide interrupt alone: a cancel stops the job at the cycle boundary."""
+
+    def heartbeat(self) -> None:
+        with self.sessions.begin() as s:
+            control = jobs.heartbeat(s, self.job_id, self.epoch, self.settings.lease_ttl_s)
+        if control is None:
+            self.lost = True
+        else:
+            self.cancel, self.pause = control.cancel, control.pause
+
+
+@dataclass
+class Resident:
+    job_id: str
+    claimed: job_runner.Claimed
+    reporter: ResidentReporter
+    work: Path
+    job: object | None = None  # its ResidentJob, once admitted
+
+
+def waiting_jobs_of_base(session: Session, model: str, limit: int) -> list[tuple[str, dict]]:
+    """(id, spec) of queued jobs of `model` past any backoff, oldest first: the candidates for free slots."""
+    t = time.time()
+    return [(job_id, spec) for job_id, spec in session.execute(
+        select(Job.id, Job.spec).where(Job.status == "queued", Job.model == model,
+                                       or_(Job.not_before.is_(None), Job.not_before <= t))
+        .order_by(Job.created_at).limit(limit))]
+
+
+class SharedWorker:
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], store: ObjectStore, owner: str,
+                 model: str, key: tuple[str, str], slots: int):
+        self.settings, self.sessions, self.store, self.owner = settings, sessions, store, owner
+        self.model, self.key, self.slots = model, key, slots
+        self.residents: dict[str, Resident] = {}
+        self.outcomes: dict[str, str | None] = {}
+        self.shared = self.tokenizer = self.device = self.autocast = None
+
+    # -- the base, loaded once ------------------------------------------------
+
+    def _load_base(self, spec: JobSpec) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from worker.multi.lora import SharedBase
+        from worker.model import precision
+        from worker.model.policy import pick_device
+
+        self.device = pick_device()
+        precision.enable_fast_matmul(self.device)
+        dtype = precision.compute_dtype(spec.dtype, spec.model, self.device)
+        tokenizer = AutoTokenizer.from_pretrained(spec.model)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        base = AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype).to(self.device)
+        self.shared, self.tokenizer = SharedBase(base), tokenizer
+        self.autocast = lambda: precision.autocast(self.device, dtype)
+        torch.set_grad_enabled(True)
+
+    # -- joining and leaving --------------------------------------------------
+
+    def admit(self, job_id: str) -> None:
+        """Claim the job and start it beside the others; a job whose start fails ends at once, alone."""
+        claimed = job_runner._claim(self.sessions, job_id, self.owner, self.settings)
+        if not isinstance(claimed, job_runner.Claimed):
+            self.outcomes[job_id] = claimed
+            return
+        reporter = job_runner.make_reporter(self.sessions, self.store, job_id, claimed, self.settings,
+                                            kind=ResidentReporter)
+        resident = Resident(job_id, claimed, reporter, scratch.run_dir(self.settings, job_id, claimed.epoch))
+        self.residents[job_id] = resident
+        reporter.start()
+        try:
+            if refusal(claimed.spec) or base_key(claimed.spec) != self.key:  # its spec changed since we peeked
+                self._end(resident, "queued", None)
+                return
+            job_runner.start_trackers(reporter, job_id, claimed, self.settings)
+            if self.shared is None:
+                self._load_base(claimed.spec)
+            from worker.multi.job import ResidentJob
+
+            local_spec, run_dir = job_runner.prepare_run(claimed, self.store, resident.work, reporter)
+            reporter.event(f"Training beside the other jobs of {self.model} on this worker "
+                           f"({len(self.residents)} of {self.slots} slots)")
+            resident.job = ResidentJob(local_spec, run_dir, self.shared, self.tokenizer, self.device, name=job_id,
+                                       scoring=ScoringContext.from_settings(self.settings, claimed.secrets),
+                                       callbacks=reporter)
+            resident.job.start()  # the pre-flight and the step-0 evaluation
+            if resident.job.done or reporter.should_stop():  # resumed at its last step, or stopped meanwhile
+                self._finish(resident)
+        except Exception as e:  # noqa: BLE001 - this job's start; the others go on
+            self._fail(resident, e)
+
+    def fill(self) -> None:
+        """Take queued jobs of this base into the free slots."""
+        free = self.slots - len(self.residents)
+        if free <= 0 or DRAIN.is_set():
+            return
+        with self.sessions.begin() as s:
+            waiting = waiting_jobs_of_base(s, self.model, limit=4 * free)
+        for job_id, raw in waiting:
+            if len(self.residents) >= self.slots:
+                break
+            try:
+                spec = JobSpec.model_validate(raw)
+            except Exception:  # noqa: BLE001 - its own run reports that
+                continue
+            if refusal(spec) is None and base_key(spec) == self.key and job_id not in self.residents:
+                self.admit(job_id)
+
+    def _finish(self, resident: Resident) -> None:
+        try:
+            status, error = job_runner.run_outcome(resident.reporter, resident.job.step,
+                                                   resident.claimed.spec.training.steps)
+        except LeaseLost:
+            self._lost(resident)
+            return
+        self._end(resident, status, error)
+
+    def _fail(self, resident: Resident, e: BaseException) -> None:
+        if resident.reporter.lost or isinstance(e, LeaseLost):
+            self._lost(resident)
+            return
+        log.warning("job %s failed on the shared worker", resident.job_id, exc_info=e)
+        self._end(resident, "failed", job_runner._failure(e))
+
+    def _release(self, resident: Resident) -> None:
+        del self.residents[resident.job_id]
+        resident.reporter.stop()
+        if resident.job is not None:
+            try:
+                resident.job.close()  # its scorer's children; its adapter leaves the base
+            except Exception:  # noqa: BLE001
+                log.exception("job %s: closing it failed", resident.job_id)
+
+    def _lost(self, resident: Resident) -> None:
+        self._release(resident)
+        job_runner.abandon(self.sessions, self.store, resident.job_id, resident.claimed, resident.reporter,
+                           resident.work)
+        self.outcomes[resident.job_id] = None
+
+    def _end(self, resident: Resident, status: str, error) -> None:
+        self._release(resident)
+        self.outcomes[resident.job_id] = job_runner.conclude(
+            self.sessions, self.store, resident.job_id, resident.claimed, self.settings, resident.reporter,
+            resident.work, status, error)
+
+    # -- cycles ---------------------------------------------------------------
+
+    def run(self) -> None:
+        from worker.multi.cycle import run_cycle
+
+        while self.residents:
+            self.fill()
+            live = [r for r in self.residents.values() if r.job is not None]
+            if not live:
+                break
+            failures = run_cycle(self.shared, [r.job for r in live], device=self.device, autocast=self.autocast)
+            INTERRUPT.clear()
+            for resident in live:
+                if resident.job_id in failures:
+                    self._fail(resident, failures[resident.job_id])
+                elif resident.reporter.lost or resident.job.done or resident.job.stopped:
+                    self._finish(resident)
+
+
+def run_shared(job_id: str, settings: Settings, *, owner: str | None = None, slots: int | None = None) -> str | None:
+    """Run the job, and with it other queued jobs of its base, in this process; returns the job's end status."""
+    sessions = session_factory(settings.resolved_database_url())
+    with sessions.begin() as s:
+        job = jobs.get_for_worker(s, job_id)
+        spec = JobSpec.model_validate(job.spec) if job is not None else None
+        model = job.model if job is not None else None
+    if spec is None or refusal(spec) is not None:
+        return job_runner.run_job(job_id, settings, owner=owner)
+    worker = SharedWorker(settings, sessions, open_store(settings.resolved_storage_url()),
+                          owner or f"{socket.gethostname()}:{os.getpid()}", model, base_key(spec),
+                          slots or settings.worker_jobs)
+    worker.admit(job_id)
+    worker.run()
+    return worker.outcomes.get(job_id)

@@ -1,0 +1,39 @@
+"""Which jobs can share a resident base, and why not when they cannot (a job that cannot waits for a worker of
+its own rather than failing)."""
+
+from __future__ import annotations
+
+from service.job_spec.spec import JobSpec
+
+
+def refusal(spec: JobSpec) -> str | None:
+    """Why `spec` cannot train beside other jobs on a shared base, or None when it can."""
+    reasons = []
+    if spec.method != "cispo":
+        reasons.append("it is a supervised job")
+    if spec.lora is None:
+        reasons.append("it fine-tunes every weight (lora: null)")
+    elif spec.lora.base_quantization != "none":
+        reasons.append("its base is quantised")
+    if spec.environment is not None:
+        reasons.append("it has a multi-turn environment")
+    if spec.rollout.engine != "hf":
+        reasons.append(f"its rollout engine is {spec.rollout.engine!r}")
+    if spec.rollout.dtype != "auto":
+        reasons.append("it samples in its own rollout.dtype")
+    if spec.rollout.max_staleness:
+        reasons.append("it samples asynchronously (rollout.max_staleness > 0)")
+    if spec.resources.gpus > 1:
+        reasons.append("it runs on several GPUs")
+    if spec.init_from:
+        reasons.append("it warm-starts from a checkpoint (a pinned reference adapter)")
+    if spec.training.lm_head_float32:
+        reasons.append("it runs the LM head in float32")
+    if spec.training.gradient_checkpointing:
+        reasons.append("it uses gradient checkpointing")
+    return "; ".join(reasons) or None
+
+
+def base_key(spec: JobSpec) -> tuple[str, str]:
+    """What jobs must agree on to share one resident base: the model and the precision it is held in."""
+    return spec.model, spec.dtype

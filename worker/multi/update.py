@@ -1,0 +1,265 @@
+"""The update phase of one cycle: every resident job's CISPO optimizer steps, their micro-batches batched.
+
+Each job plans its optimizer steps exactly as worker/trainer/update.py does
+alone (the same mini-batch shuffle from its seed, step and epoch, the same
+micro-batches of similar lengths). Round r holds every job's r-th optimizer
+step; the k-th micro-batches of the round's jobs run as ONE forward and ONE
+backward over the shared base, rows sorted by job (worker/multi/lora.py).
+
+Why the sum is exact: the loss of the combined micro-batch is
+sum_j loss_j, each job's CISPO loss over its own rows, normalised by its
+own optimizer step's token count (or sequence/prompt count). Job j's adapter
+touches only job j's rows, so d(sum_i loss_i)/d(adapter_j) = d(loss_j)/d(adapter_j):
+the gradient job j's steps alone would accumulate. Per-token log-probs use
+each job's own temperature, LM-head chunking and loss knobs. Then, per job:
+gradient clipping over its own parameters, its own optimizer's step (lr set
+by the caller from its own schedule).
+
+What differs from alone is float rounding only: the combined batch is padded
+to its longest row and its matmuls have other shapes, so sums may be taken in
+another order (see the tests for the bound).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from service.job_spec.spec import JobSpec
+from worker.cispo import LossInputs, cispo_loss, sequence_weights, token_logprobs
+from worker.multi.lora import BASE_ONLY, SharedBase
+from worker.rollout.rollout import Rollout
+from worker.trainer.metrics import UpdateStats
+from worker.rollout.decode import CACHE_ARG
+from worker.trainer.scoring import _last_hidden, collate_sequences
+from worker.model.streams import generator
+from worker.trainer.update import micro_batches, off_policy_options
+
+
+@dataclass
+class JobUpdate:
+    """One job's share of a cycle's update."""
+
+    name: str  # its adapter on the shared base
+    spec: JobSpec
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    rollout: Rollout
+    advantages: Tensor | list[Tensor]  # per sequence, one value per action token (or one value per sequence)
+    indices: list[int]  # the sequences to train on
+    step: int  # the job's trainer step (keys its mini-batch shuffle)
+    stats: UpdateStats = field(default_factory=UpdateStats)
+    # filled by prepare():
+    token_adv: dict[int, Tensor] = field(default_factory=dict)
+    old: dict[int, Tensor] | None = None
+    ref: dict[int, Tensor] | None = None
+    sampler: dict[int, Tensor] | None = None
+    plan: list[list[int]] = field(default_factory=list)  # its optimizer steps' sequences, in order
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.rollout.token_ids]
+
+
+def mini_batches(job: JobUpdate, indices: list[int], epoch: int) -> list[list[int]]:
+    """worker/trainer/update.py's Updater._mini_batches in one process: a shuffle keyed by the job seed, step
+    and epoch, cut into training.mini_batches parts."""
+    shuffle = torch.randperm(len(indices), generator=generator("minibatch", job.spec.seed, job.step, epoch))
+    order = torch.tensor(indices, dtype=torch.long)[shuffle]
+    return [cut.tolist() for cut in order.tensor_split(min(job.spec.training.mini_batches, len(indices)))]
+
+
+def _prepare(job: JobUpdate) -> None:
+    counts = job.rollout.action_counts
+    job.indices = [i for i in job.indices if counts[i] > 0]
+    adv = job.advantages
+    if isinstance(adv, Tensor):
+        adv = [adv[i].repeat(counts[i]) for i in range(len(job.rollout))]
+    job.token_adv = {i: adv[i] for i in job.indices}
+    if job.rollout.sampler_logprobs is not None:
+        job.sampler = {i: torch.tensor(job.rollout.sampler_logprobs[i], dtype=torch.float32) for i in job.indices}
+    job.plan = [mini for epoch in range(job.spec.training.update_epochs)
+                for mini in (mini_batches(job, job.indices, epoch) if job.indices else [])]
+
+
+def _collate(shared: SharedBase, parts: list[tuple[JobUpdate, list[int]]], pad_id: int, device):
+    """The combined micro-batch, a group's shared prompt held once (as the trainer alone does, scoring.py) unless
+    two jobs' rows would share one: their adapters differ, so each job's prompt pass must be its own."""
+    ids = [job.rollout.token_ids[i] for job, micro in parts for i in micro]
+    masks = [job.rollout.action_mask[i] for job, micro in parts for i in micro]
+    batch = collate_sequences(ids, masks, pad_id=pad_id, device=device, share_prefixes=True)
+    if batch.prefix_of_B is not None:
+        names = [job.name for job, micro in parts for _ in micro]
+        owners: dict[int, set] = {}
+        for name, g in zip(names, batch.prefix_of_B.tolist()):
+            owners.setdefault(g, set()).add(name)
+        if any(len(o) > 1 for o in owners.values()):
+            batch = collate_sequences(ids, masks, pad_id=pad_id, device=device)
+    return batch
+
+
+def _hidden(shared: SharedBase, batch, names: list[str | None], autocast) -> Tensor:
+    """scoring.py's _hidden_states over the shared base, each pass routed: the prompt pass by the job of each
+    distinct prompt, the rest by the job of each row."""
+    model = shared.model
+    if batch.prefix_ids_GP is None:
+        with shared.router.rows(names), autocast():
+            return _last_hidden(model, input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
+                                use_cache=False)
+    prefix_names: list[str | None] = [None] * batch.prefix_ids_GP.shape[0]
+    for name, g in zip(names, batch.prefix_of_B.tolist()):
+        prefix_names[g] = name
+    cache = DynamicCache(config=model.config)
+    prefix_mask_GP = batch.prefix_mask_GP
+    with shared.router.rows(prefix_names), autocast():
+        model(input_ids=batch.prefix_ids_GP, attention_mask=prefix_mask_GP,
+              position_ids=(prefix_mask_GP.cumsum(-1) - 1).clamp(min=0), **{CACHE_ARG: cache}, use_cache=True,
+              logits_to_keep=1)
+    cache.batch_select_indices(batch.prefix_of_B)
+    start_B1 = prefix_mask_GP.sum(-1)[batch.prefix_of_B][:, None]
+    T = batch.input_ids_BT.shape[1]
+    with shared.router.rows(names), autocast():
+        return _last_hidden(model, input_ids=batch.input_ids_BT,
+                            attention_mask=torch.cat([prefix_mask_GP[batch.prefix_of_B], batch.attention_mask_BT], 1),
+                            position_ids=start_B1 + torch.arange(T, device=start_B1.device), **{CACHE_ARG: cache},
+                            use_cache=True)
+
+
+def _job_logprobs(shared: SharedBase, job: JobUpdate, hidden_BTH: Tensor, batch, rows: slice):
+    """(logp_BT, entropy_BT) of job's rows `rows` of the combined batch, at its own temperature and chunking."""
+    action_BT = batch.action_mask_BT[rows].bool()
+    logp_1N, entropy_1N = token_logprobs(shared.model.get_output_embeddings(), hidden_BTH[rows][action_BT][None],
+                                         batch.targets_BT[rows][action_BT][None],
+                                         temperature=job.spec.sampling.temperature,
+                                         chunk_size=job.spec.training.logprob_chunk_size)
+    zeros_BT = logp_1N.new_zeros(action_BT.shape)
+    return zeros_BT.index_put((action_BT,), logp_1N[0]), zeros_BT.index_put((action_BT,), entropy_1N[0])
+
+
+def _row_slices(parts: list[tuple[JobUpdate, list[int]]]) -> list[slice]:
+    slices, start = [], 0
+    for _, micro in parts:
+        slices.append(slice(start, start + len(micro)))
+        start += len(micro)
+    return slices
+
+
+def _frozen_logprobs(shared: SharedBase, jobs: list[JobUpdate], *, reference: bool, pad_id: int, device,
+                     autocast) -> list[dict[int, Tensor]]:
+    """Per job, its sequences' action-token log-probs under its current adapter (or the base alone), no grad;
+    every job's k-th micro-batch scored in one forward."""
+    results: list[dict[int, Tensor]] = [{} for _ in jobs]
+    micros = [micro_batches(job.indices, job.lengths, job.spec.training.micro_batch_size) for job in jobs]
+    model = shared.model
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for k in range(max(map(len, micros), default=0)):
+            parts = [(j, micros[j][k]) for j in range(len(jobs)) if k < len(micros[j])]
+            batch = _collate(shared, [(jobs[j], m) for j, m in parts], pad_id, device)
+            names = [BASE_ONLY if reference else jobs[j].name for j, m in parts for _ in m]
+            hidden = _hidden(shared, batch, names, autocast)
+            for (j, micro), rows in zip(parts, _row_slices([(jobs[j], m) for j, m in parts])):
+                logp, _ = _job_logprobs(shared, jobs[j], hidden, batch, rows)
+                mask = batch.action_mask_BT[rows].bool()
+                lengths = mask.sum(-1).long().tolist()
+                results[j].update(zip(micro, logp[mask].split(lengths)))
+    model.train(was_training)
+    return results
+
+
+def _scatter(per_seq: dict[int, Tensor], idx: list[int], mask_BT: Tensor, like_BT: Tensor) -> Tensor:
+    out = torch.zeros_like(like_BT).detach()
+    out[mask_BT] = torch.cat([per_seq[i] for i in idx]).to(device=out.device, dtype=out.dtype)
+    return out
+
+
+def batched_update(shared: SharedBase, jobs: list[JobUpdate], *, pad_id: int, device,
+                   autocast=nullcontext) -> list[UpdateStats]:
+    """Every job's optimizer steps of this cycle; returns each job's UpdateStats, in order. `autocast()`: the
+    context forwards run in (the shared base's compute dtype)."""
+    for job in jobs:
+        _prepare(job)
+    trained = [job for job in jobs if job.indices]
+    needs_old = [job for job in trained if job.spec.training.updates_per_rollout > 1]
+    for job, old in zip(needs_old, _frozen_logprobs(shared, needs_old, reference=False, pad_id=pad_id,
+                                                     device=device, autocast=autocast)):
+        job.old = old
+    needs_ref = [job for job in trained if job.spec.loss.kl_beta > 0]
+    for job, ref in zip(needs_ref, _frozen_logprobs(shared, needs_ref, reference=True, pad_id=pad_id,
+                                                     device=device, autocast=autocast)):
+        job.ref = ref
+    model = shared.model
+    model.train()
+    for r in range(max((len(job.plan) for job in trained), default=0)):
+        _round(shared, [job for job in trained if r < len(job.plan)], r, pad_id, device, autocast)
+    for job in jobs:
+        job.optimizer.zero_grad(set_to_none=True)
+    return [job.stats for job in jobs]
+
+
+def _round(shared: SharedBase, jobs: list[JobUpdate], r: int, pad_id: int, device, autocast) -> None:
+    """Optimizer step r of each of `jobs`: their micro-batches in shared forwards and backwards, then each job's
+    own clipping and step."""
+    normalizers, micros, weight_of = {}, {}, {}
+    for job in jobs:
+        mini, counts, loss = job.plan[r], job.rollout.action_counts, job.spec.loss
+        weights, share = sequence_weights(loss.normalization, [counts[i] for i in mini],
+                                          [i // job.spec.training.group_size for i in mini])
+        if share == 0:
+            continue
+        normalizers[job.name] = share
+        weight_of[job.name] = dict(zip(mini, weights)) if loss.normalization == "prompt" else None
+        micros[job.name] = micro_batches(mini, job.lengths, job.spec.training.micro_batch_size)
+        job.optimizer.zero_grad(set_to_none=True)
+    stepping = [job for job in jobs if job.name in normalizers]
+    losses = {job.name: 0.0 for job in stepping}
+    for k in range(max((len(micros[job.name]) for job in stepping), default=0)):
+        parts = [(job, micros[job.name][k]) for job in stepping if k < len(micros[job.name])]
+        batch = _collate(shared, parts, pad_id, device)
+        names = [job.name for job, micro in parts for _ in micro]
+        hidden = _hidden(shared, batch, names, autocast)
+        total = None
+        for (job, micro), rows in zip(parts, _row_slices(parts)):
+            with autocast():
+                logp, entropy = _job_logprobs(shared, job, hidden, batch, rows)
+            out = _job_loss(job, micro, logp, batch.action_mask_BT[rows], normalizers[job.name],
+                            weight_of[job.name])
+            total = out.loss if total is None else total + out.loss
+            losses[job.name] += float(out.loss.detach())
+            job.stats.add(out, float((entropy * batch.action_mask_BT[rows]).sum()))
+        total.backward()  # one backward for every job's micro-batch: the adapters are disjoint
+    for job in stepping:
+        max_norm = job.spec.optimizer.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(job.params, max_norm if max_norm is not None else float("inf"))
+        job.stats.grad_norms.append(float(norm))
+        job.optimizer.step()
+        job.stats.step_losses.append(losses[job.name])
+
+
+def _job_loss(job: JobUpdate, micro: list[int], logp: Tensor, action_mask_BT: Tensor, normalizer: float,
+              weight_of: dict[int, float] | None):
+    mask = action_mask_BT.bool()
+    loss = job.spec.loss
+    return cispo_loss(
+        LossInputs(
+            logprobs_BT=logp,
+            old_logprobs_BT=logp.detach() if job.old is None else _scatter(job.old, micro, mask, logp),
+            advantages_B=_scatter(job.token_adv, micro, mask, logp),
+            action_mask_BT=action_mask_BT,
+            ref_logprobs_BT=None if job.ref is None else _scatter(job.ref, micro, mask, logp),
+            sampler_logprobs_BT=None if job.sampler is None else _scatter(job.sampler, micro, mask, logp),
+        ),
+        normalizer=normalizer,
+        ratio_max=loss.ratio_max,
+        kl_beta=loss.kl_beta,
+        kl_clamp=loss.kl_clamp,
+        per_sequence=loss.normalization == "sequence",
+        tis_cap=job.spec.rollout.tis_cap,
+        sequence_weights_B=None if weight_of is None else logp.new_tensor([weight_of[i] for i in micro]),
+        **off_policy_options(loss),
+    )
