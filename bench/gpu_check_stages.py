@@ -95,7 +95,7 @@ def stage_decode(fig: Figures, smoke: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     from bench.trl_compare import build_model
-    from service.job_spec.spec import SamplingSpec
+    from service.job_spec.sampling import SamplingSpec
     from worker.rollout import decode
 
     w = _workload(smoke)

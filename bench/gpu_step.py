@@ -49,7 +49,7 @@ def decode_ms_per_step(w: Workload, workdir: Path, *, repeats: int) -> tuple[flo
     """Median ms per decode step of our sampler on the workload's prompts, and which loop ran."""
     from transformers import AutoModelForCausalLM
 
-    from service.job_spec.spec import SamplingSpec
+    from service.job_spec.sampling import SamplingSpec
     from worker.rollout import decode
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

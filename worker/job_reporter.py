@@ -46,6 +46,8 @@ def _finite(metrics: dict) -> dict[str, float]:
 class JobReporter:
     """Trainer callbacks that write to SQL (fenced) and the object store, and relay control requests."""
 
+    interrupts_on_cancel = True  # a cancel also stops the process's user code mid-batch (one job per process)
+
     def __init__(self, sessions: sessionmaker[Session], store: ObjectStore, job_id: str, epoch: int,
                  settings: Settings, total_steps: int, keep_checkpoints: int = 3, environment: str | None = None,
                  export_merged: tuple[str, str] | None = None, training: TrainingSpec | None = None):
@@ -89,7 +91,8 @@ class JobReporter:
             self.lost = True
         else:
             self.cancel, self.pause = control.cancel, control.pause
-            if self.cancel:  # a cancelled job has no step worth finishing; pause and drain keep theirs
+            # A cancelled job has no step worth finishing (pause and drain keep theirs): its user code is cut short.
+            if self.cancel and self.interrupts_on_cancel:
                 INTERRUPT.set()
 
     def event(self, message: str, *, level: str = "info", type: str = "message", data: dict | None = None) -> None:

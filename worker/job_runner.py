@@ -238,9 +238,9 @@ def make_reporter(sessions: sessionmaker[Session], store: ObjectStore, job_id: s
     spec = claimed.spec
     return kind(sessions, store, job_id, claimed.epoch, settings, spec.training.steps,
                 keep_checkpoints=spec.training.checkpoint_keep,
-                       environment=describe_environment(spec.environment) if spec.environment else None,
-                       export_merged=(spec.model, spec.dtype) if spec.training.export == "merged" else None,
-                       training=spec.training)
+                environment=describe_environment(spec.environment) if spec.environment else None,
+                export_merged=(spec.model, spec.dtype) if spec.training.export == "merged" else None,
+                training=spec.training)
 
 
 def start_trackers(reporter: JobReporter, job_id: str, claimed: Claimed, settings: Settings) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from service.schemas.api import Metadata, Request, ServiceReward, Text
-from service.job_spec.spec import SamplingSpec
+from service.job_spec.sampling import SamplingSpec
 
 MAX_EVAL_ROWS = 10_000
 

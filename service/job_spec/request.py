@@ -20,18 +20,10 @@ from pydantic import Field, field_validator, model_validator
 from service.schemas.api import Metadata, Request, ServiceReward, Text
 from service.schemas.environments import EnvironmentRef
 from service.schemas.integrations import Integrations
-from service.job_spec.spec import (
-    AdvantageSpec,
-    CispoLossSpec,
-    LoraSpec,
-    OptimizerSpec,
-    ResourcesSpec,
-    RolloutSpec,
-    SamplingSpec,
-    Schedule,
-    TrainingSpec,
-    refuse_float16_training,
-)
+from service.job_spec.objective import AdvantageSpec, CispoLossSpec, OptimizerSpec, Schedule
+from service.job_spec.sampling import RolloutSpec, SamplingSpec
+from service.job_spec.spec import LoraSpec, ResourcesSpec, TrainingSpec
+from service.job_spec.strict import refuse_float16_training
 
 Auto = Literal["auto"]
 

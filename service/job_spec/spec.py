@@ -8,31 +8,18 @@ discriminated unions on a ``type`` field.
 
 from __future__ import annotations
 
-import warnings
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from service.job_spec.objective import AdvantageSpec, CispoLossSpec, ConstantSchedule, OptimizerSpec, Schedule
+from service.job_spec.sampling import RolloutSpec, SamplingSpec
+from service.job_spec.strict import Strict, refuse_float16_training
 from service.schemas.environments import EnvironmentSpec
-from service.schemas.recipe import OffPolicyMaskSpec, PassRateFilterSpec
 from service.schemas.integrations import Integrations
+from service.schemas.recipe import PassRateFilterSpec
 from service.schemas.rewards import AnyReward
 from service.schemas.stopping import StopWhenSpec
-
-
-def refuse_float16_training(value: str | None) -> str | None:
-    """The training dtype: float16 is refused, since there is no loss scaling (gradients of a loss averaged over
-    ~10^4 tokens underflow in float16). rollout.dtype may still be float16: sampling has no gradients."""
-    if value == "float16":
-        raise ValueError("float16 training is not supported (no loss scaling: gradients underflow); use "
-                         "bfloat16, or float32 on a GPU without bfloat16 ('auto' picks for you)")
-    return value
-
-
-class Strict(BaseModel):
-    """Base for every spec section: unknown fields are errors."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LoraSpec(Strict):
@@ -54,168 +41,6 @@ class LoraSpec(Strict):
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError("target_modules must name at least one module")
         return self
-
-
-class SamplingSpec(Strict):
-    """Rollout sampling; the trainer scores tokens at the same temperature."""
-
-    temperature: float = Field(1.0, gt=0.0, le=10.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    min_p: float = Field(0.0, ge=0.0, lt=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    max_output_tokens: int = Field(256, ge=1, le=131072)
-    min_output_tokens: int = Field(
-        0, ge=0, le=131072,
-        description="EOS is suppressed until a completion (each turn) has this many tokens; 0: no minimum.",
-    )
-    max_model_len: int = Field(1024, ge=2, le=1048576, description="Prompt plus completion, in tokens.")
-
-    @model_validator(mode="after")
-    def _lengths(self) -> SamplingSpec:
-        if self.max_output_tokens >= self.max_model_len:
-            raise ValueError(
-                f"max_output_tokens ({self.max_output_tokens}) must be smaller than "
-                f"max_model_len ({self.max_model_len}), which also holds the prompt"
-            )
-        if self.min_output_tokens > self.max_output_tokens:
-            raise ValueError(f"min_output_tokens ({self.min_output_tokens}) exceeds max_output_tokens "
-                             f"({self.max_output_tokens})")
-        return self
-
-
-class RolloutSpec(Strict):
-    """Which engine samples the rollouts, and the correction for its log-prob mismatch with the trainer.
-
-    'hf' generates inside the trainer's own model (worker/rollout/decode.py). 'vllm' runs a
-    vLLM engine in the worker (the optional `vllm` extra): the LoRA adapter is
-    hot-loaded each step, and its sampling log-probs feed the truncated
-    importance-sampling (TIS) correction.
-    """
-
-    engine: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers) or 'vllm'.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto",
-        description="Precision the rollouts sample in; 'auto': the model's. Sampling below the training precision "
-        "(e.g. bfloat16 for a float32 job: 2-3x faster matmuls on CPUs with AVX512-BF16, half the memory traffic) "
-        "makes the sampler's log-probs differ slightly from the trainer's; the engine then reports them and the "
-        "truncated IS correction (tis_cap) weighs each token, as with vllm.",
-    )
-    gpu_memory_utilization: float = Field(
-        0.3, gt=0.0, le=0.95,
-        description="vllm on GPU: share of GPU memory for weights and KV cache; the trainer needs the rest.",
-    )
-    sleep_mode: bool = Field(
-        True, description="vllm on GPU: free the engine's GPU memory while the trainer updates (ignored on CPU)."
-    )
-    tis_cap: float | None = Field(
-        2.0, ge=0.0, le=100.0,
-        description="Truncated IS weight min(exp(logp_old - logp_sampler), tis_cap) on each policy-gradient term, "
-        "when the engine reports log-probs (vllm); null or 0 disables it. 2.0 as in AgileRL.",
-    )
-    max_staleness: int = Field(
-        0, ge=0, le=8,
-        description="Asynchronous rollouts: a sampler process produces the batches of the next max_staleness steps "
-        "while the trainer updates, and no sample more than max_staleness policy versions old is trained on; "
-        "CISPO's ratio is then taken against the sampler's own log-probs. 0: the synchronous loop.",
-    )
-
-    @model_validator(mode="after")
-    def _cap_not_below_one(self) -> RolloutSpec:
-        if self.tis_cap and self.tis_cap < 1.0:
-            raise ValueError(f"tis_cap ({self.tis_cap}) must be null or 0 (off), or at least 1: a cap below 1 "
-                             "would scale down every token the trainer and sampler agree on")
-        return self
-
-
-class AdvantageSpec(Strict):
-    """Group-relative advantages (MiniMax-M1 Eq. 2; mean-only as in Dr.GRPO and AgileRL)."""
-
-    scale: Literal["none", "group_std", "batch_std"] = Field(
-        "none", description="'none': A = r - mean(group); 'group_std': divide by std(group) + eps; 'batch_std' "
-        "(ScaleRL): divide by the std of every reward of the step's batch + eps."
-    )
-    eps: float = Field(1e-6, gt=0.0)
-    clip: float | None = Field(None, gt=0.0, description="Clip advantages to [-clip, clip].")
-    drop_zero_groups: bool = Field(
-        False, description="Leave out groups whose rewards are all equal (they carry no signal)."
-    )
-    per_turn: bool = Field(
-        False,
-        description="Environments: each turn's actions get the group-relative advantage of their reward-to-go "
-        "(the sum of the rewards from that turn on), compared within the group at the same turn index. "
-        "Off: every action token gets the episode's advantage (episode reward = sum of turn rewards).",
-    )
-
-
-class CispoLossSpec(Strict):
-    """CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 3-5).
-
-    ratio_max is an absolute cap on the detached importance weight, with no
-    lower bound. Default 5.0: ScaleRL (arXiv 2510.13786) found 4-8 equally
-    good and TRL's docs recommend 5.0 for loss_type="cispo".
-    """
-
-    type: Literal["cispo"] = "cispo"
-    ratio_max: float = Field(5.0, ge=1.0, le=100.0)
-    normalization: Literal["token", "sequence", "prompt"] = Field(
-        "token",
-        description="'token': divide by all action tokens of the optimizer step (the paper); "
-        "'sequence': mean over tokens, then over sequences; 'prompt' (ScaleRL): mean over the tokens of each "
-        "prompt's completions in the optimizer step, then over prompts.",
-    )
-    importance_sampling_level: Literal["token", "sequence"] = Field(
-        "token",
-        description="'token': each token's ratio exp(logp - logp_old); 'sequence' (GSPO): every token of a "
-        "sequence gets exp(mean over its action tokens of logp - logp_old). Capped at ratio_max either way.",
-    )
-    off_policy_mask: OffPolicyMaskSpec | None = Field(
-        None, description="AgileRL's token and sequence masks for off-policy tokens; null: none."
-    )
-    kl_beta: float = Field(0.0, ge=0.0, description="Weight of the k3 KL penalty to the reference.")
-    kl_clamp: float = Field(10.0, gt=0.0, description="Per-token cap on the k3 KL estimate.")
-
-    @model_validator(mode="after")
-    def _warn_low_cap(self) -> CispoLossSpec:
-        if self.ratio_max < 2.0:
-            warnings.warn(
-                f"loss.ratio_max={self.ratio_max} is below 2: the cap will bind on most "
-                "off-policy tokens; later work uses 4-8",
-                UserWarning,
-                stacklevel=2,
-            )
-        return self
-
-
-class OptimizerSpec(Strict):
-    """AdamW. Betas and eps default to the MiniMax-M1 paper (section 3.2)."""
-
-    lr: float = Field(1e-5, gt=0.0, le=1.0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-15, gt=0.0, le=1e-3)
-    weight_decay: float = Field(0.0, ge=0.0)
-    max_grad_norm: float | None = Field(1.0, gt=0.0, description="None disables clipping.")
-
-    @model_validator(mode="after")
-    def _betas(self) -> OptimizerSpec:
-        for i, b in enumerate(self.betas):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"betas[{i}]={b} must be in [0, 1)")
-        return self
-
-
-class ConstantSchedule(Strict):
-    type: Literal["constant"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-
-
-class CosineSchedule(Strict):
-    type: Literal["cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-
-
-Schedule = Annotated[ConstantSchedule | CosineSchedule, Field(discriminator="type")]
 
 
 class ImportReward(Strict):

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from service.job_spec.spec import SamplingSpec
+from service.job_spec.sampling import SamplingSpec
 from worker.multi.decode import JobRows, sample_jobs
 from worker.multi.lora import SharedBase, segments_of
 from worker.multi.rollout import RolloutRequest, generate_jobs

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.db.session import session_factory
 from service.repositories import jobs as jobs_repo
-from service.job_spec.spec import SamplingSpec
+from service.job_spec.sampling import SamplingSpec
 from worker.artifacts import upload_checkpoint
 from worker.checkpoint import checkpoint_name, save_checkpoint
 from worker.rollout.decode import rollout_weights, sample_tokens

@@ -92,7 +92,10 @@ def test_full_fine_tuning_runs_asynchronously_within_the_bound(toy_dir, tmp_path
     assert all(m["stale_dropped"] == 0 and m["trained_tokens"] > 0 for m in cb.metrics)
 
 
-def test_trainer_keeps_its_share_of_threads_while_the_sampler_runs(toy_dir, tmp_path):
+def test_trainer_keeps_its_share_of_threads_while_the_sampler_runs(toy_dir, tmp_path, monkeypatch):
+    # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op once it has bound its threads:
+    # where a vLLM test ran before in this process (pytest-xdist), put torch's own back for this test.
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
     threads = torch.get_num_threads()
     seen = []
 

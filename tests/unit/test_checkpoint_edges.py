@@ -178,3 +178,56 @@ def test_rng_state_that_is_incomplete_or_from_other_hardware(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         restore_rng(state, tensors)  # same hardware: silent
+
+
+def test_refusals_name_every_absent_file_and_the_digest_expected(tmp_path, trained):  # noqa: F811
+    """A manifest missing several files names all of them; a corrupt file's refusal shows the recorded digest."""
+    path = save(tmp_path / "step-00000002", *trained)
+    _edit_manifest(path, lambda m: [m["files"].pop(rel) for rel in ("trainer_state.json", "trainer_state.safetensors")])
+    with pytest.raises(CheckpointError, match="does not list trainer_state.json, trainer_state.safetensors$"):
+        load_checkpoint(path)
+    path = save(tmp_path / "step-00000003", *trained, step=3)
+    _edit_manifest(path, lambda m: [m["files"].pop(rel) for rel in ("adapter/adapter_config.json",
+                                                                    "adapter/adapter_model.safetensors")])
+    with pytest.raises(CheckpointError, match=r"nor adapter/adapter_config.json, adapter/adapter_model.safetensors "):
+        load_checkpoint(path)
+    path = save(tmp_path / "step-00000004", *trained, step=4)
+    recorded = json.loads((path / "manifest.json").read_text())["files"]["trainer_state.json"]["sha256"]
+    (path / "trainer_state.json").write_text((path / "trainer_state.json").read_text() + " ")
+    _edit_manifest(path, lambda m: m["files"]["trainer_state.json"].update(
+        bytes=(path / "trainer_state.json").stat().st_size))
+    with pytest.raises(CheckpointError, match=rf"trainer_state.json sha256 mismatch \(expected {recorded}, got "):
+        load_checkpoint(path)
+
+
+def test_optimizer_state_absent_or_of_another_shape_is_refused(tmp_path, trained):  # noqa: F811
+    model, optimizer = trained
+    ckpt = load_checkpoint(save_checkpoint(tmp_path / "step-00000001", model=model, optimizer=None,
+                                           state={"step": 1}))
+    with pytest.raises(CheckpointError, match="step-00000001: holds no optimizer state$"):
+        optimizer_state_dict(make_optimizer(model), ckpt)
+    sd = optimizer.state_dict()
+    sd["state"][0]["exp_avg"] = torch.zeros(3)  # a vector where the parameter is a matrix
+    ckpt = load_checkpoint(save(tmp_path / "step-00000002", model, sd))
+    with pytest.raises(CheckpointError, match="shape"):
+        optimizer_state_dict(make_optimizer(model), ckpt)
+
+
+def test_an_adapter_checkpoint_holds_the_trained_adapter_only(tmp_path, trained):  # noqa: F811
+    """With a reference adapter beside it, adapter/ still holds the one trained adapter, flat, as PEFT loads it."""
+    from tests.unit.test_checkpoint import lora_config
+
+    model, optimizer = trained
+    model.add_adapter("reference", lora_config(r=2, target_modules=["q_proj"]))
+    ckpt = load_checkpoint(save(tmp_path / "step-00000002", model, optimizer, reference_adapter="reference"))
+    assert not [p for p in ckpt.adapter_dir.iterdir() if p.is_dir()]  # PEFT puts other adapters in subfolders
+    assert json.loads((ckpt.adapter_dir / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_a_bf16_reference_model_is_recorded_as_bf16(tmp_path):
+    model = make_base()
+    pinned = {k: v.to(torch.bfloat16) for k, v in make_base(seed=5).state_dict().items()}
+    path = save_checkpoint(tmp_path / "step-00000001", model=model, optimizer=None, state={"step": 1},
+                           model_state=dict(model.state_dict()), reference_state=dict(pinned))
+    assert json.loads((path / "reference" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((path / "model" / "config.json").read_text())["dtype"] == "float32"

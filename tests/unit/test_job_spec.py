@@ -7,7 +7,8 @@ import warnings
 import pytest
 from pydantic import ValidationError
 
-from service.job_spec.spec import ConstantSchedule, CosineSchedule, JobSpec
+from service.job_spec.objective import ConstantSchedule, CosineSchedule
+from service.job_spec.spec import JobSpec
 
 
 def _spec(**overrides) -> dict:

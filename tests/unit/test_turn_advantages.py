@@ -57,7 +57,7 @@ def _rollout(action_turns, turn_rewards, errors, turns):
 
 def test_each_turns_tokens_get_that_turns_advantage():
     """R: episode 0 [1, 0], episode 1 [1, 1]. Turn 0 ties (0, 0); turn 1: [0, 1] - 0.5 = [-0.5, 0.5]."""
-    from service.job_spec.spec import AdvantageSpec
+    from service.job_spec.objective import AdvantageSpec
     from worker.trainer.feedback import assign_advantages, collect_feedback
 
     rollout = _rollout([[0, 0, 1], [0, 1, 1, 1]], [[1.0, 0.0], [0.0, 1.0]], [None, None], [2, 2])

@@ -18,10 +18,13 @@ from worker.job_runner import run_job
 
 def test_pause_and_resume_cycles_use_no_attempts(postgres_url, toy_dir, tmp_path):
     settings = make_settings(tmp_path, postgres_url).model_copy(update={"max_attempts": 1})
-    job_id = submit(settings, toy_dir, steps=4, checkpoint_interval=1)
-    for cycle in range(3):
+    job_id = submit(settings, toy_dir, steps=8, checkpoint_interval=1)
+    for _ in range(3):
+        # A step beyond the last run's, so this run has claimed the job (a pause may land a step late: waiting
+        # for a fixed step could return before the claim, and pause the job while it is still queued).
+        before = job_row(settings, job_id).steps_done
         thread, out = run_in_thread(settings, job_id)
-        wait_for_step(settings, job_id, cycle + 1)
+        wait_for_step(settings, job_id, before + 1)
         with session_factory(postgres_url).begin() as s:
             jobs.request_pause(s, jobs.get_for_worker(s, job_id))
         thread.join(120)

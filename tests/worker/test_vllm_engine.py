@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from service.job_spec.spec import SamplingSpec
+from service.job_spec.sampling import SamplingSpec
 from tests.rollout.test_multi_turn import Scripted, word_then_done
 from tests.worker.vllm_fixtures import vllm_job_spec
 from worker.rollout import HFEngine

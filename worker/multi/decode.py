@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from service.job_spec.spec import SamplingSpec
+from service.job_spec.sampling import SamplingSpec
 from worker.multi.lora import SegmentRouter
 from worker.rollout.decode import CACHE_ARG, NonFiniteLogits, _Picker, left_padded
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from service.job_spec.spec import SamplingSpec
+from service.job_spec.sampling import SamplingSpec
 from worker.multi.lora import SharedBase
 from worker.multi.rollout import RolloutRequest, generate_jobs
 from worker.rollout.rollout import Rollout

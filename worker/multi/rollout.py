@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from service.job_spec.spec import SamplingSpec
+from service.job_spec.sampling import SamplingSpec
 from worker.multi.decode import JobRows, sample_jobs
 from worker.multi.lora import SharedBase
 from worker.rollout.rollout import Rollout, generate

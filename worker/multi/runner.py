@@ -52,13 +52,7 @@ log = logging.getLogger(__name__)
 class ResidentReporter(JobReporter):
     """A job reporter that leaves the process-wide interrupt alone: a cancel stops the job at the cycle boundary."""
 
-    def heartbeat(self) -> None:
-        with self.sessions.begin() as s:
-            control = jobs.heartbeat(s, self.job_id, self.epoch, self.settings.lease_ttl_s)
-        if control is None:
-            self.lost = True
-        else:
-            self.cancel, self.pause = control.cancel, control.pause
+    interrupts_on_cancel = False
 
 
 @dataclass

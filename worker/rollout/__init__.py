@@ -27,7 +27,8 @@ import torch
 from peft import PeftModel
 
 from service.models.engine_check import EngineUnsupported, head_size, head_size_refusal
-from service.job_spec.spec import JobSpec, SamplingSpec
+from service.job_spec.sampling import SamplingSpec
+from service.job_spec.spec import JobSpec
 from worker.envs.protocol import Environment
 from worker.rollout.hf import HFEngine
 from worker.model.policy import Policy

@@ -68,7 +68,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from service.job_spec.spec import SamplingSpec
+from service.job_spec.sampling import SamplingSpec
 
 __all__ = ["rollout_weights", "sample_tokens", "logits_processors", "NonFiniteLogits", "take_compile_fallbacks",
            "release_rollout_state"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from service.job_spec.spec import SamplingSpec
+from service.job_spec.sampling import SamplingSpec
 from worker.envs.protocol import Environment
 from worker.model.policy import Policy
 from worker.rollout.rollout import Rollout, generate, transformers_sampler

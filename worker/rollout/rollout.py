@@ -45,7 +45,7 @@ from typing import Protocol
 import torch
 
 from service.schemas.dataset import row_prompt
-from service.job_spec.spec import SamplingSpec
+from service.job_spec.sampling import SamplingSpec
 from worker.envs.protocol import Environment
 from worker.rollout.decode import rollout_weights, sample_tokens
 from worker.model.policy import Policy

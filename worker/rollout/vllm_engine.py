@@ -35,7 +35,8 @@ import torch
 from peft import PeftModel
 
 from service.models.engine_check import EngineUnsupported
-from service.job_spec.spec import JobSpec, SamplingSpec
+from service.job_spec.sampling import SamplingSpec
+from service.job_spec.spec import JobSpec
 from worker.envs.protocol import Environment
 from worker.model.policy import Policy
 from worker.model.precision import compute_dtype

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from transformers import DynamicCache
 
-from service.job_spec.spec import SamplingSpec
+from service.job_spec.sampling import SamplingSpec
 from worker.rollout.decode import CACHE_ARG, NonFiniteLogits, logits_processors
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from service.job_spec.spec import AdvantageSpec
+from service.job_spec.objective import AdvantageSpec
 from worker.cispo import group_advantages, rewards_to_go, turn_advantages
 from worker.distributed import group
 from worker.trainer.rewards import Scorer, Scores

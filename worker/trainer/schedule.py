@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from service.job_spec.spec import ConstantSchedule, CosineSchedule
+from service.job_spec.objective import ConstantSchedule, CosineSchedule
 
 
 def lr_multiplier(schedule: ConstantSchedule | CosineSchedule, step: int, total_steps: int) -> float:
