@@ -47,6 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from worker.trainer.callbacks import NoCallbacks  # noqa: E402  (torch-light: a Protocol and a no-op class)
+
 PHASES = ("rollout", "reward", "update", "other")
 
 
@@ -107,22 +109,13 @@ class Run:
         return out
 
 
-class Recorder:
+class Recorder(NoCallbacks):
     def __init__(self, run: Run):
         self.run = run
 
     def on_step(self, step, metrics):
         self.run.ends.append(time.perf_counter())
         self.run.metrics.append(metrics)
-
-    def on_eval(self, step, metrics):
-        pass
-
-    def on_checkpoint(self, step, path):
-        pass
-
-    def should_stop(self):
-        return False
 
 
 def measure(raw_spec: dict, max_staleness: int, *, steps: int, warmup: int, out: Path,

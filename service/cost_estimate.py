@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import median
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -31,12 +32,6 @@ class Cost:
     message: str
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def _sample_tokens(session: Session, project_id: str, spec: JobSpec) -> tuple[float, str]:
     """Completion tokens per sample, and how they were found."""
     cap = spec.sampling.max_output_tokens * spec.training.max_turns
@@ -49,11 +44,12 @@ def _sample_tokens(session: Session, project_id: str, spec: JobSpec) -> tuple[fl
         if not values:
             continue
         earlier_cap = job_spec["sampling"]["max_output_tokens"] * job_spec["training"].get("max_turns", 1)
-        length = _median(values)
+        length = median(values)
         # Completions end at EOS: only those that ran into the earlier cap (90%+) are taken to grow with this one.
         lengths.append(cap * length / earlier_cap if length >= 0.9 * earlier_cap else min(float(cap), length))
     if lengths:
-        return _median(lengths), f"{_median(lengths):.1f} completion tokens per sample, from {len(lengths)} " \
+        per_sample = median(lengths)
+        return per_sample, f"{per_sample:.1f} completion tokens per sample, from {len(lengths)} " \
                                  "earlier job(s) of this project on this model"
     return float(cap), f"at most {cap} completion tokens per sample (max_output_tokens x max_turns; no earlier job " \
                        "of this project on this model to measure them), so an upper bound"
@@ -89,7 +85,8 @@ def estimate_cost(session: Session, project_id: str, spec: JobSpec) -> Cost:
     if not rates:
         return Cost(tokens, None, f"{how}; worker-seconds not estimated: this project has no earlier succeeded "
                                   "job that trained")
-    seconds = round(_median(rates) * tokens)
-    return Cost(tokens, seconds, f"{how}; about {seconds} worker-seconds at {_median(rates) * 1000:.3g} s per 1000 "
+    rate = median(rates)
+    seconds = round(rate * tokens)
+    return Cost(tokens, seconds, f"{how}; about {seconds} worker-seconds at {rate * 1000:.3g} s per 1000 "
                                  f"trained tokens, the median of {len(rates)} earlier succeeded job(s) of this "
                                  f"project {where} (start to finish)")

@@ -81,6 +81,7 @@ class JobEvidence:
         self.refit_every = max(1, total_steps // FORECAST_REFITS)
         self.stop_reason: str | None = None  # set when stop_when fired
         self.estimated_finish: int | None = None
+        self.on_evals = False  # the forecast fits the eval curve (evals only grow): steps no longer refit
 
     def _curve(self) -> dict[int, dict[str, float]]:
         with self.sessions.begin() as s:
@@ -89,16 +90,21 @@ class JobEvidence:
     def after_step(self, step: int, estimated_finish: int | None) -> bool:
         """Refit when due; False if the lease is lost."""
         self.estimated_finish = estimated_finish
-        if step % self.refit_every:
+        if self.on_evals or step % self.refit_every:
             return True
         curve = self._curve()
-        if sum("eval_reward_mean" in m for m in curve.values()) >= MIN_POINTS:
-            return True  # the forecast is on the eval curve, which only an eval changes (after_eval refits)
+        if self._fits_evals(curve):
+            return True  # the eval curve only changes at an eval (after_eval refits)
         return self.refit(curve, step)
+
+    def _fits_evals(self, curve: dict[int, dict[str, float]]) -> bool:
+        self.on_evals = self.on_evals or sum("eval_reward_mean" in m for m in curve.values()) >= MIN_POINTS
+        return self.on_evals
 
     def after_eval(self, step: int, event) -> bool:
         """Refit, then apply stop_when; `event(message, data=...)` reports a stop. False if the lease is lost."""
         curve = self._curve()
+        self._fits_evals(curve)
         if self.stop_when is not None and 0 < step < self.total_steps and self.stop_reason is None:
             reason = stop_reason(eval_points(curve), target=self.stop_when.target,
                                  plateau_evals=self.stop_when.plateau.evals if self.stop_when.plateau else None)
