@@ -256,7 +256,11 @@ def run_shared(job_id: str, settings: Settings, *, owner: str | None = None, slo
         job = jobs.get_for_worker(s, job_id)
         spec = JobSpec.model_validate(job.spec) if job is not None else None
         model = job.model if job is not None else None
-    if spec is None or refusal(spec) is not None:
+        alone = refusal(spec) if spec is not None else None
+        if alone is not None and job.status == "queued":  # say why, once per run (not for a duplicate message)
+            jobs.add_event(s, job_id, f"Running alone, not beside other jobs of {model}: {alone}",
+                           data={"reason": "cannot_share"})
+    if spec is None or alone is not None:
         return job_runner.run_job(job_id, settings, owner=owner)
     worker = SharedWorker(settings, sessions, open_store(settings.resolved_storage_url()),
                           owner or f"{socket.gethostname()}:{os.getpid()}", model, base_key(spec),
