@@ -60,6 +60,14 @@ class Settings(BaseSettings):
     worker_jobs: int = Field(1, ge=1, le=64, description="LoRA jobs of one base model a worker (each pool child) "
                              "trains at once on one resident copy of the base (worker/multi/); 1: a job owns its "
                              "worker, today's path unchanged.")
+    project_weights: dict[str, float] = Field(
+        default_factory=dict, description="Fair share of shared workers' slots (CISPO_WORKER_JOBS > 1), JSON "
+        "{project name: weight}, e.g. {\"research\": 2}; absent projects weigh 1 (equal weights: projects take "
+        "turns). A project of weight 2 gets two slots of a base to another's one (service/fair_share.py).")
+    worker_memory_gib: float | None = Field(
+        None, gt=0, description="Memory a shared worker may fill with its base and its jobs (GiB); a job whose "
+        "estimated peak does not fit beside the resident ones waits, queued. Default: 90% of the GPU's memory, "
+        "or of the host's on a CPU (worker/multi/memory.py).")
     sandbox: Literal["auto", "namespaces", "off"] = Field("auto", description="User code: 'off' refuses it.")
     sandbox_uid: int = Field(100000, ge=1, description="The first of the uids sandboxes run as, one per live "
                              "sandbox (host-wide); no host user may own them.")
@@ -136,6 +144,13 @@ class Settings(BaseSettings):
         from service.egress import EgressPolicy  # fail at start-up on a typo, not at the first remote call
 
         EgressPolicy.from_setting(v)
+        return v
+
+    @field_validator("project_weights")
+    @classmethod
+    def _positive_weights(cls, v: dict[str, float]) -> dict[str, float]:
+        if bad := [name for name, weight in v.items() if not 0 < weight < float("inf")]:
+            raise ValueError(f"project weights must be positive numbers: {', '.join(bad)}")
         return v
 
     @field_validator("database_url")

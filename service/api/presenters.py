@@ -56,7 +56,7 @@ def model_name(job: Job, who: Principal) -> str:
     return fine_tuned.model_id(job, who.project_name)
 
 
-def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
+def job(row: Job, who: Principal, training_rows: int | None, queue_position: int | None = None) -> JobObject:
     error = None
     if row.error_code:
         error = JobError(code=row.error_code, message=row.error_message or "", param=row.error_param)
@@ -64,6 +64,7 @@ def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
         id=row.id, model=row.model, created_at=row.created_at, finished_at=row.finished_at,
         fine_tuned_model=model_name(row, who) if row.status == "succeeded" else None,
         organization_id=row.project_id, status=row.status, validation_file=row.validation_file,
+        queue_position=queue_position if row.status == "queued" else None,
         training_file=row.training_file, trained_tokens=row.trained_tokens, error=error, seed=row.seed,
         metadata=row.metadata_, user_provided_suffix=row.suffix,
         hyperparameters=public_hyperparameters(row.spec, training_rows), method=row.method,
@@ -76,8 +77,9 @@ def job(row: Job, who: Principal, training_rows: int | None) -> JobObject:
     )
 
 
-def jobs(rows: Page[Job], who: Principal, training_rows: dict[str, int]) -> ListObject:
-    return page([job(r, who, training_rows.get(r.training_file)) for r in rows.items], rows.has_more)
+def jobs(rows: Page[Job], who: Principal, training_rows: dict[str, int], queue_positions: dict[str, int]) -> ListObject:
+    return page([job(r, who, training_rows.get(r.training_file), queue_positions.get(r.id)) for r in rows.items],
+                rows.has_more)
 
 
 def event(row: JobEvent) -> EventObject:

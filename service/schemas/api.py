@@ -175,6 +175,9 @@ class JobObject(BaseModel):
     result_files: list[str] = Field([], description="At the end: a metrics CSV (purpose fine-tune-results), "
                                     "downloadable with GET /v1/files/{id}/content.")
     status: str
+    queue_position: int | None = Field(
+        None, description="While queued: its place (1: next) in the queue workers take jobs from; with shared "
+        "workers (CISPO_WORKER_JOBS > 1), among the queued jobs of its base model in fair-share order.")
     validation_file: str | None
     training_file: str
     trained_tokens: int | None

@@ -3,7 +3,10 @@
 The Celery task of a job (worker/celery_app.py) comes here when the setting is
 above 1. The job's base model is loaded once; between cycles, while slots are
 free, queued jobs of the same base (the job row's model, the precision it is
-held in) are claimed from SQL, the source of truth: jobs of one base meet on
+held in) are claimed from SQL, the source of truth, in fair-share order
+between projects (service/fair_share.py) and only while the next one's
+estimated memory fits beside the resident jobs (worker/multi/memory.py; one
+that does not waits, and so do those behind it): jobs of one base meet on
 the worker that holds it, and their own broker messages, delivered later,
 find the lease taken and are dropped (as any duplicate is). A job that cannot
 share (worker/multi/support.py) runs the ordinary way.
@@ -36,13 +39,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.db.models import Job
 from service.db.session import session_factory
 from service.job_spec.spec import JobSpec
-from service.repositories import jobs
+from service.repositories import job_queue, jobs
 from service.sandbox.channel import INTERRUPT
 from service.settings import Settings
 from service.storage import ObjectStore, open_store
 from worker import job_runner, scratch
 from worker.drain import DRAIN
 from worker.job_reporter import JobReporter, LeaseLost
+from worker.multi import memory
 from worker.multi.support import base_key, refusal
 from worker.rewards.engine import ScoringContext
 
@@ -64,13 +68,14 @@ class Resident:
     job: object | None = None  # its ResidentJob, once admitted
 
 
-def waiting_jobs_of_base(session: Session, model: str, limit: int) -> list[tuple[str, dict]]:
-    """(id, spec) of queued jobs of `model` past any backoff, oldest first: the candidates for free slots."""
+def waiting_jobs_of_base(session: Session, model: str, weights: dict[str, float], limit: int) -> list[tuple[str, dict]]:
+    """(id, spec) of queued jobs of `model` past any backoff, in fair-share order (service/fair_share.py): the
+    candidates for free slots."""
+    order = job_queue.fair_queue(session, model, weights)[:limit]
     t = time.time()
-    return [(job_id, spec) for job_id, spec in session.execute(
-        select(Job.id, Job.spec).where(Job.status == "queued", Job.model == model,
-                                       or_(Job.not_before.is_(None), Job.not_before <= t))
-        .order_by(Job.created_at).limit(limit))]
+    specs = dict(session.execute(select(Job.id, Job.spec).where(
+        Job.id.in_(order), Job.status == "queued", or_(Job.not_before.is_(None), Job.not_before <= t))).all())
+    return [(job_id, specs[job_id]) for job_id in order if job_id in specs]
 
 
 class SharedWorker:
@@ -81,6 +86,11 @@ class SharedWorker:
         self.residents: dict[str, Resident] = {}
         self.outcomes: dict[str, str | None] = {}
         self.shared = self.tokenizer = self.device = self.autocast = None
+        # Memory admission (worker/multi/memory.py), set when the base is loaded.
+        self.shape: memory.BaseShape | None = None
+        self.base_bytes = self.budget = 0
+        self.estimates: dict[str, memory.MemoryEstimate] = {}  # of the resident jobs
+        self.told_waiting: set[str] = set()  # jobs told once that they wait for room
 
     # -- the base, loaded once ------------------------------------------------
 
@@ -100,6 +110,9 @@ class SharedWorker:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         base = AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype).to(self.device)
+        self.shape, self.base_bytes = memory.BaseShape.of(base), memory.model_bytes(base)
+        gib = self.settings.worker_memory_gib
+        self.budget = int(gib * 2**30) if gib is not None else memory.default_budget(self.device)
         self.shared, self.tokenizer = SharedBase(base), tokenizer
         self.autocast = lambda: precision.autocast(self.device, dtype)
         torch.set_grad_enabled(True)
@@ -124,6 +137,7 @@ class SharedWorker:
             job_runner.start_trackers(reporter, job_id, claimed, self.settings)
             if self.shared is None:
                 self._load_base(claimed.spec)
+            self.estimates[job_id] = memory.estimate(claimed.spec, self.shape)
             from worker.multi.job import ResidentJob
 
             local_spec, run_dir = job_runner.prepare_run(claimed, self.store, resident.work, reporter)
@@ -139,12 +153,12 @@ class SharedWorker:
             self._fail(resident, e)
 
     def fill(self) -> None:
-        """Take queued jobs of this base into the free slots."""
+        """Take queued jobs of this base into the free slots, in fair-share order, while they fit in memory."""
         free = self.slots - len(self.residents)
         if free <= 0 or DRAIN.is_set():
             return
         with self.sessions.begin() as s:
-            waiting = waiting_jobs_of_base(s, self.model, limit=4 * free)
+            waiting = waiting_jobs_of_base(s, self.model, self.settings.project_weights, limit=4 * free + 16)
         for job_id, raw in waiting:
             if len(self.residents) >= self.slots:
                 break
@@ -152,8 +166,31 @@ class SharedWorker:
                 spec = JobSpec.model_validate(raw)
             except Exception:  # noqa: BLE001 - its own run reports that
                 continue
-            if refusal(spec) is None and base_key(spec) == self.key and job_id not in self.residents:
-                self.admit(job_id)
+            if refusal(spec) is not None or base_key(spec) != self.key or job_id in self.residents:
+                continue  # it runs elsewhere: a worker of its own, or of its base
+            if not self._fits(job_id, spec):
+                break  # no later job passes it: that would starve it and make queue positions lie
+            self.admit(job_id)
+
+    def _fits(self, job_id: str, spec: JobSpec) -> bool:
+        """Whether the job's estimated peak fits beside the resident jobs; if not, tell it once why it waits."""
+        if self.shape is None:  # nothing resident holds the base: the job comes as it would alone
+            return True
+        new = memory.estimate(spec, self.shape)
+        need = self.base_bytes + memory.together([*self.estimates.values(), new])
+        if need <= self.budget:
+            return True
+        if job_id not in self.told_waiting:
+            self.told_waiting.add(job_id)
+            with self.sessions.begin() as s:
+                jobs.add_event(s, job_id, (
+                    f"Waiting for memory on a shared worker of {self.model}: its estimated peak "
+                    f"{memory.gib(new.peak)} (adapter {memory.gib(new.adapter)}, optimizer "
+                    f"{memory.gib(new.optimizer)}, activations {memory.gib(new.activations)}, KV cache "
+                    f"{memory.gib(new.kv_cache)}) beside the {len(self.estimates)} resident jobs and the base needs "
+                    f"{memory.gib(need)} of the worker's {memory.gib(self.budget)} (CISPO_WORKER_MEMORY_GIB)"),
+                    level="warn", data={"reason": "memory", "needed_bytes": need, "budget_bytes": self.budget})
+        return False
 
     def _finish(self, resident: Resident) -> None:
         try:
@@ -173,6 +210,7 @@ class SharedWorker:
 
     def _release(self, resident: Resident) -> None:
         del self.residents[resident.job_id]
+        self.estimates.pop(resident.job_id, None)
         resident.reporter.stop()
         if resident.job is not None:
             try:
@@ -218,7 +256,11 @@ def run_shared(job_id: str, settings: Settings, *, owner: str | None = None, slo
         job = jobs.get_for_worker(s, job_id)
         spec = JobSpec.model_validate(job.spec) if job is not None else None
         model = job.model if job is not None else None
-    if spec is None or refusal(spec) is not None:
+        alone = refusal(spec) if spec is not None else None
+        if alone is not None and job.status == "queued":  # say why, once per run (not for a duplicate message)
+            jobs.add_event(s, job_id, f"Running alone, not beside other jobs of {model}: {alone}",
+                           data={"reason": "cannot_share"})
+    if spec is None or alone is not None:
         return job_runner.run_job(job_id, settings, owner=owner)
     worker = SharedWorker(settings, sessions, open_store(settings.resolved_storage_url()),
                           owner or f"{socket.gethostname()}:{os.getpid()}", model, base_key(spec),

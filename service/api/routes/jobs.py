@@ -17,7 +17,8 @@ from service.api.deps import Enqueue, EnqueueDep, PollCacheDep, PrincipalDep, Se
 from service.api.poll_cache import JOB, PollCache
 from service.auth import Principal
 from service.db.models import Job
-from service.repositories import job_messages
+from service.repositories import job_messages, job_queue
+from service.settings import Settings
 from service.schemas.api import DryRunCheck, DryRunObject, JobObject, ListObject
 from service.job_spec.request import JobCreate
 
@@ -44,9 +45,13 @@ def _send(enqueue: Enqueue, job_id: str, session) -> None:
             session.rollback()
 
 
-def _present(session, who: Principal, job: Job) -> JobObject:
+def _queue_positions(session, settings: Settings, jobs: list[Job]) -> dict[str, int]:
+    return job_queue.positions(session, jobs, fair=settings.worker_jobs > 1, weights=settings.project_weights)
+
+
+def _present(session, who: Principal, job: Job, settings: Settings) -> JobObject:
     rows = jobs_service.training_rows(session, who.project_id, [job])
-    return presenters.job(job, who, rows.get(job.training_file))
+    return presenters.job(job, who, rows.get(job.training_file), _queue_positions(session, settings, [job]).get(job.id))
 
 
 @router.post("", response_model=JobObject | DryRunObject)
@@ -64,7 +69,7 @@ def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue:
     try:
         job, created = jobs_service.create(session, who.project_id, body, idempotency_key=idempotency_key,
                                            settings=settings, store=store)
-        public = _present(session, who, job)
+        public = _present(session, who, job, settings)
         session.commit()
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key won the insert: answer with its job.
@@ -73,7 +78,7 @@ def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue:
                                                           jobs_service.request_digest(body))
         if not earlier:
             raise
-        job, created, public = earlier, False, _present(session, who, earlier)
+        job, created, public = earlier, False, _present(session, who, earlier, settings)
         session.commit()
     if created:
         _send(enqueue, job.id, session)  # only now: the worker must find the committed row
@@ -81,11 +86,12 @@ def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue:
 
 
 @router.get("", response_model=ListObject[JobObject])
-def list_jobs(request: Request, session: SessionDep, who: PrincipalDep, after: str | None = None,
+def list_jobs(request: Request, session: SessionDep, who: PrincipalDep, settings: SettingsDep, after: str | None = None,
               limit: Annotated[int, Query(ge=1, le=100)] = 20) -> ListObject:
     metadata = {m.group(1): v for k, v in request.query_params.multi_items() if (m := _METADATA_PARAM.match(k))}
     rows = jobs_service.list_jobs(session, who.project_id, after=after, limit=limit, metadata=metadata)
-    return presenters.jobs(rows, who, jobs_service.training_rows(session, who.project_id, rows.items))
+    return presenters.jobs(rows, who, jobs_service.training_rows(session, who.project_id, rows.items),
+                           _queue_positions(session, settings, rows.items))
 
 
 @router.get("/{fine_tuning_job_id}", response_model=JobObject)
@@ -95,15 +101,15 @@ async def get_job(fine_tuning_job_id: str, request: Request, who: PrincipalDep) 
     def load() -> bytes:
         with request.app.state.read_sessions() as session:
             job = jobs_service.get(session, who.project_id, fine_tuning_job_id)
-            return _present(session, who, job).model_dump_json().encode()
+            return _present(session, who, job, request.app.state.settings).model_dump_json().encode()
 
     body = await request.app.state.poll_cache.get(who.project_id, fine_tuning_job_id, JOB, load)
     return Response(body, media_type="application/json")
 
 
-def _control(action: str, job_id: str, session, who: Principal, cache: PollCache, settings=None) -> JobObject:
+def _control(action: str, job_id: str, session, who: Principal, cache: PollCache, settings: Settings) -> JobObject:
     job = jobs_service.control(session, who.project_id, job_id, action, settings=settings)
-    public = _present(session, who, job)
+    public = _present(session, who, job, settings)
     session.commit()
     # The caller's next GET must see its own change, not a cached answer (the cache lives on the event loop).
     from_thread.run_sync(cache.forget, who.project_id, job_id)
@@ -111,13 +117,15 @@ def _control(action: str, job_id: str, session, who: Principal, cache: PollCache
 
 
 @router.post("/{fine_tuning_job_id}/cancel", response_model=JobObject)
-def cancel_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, cache: PollCacheDep) -> JobObject:
-    return _control("cancel", fine_tuning_job_id, session, who, cache)
+def cancel_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, cache: PollCacheDep,
+               settings: SettingsDep) -> JobObject:
+    return _control("cancel", fine_tuning_job_id, session, who, cache, settings)
 
 
 @router.post("/{fine_tuning_job_id}/pause", response_model=JobObject)
-def pause_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, cache: PollCacheDep) -> JobObject:
-    return _control("pause", fine_tuning_job_id, session, who, cache)
+def pause_job(fine_tuning_job_id: str, session: SessionDep, who: PrincipalDep, cache: PollCacheDep,
+              settings: SettingsDep) -> JobObject:
+    return _control("pause", fine_tuning_job_id, session, who, cache, settings)
 
 
 @router.post("/{fine_tuning_job_id}/resume", response_model=JobObject)

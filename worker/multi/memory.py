@@ -1,0 +1,132 @@
+"""Memory admission on a shared base: a job's estimated peak, and whether it fits beside the resident jobs.
+
+A job joins a shared worker only if the base plus every resident job's
+estimate plus its own fits the worker's budget (CISPO_WORKER_MEMORY_GIB,
+default 90% of the GPU's memory, or of the host's); one that does not waits,
+queued, rather than running the worker out of memory and crashing every job
+on it.
+
+Per job (bytes):
+- adapter: its LoRA weights and their gradients, float32 (PEFT keeps adapters
+  in float32): 2 * 4 * P, P = sum over adapted linears of r * (in + out);
+- optimizer: AdamW's two moments, float32: 2 * 4 * P;
+- activations: what one micro-batch's forward keeps for the backward. Per
+  token and layer of a Llama-style decoder, the tensors autograd saves: both
+  norms' inputs and outputs (4h), q and the attention output (2q), k and v
+  (2kv), the MLP's gate, up, activation and product (4I); plus the attention
+  weights of eager/math attention (heads * T per token; flash attention keeps
+  none, so this over-estimates there); plus one LM-head chunk's float32 logits
+  and their gradient (2 * chunk * vocab * 4). LoRA's own rank-wide
+  intermediates are left out: a rank is far below those widths;
+- kv_cache: the rollout's keys and values for every sampled row at full
+  length (batch_size * group_size rows of max_model_len tokens), plus one
+  decode step's float32 logits.
+
+Phases line up across jobs (a cycle samples every job's rows together, then
+updates every job together), so jobs together need the sum of their adapter
+and optimizer state plus the larger of their summed activations and their
+summed KV caches (`together`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from service.job_spec.spec import JobSpec
+
+FLOAT32 = 4
+DEFAULT_SHARE = 0.9  # of the device's memory, when the operator sets no budget: the allocator's own slack
+
+
+@dataclass(frozen=True)
+class BaseShape:
+    """What the estimate needs of the base model."""
+
+    linears: dict[str, tuple[int, int, int]]  # module name (last part) -> (how many, in_features, out_features)
+    layers: int
+    hidden: int
+    q_width: int  # attention heads * head size
+    kv_width: int  # key/value heads * head size
+    intermediate: int
+    heads: int
+    vocab: int
+    dtype_bytes: int  # of the base's weights and activations
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> BaseShape:
+        """The loaded base's shape: its linears (not the LM head, not LoRA's own) and its config's widths."""
+        head = model.get_output_embeddings()
+        linears: dict[str, tuple[int, int, int]] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and module is not head and ".lora_" not in name:
+                short = name.removesuffix(".base_layer").rsplit(".", 1)[-1]
+                count, _, _ = linears.get(short, (0, 0, 0))
+                linears[short] = (count + 1, module.in_features, module.out_features)
+        c = model.config
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return cls(linears=linears, layers=c.num_hidden_layers, hidden=c.hidden_size, q_width=heads * head_dim,
+                   kv_width=(getattr(c, "num_key_value_heads", None) or heads) * head_dim,
+                   intermediate=c.intermediate_size, heads=heads, vocab=c.vocab_size,
+                   dtype_bytes=next(model.parameters()).element_size())
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    adapter: int
+    optimizer: int
+    activations: int
+    kv_cache: int
+
+    @property
+    def peak(self) -> int:
+        return self.adapter + self.optimizer + max(self.activations, self.kv_cache)
+
+
+def adapter_parameters(spec: JobSpec, shape: BaseShape) -> int:
+    lora = spec.lora
+    names = shape.linears if lora.target_modules == "all-linear" else \
+        [n for n in lora.target_modules if n in shape.linears]
+    return sum(count * lora.r * (fan_in + fan_out) for count, fan_in, fan_out in (shape.linears[n] for n in names))
+
+
+def estimate(spec: JobSpec, shape: BaseShape) -> MemoryEstimate:
+    """`spec`'s peak memory on a shared base of `shape` (see the module's docstring for each term)."""
+    tc, length = spec.training, spec.sampling.max_model_len
+    params = adapter_parameters(spec, shape)
+    rows = tc.batch_size * tc.group_size
+    micro_tokens = min(tc.micro_batch_size, rows) * length
+    per_token_layer = 4 * shape.hidden + 2 * shape.q_width + 2 * shape.kv_width + 4 * shape.intermediate \
+        + shape.heads * length
+    activations = micro_tokens * shape.layers * per_token_layer * shape.dtype_bytes \
+        + 2 * min(micro_tokens, tc.logprob_chunk_size) * shape.vocab * FLOAT32
+    kv_cache = rows * length * shape.layers * 2 * shape.kv_width * shape.dtype_bytes + rows * shape.vocab * FLOAT32
+    return MemoryEstimate(adapter=2 * FLOAT32 * params, optimizer=2 * FLOAT32 * params, activations=activations,
+                          kv_cache=kv_cache)
+
+
+def together(estimates: list[MemoryEstimate]) -> int:
+    """What jobs need at once on one base: their states, and the larger of their summed phases."""
+    return sum(e.adapter + e.optimizer for e in estimates) + max(
+        sum(e.activations for e in estimates), sum(e.kv_cache for e in estimates))
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """The resident base's weights and buffers."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def default_budget(device: torch.device) -> int:
+    """DEFAULT_SHARE of the GPU's memory, or of the host's on a CPU."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(DEFAULT_SHARE * total)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
