@@ -91,14 +91,17 @@ def test_fresh_sequences_drop_what_is_older_than_the_bound():
         fresh_sequences([6], current=5, max_staleness=2)
 
 
-def test_spec_defaults_to_synchronous_and_refuses_what_async_does_not_cover(toy_dir):
+def test_spec_defaults_to_synchronous_and_refuses_async_on_ray(toy_dir):
     assert JobSpec.model_validate(toy_spec(toy_dir)).rollout.max_staleness == 0
     base = toy_spec(toy_dir)
-    for rollout, resources, match in (({"engine": "vllm", "max_staleness": 1}, {}, "rollout.engine is 'vllm'"),
-                                      ({"max_staleness": 1}, {"gpus": 2}, "resources.gpus is 2")):
+    for resources, match in (({"backend": "ray"}, "resources.backend 'ray'"), ({"nodes": 2}, "resources.nodes 2")):
         with pytest.raises(ValidationError, match="rollout.max_staleness") as info:
-            JobSpec.model_validate({**base, "rollout": rollout, "resources": resources})
+            JobSpec.model_validate({**base, "rollout": {"max_staleness": 1}, "resources": resources})
         assert match in str(info.value)
+    # FSDP (rank 0 runs the sampler: worker/trainer/rank_pipeline.py) and vLLM (in the sampler process) are taken.
+    for rollout, resources in (({"max_staleness": 1}, {"gpus": 2}), ({"max_staleness": 1, "engine": "vllm"}, {})):
+        spec = JobSpec.model_validate({**base, "rollout": rollout, "resources": resources})
+        assert spec.rollout.max_staleness == 1
     with pytest.raises(ValidationError):
         JobSpec.model_validate({**base, "rollout": {"max_staleness": -1}})
 
