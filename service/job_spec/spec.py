@@ -296,16 +296,11 @@ class JobSpec(Strict):
 
     @model_validator(mode="after")
     def _asynchronous_scope(self) -> JobSpec:
-        # The sampler process runs our decode loop (and an environment's episodes) on one device; the vLLM and
-        # multi-process (FSDP) samplers are not split off yet.
-        if self.rollout.max_staleness == 0:
-            return self
-        unsupported = [why for why, bad in (
-            ("rollout.engine is 'vllm' (needs 'hf')", self.rollout.engine != "hf"),
-            (f"resources.gpus is {self.resources.gpus} (needs 1)", self.resources.gpus > 1),
-            ("the job runs on Ray (needs resources.backend 'local' and nodes 1)", self.resources.on_ray),
-        ) if bad]
-        if unsupported:
-            raise ValueError(f"rollout.max_staleness ({self.rollout.max_staleness}) > 0 is not supported when "
-                             f"{'; '.join(unsupported)}: set rollout.max_staleness to 0")
+        # The sampler process (our decode loop or a vLLM engine, and an environment's episodes) runs beside the
+        # trainer, or beside rank 0 under FSDP (worker/trainer/rank_pipeline.py); the Ray driver's ranks have none.
+        if self.rollout.max_staleness > 0 and self.resources.on_ray:
+            raise ValueError(f"rollout.max_staleness ({self.rollout.max_staleness}) > 0 is not supported when the "
+                             f"job runs on Ray (resources.backend {self.resources.backend!r}, resources.nodes "
+                             f"{self.resources.nodes}; needs backend 'local' and nodes 1): set rollout.max_staleness "
+                             "to 0")
         return self

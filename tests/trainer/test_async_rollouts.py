@@ -91,14 +91,48 @@ def test_fresh_sequences_drop_what_is_older_than_the_bound():
         fresh_sequences([6], current=5, max_staleness=2)
 
 
-def test_spec_defaults_to_synchronous_and_refuses_what_async_does_not_cover(toy_dir):
+def test_a_batch_is_shared_out_by_whole_groups_with_its_errors_once():
+    """FSDP ranks each get a contiguous share of rank 0's batch (prompt-major, so whole groups); the reward errors,
+    not per sequence, all go with rank 0's share so the ranks' concatenation counts each once."""
+    from worker.trainer.feedback import Feedback
+    from worker.trainer.pipeline import ScoredBatch
+    from worker.trainer.rank_pipeline import batch_share
+    from worker.trainer.rewards import Scores
+
+    n = 8
+    rollout = Rollout(rows=[{"p": i // 4} for i in range(n)], token_ids=[[i] for i in range(n)],
+                      action_mask=[[1]] * n, action_turns=[[0]] * n, prompt_lengths=[0] * n,
+                      completions=[str(i) for i in range(n)], truncated=[False] * n, turns=[1] * n,
+                      sampler_logprobs=[[-float(i)] for i in range(n)])
+    scores = Scores(torch.arange(n, dtype=torch.float32), ["bad 5"], {"format": [float(i) for i in range(n)]})
+    batch = ScoredBatch(3, rollout, Feedback([[float(i)] for i in range(n)], ["bad 5"], scores), [2] * 4 + [3] * 4,
+                        sample_s=1.0, update_wait_s=0.5, rollout_wait_s=0.25)
+    shares = [batch_share(batch, r, 2) for r in range(2)]
+    assert [s.rollout.completions for s in shares] == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
+    assert [s.rollout.rows for s in shares] == [[{"p": 0}] * 4, [{"p": 1}] * 4]
+    assert shares[1].rollout.sampler_logprobs == [[-4.0], [-5.0], [-6.0], [-7.0]]
+    assert shares[1].rollout.turn_rewards == [] and shares[1].rollout.errors == []  # left empty: stay so
+    assert [s.versions for s in shares] == [[2] * 4, [3] * 4]
+    assert [s.feedback.rewards.tolist() for s in shares] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert shares[1].feedback.scores.rewards.tolist() == [4, 5, 6, 7]
+    assert shares[1].feedback.scores.components == {"format": [4.0, 5.0, 6.0, 7.0]}
+    assert [s.feedback.errors for s in shares] == [["bad 5"], []]
+    assert [s.feedback.scores.errors for s in shares] == [["bad 5"], []]
+    assert all((s.step, s.sample_s, s.update_wait_s, s.rollout_wait_s) == (3, 1.0, 0.5, 0.25) for s in shares)
+    assert batch_share(batch, 0, 1) is batch
+
+
+def test_spec_defaults_to_synchronous_and_refuses_async_on_ray(toy_dir):
     assert JobSpec.model_validate(toy_spec(toy_dir)).rollout.max_staleness == 0
     base = toy_spec(toy_dir)
-    for rollout, resources, match in (({"engine": "vllm", "max_staleness": 1}, {}, "rollout.engine is 'vllm'"),
-                                      ({"max_staleness": 1}, {"gpus": 2}, "resources.gpus is 2")):
+    for resources, match in (({"backend": "ray"}, "resources.backend 'ray'"), ({"nodes": 2}, "resources.nodes 2")):
         with pytest.raises(ValidationError, match="rollout.max_staleness") as info:
-            JobSpec.model_validate({**base, "rollout": rollout, "resources": resources})
+            JobSpec.model_validate({**base, "rollout": {"max_staleness": 1}, "resources": resources})
         assert match in str(info.value)
+    # FSDP (rank 0 runs the sampler: worker/trainer/rank_pipeline.py) and vLLM (in the sampler process) are taken.
+    for rollout, resources in (({"max_staleness": 1}, {"gpus": 2}), ({"max_staleness": 1, "engine": "vllm"}, {})):
+        spec = JobSpec.model_validate({**base, "rollout": rollout, "resources": resources})
+        assert spec.rollout.max_staleness == 1
     with pytest.raises(ValidationError):
         JobSpec.model_validate({**base, "rollout": {"max_staleness": -1}})
 

@@ -48,7 +48,11 @@ def test_the_sampler_samples_with_each_published_version(toy_dir, tuning):
     """Versions of far-apart weights are published in turn: the sampler's log-probs of its own samples are the
     trainer's under the same weights (to float rounding), so every trainable tensor, the whole model under full
     fine-tuning, reached it. Sent and not loaded, they would differ by whole nats."""
-    spec = full_or_lora_spec(toy_dir, tuning)
+    assert_sampler_follows_versions(full_or_lora_spec(toy_dir, tuning), toy_dir, tuning)
+
+
+def assert_sampler_follows_versions(spec: JobSpec, toy_dir: Path, tuning: str, atol: float = 1e-4) -> None:
+    """Publish 3 versions of far-apart weights; each batch's sampler log-probs are the trainer's under them."""
     policy = load_policy(spec, resume_from=None, warm_start=None)
     trainable = [p for p in policy.model.parameters() if p.requires_grad]
     if tuning == "full":
@@ -76,7 +80,7 @@ def test_the_sampler_samples_with_each_published_version(toy_dir, tuning):
             trainer_logprobs = updater._frozen_logprobs(rollout, indices, reference=False)
             for i in indices:
                 torch.testing.assert_close(torch.tensor(rollout.sampler_logprobs[i]), trainer_logprobs[i],
-                                           atol=1e-4, rtol=0)
+                                           atol=atol, rtol=0)
     finally:
         sampler.close()
     assert_gone(sampler.process)

@@ -170,7 +170,46 @@ def _bf16_update_task(rank: int, world: int, toy_dir: str, out: str) -> None:
             save_file({k: v.contiguous() for k, v in result.items()}, Path(out) / f"{kind}.safetensors")
 
 
-TASKS = {"update": _update_task, "bf16_update": _bf16_update_task, "resume_and_save": _resume_and_save_task}
+def async_job_spec(toy_dir: Path, kind: str, gpus: int = 1, **training) -> JobSpec:
+    """job_spec at rollout.max_staleness 1: 3 steps, 4 prompts x 4, two optimizer steps each (KL term on)."""
+    training = {"steps": 3, "batch_size": 4, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
+                "checkpoint_interval": 0, **training}
+    raw = job_spec(toy_dir, kind, gpus=gpus, **training).model_dump(mode="json")
+    return JobSpec.model_validate({**raw, "rollout": {"max_staleness": 1}})
+
+
+def _async_task(rank: int, world: int, toy_dir: str, kind: str, out: str) -> None:
+    """A max_staleness 1 job at this world size; records the version tag of every sequence this rank trained on
+    and (rank 0) each step's metrics and the final trainable weights."""
+    from worker.distributed.state import full_model_state
+    from worker.trainer import rank_pipeline
+    from worker.trainer.loop import Trainer
+
+    taken = []
+    real_take = rank_pipeline.RankPipeline.take
+
+    def take(self, step):
+        share = real_take(self, step)
+        taken.append({"step": step, "versions": list(share.versions), "sequences": len(share.rollout)})
+        return share
+
+    rank_pipeline.RankPipeline.take = take
+    calls = Recorder()
+    try:
+        trainer = Trainer(async_job_spec(Path(toy_dir), kind, gpus=world), Path(out) / "run")
+        trainer.run(calls)
+    finally:
+        rank_pipeline.RankPipeline.take = real_take
+    (Path(out) / f"taken-rank{rank}.json").write_text(json.dumps(taken))
+    state = full_model_state(trainer.policy.model) if world > 1 else trainer.policy.model.state_dict()
+    if rank == 0:
+        trainable = {n for n, p in trainer.policy.model.named_parameters() if p.requires_grad}
+        save_file({k: v.contiguous() for k, v in state.items() if k in trainable}, Path(out) / "weights.safetensors")
+        (Path(out) / "metrics.json").write_text(json.dumps([m for _, m in calls.steps]))
+
+
+TASKS = {"update": _update_task, "bf16_update": _bf16_update_task, "resume_and_save": _resume_and_save_task,
+         "async": _async_task}
 
 
 @pytest.fixture(scope="module")
@@ -409,3 +448,61 @@ def test_cispo_train_runs_the_spec_gpus_and_two_processes_train_as_one(toy_dir, 
     assert sharded.keys() == single.keys()
     for name, expected in single.items():
         torch.testing.assert_close(sharded[name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# -- asynchronous rollouts under FSDP -------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_ranks_train_asynchronously_within_the_bound_as_one_process_does(kind, toy_dir, tmp_path):
+    """max_staleness 1 at 2 ranks: rank 0's sampler process gets each version gathered from the shards, and every
+    sequence each rank trains on is at most one version old. Batch j is sampled by version max(0, j - 1) at any
+    world size, so the job samples what it samples in one process (equal rewards and lengths each step: a version
+    not relayed, or relayed from one shard, would sample other completions from step 3 on) and ends with the same
+    weights (LoRA; under full fine-tuning AdamW's first steps amplify the ranks' float summation order, see
+    assert_same_adamw_step, so there the losses are held to 2% and the samples to equality)."""
+    for run in ("two", "one"):
+        (tmp_path / run).mkdir()
+    spawn("async", toy_dir=str(toy_dir), kind=kind, out=str(tmp_path / "two"))
+    _async_task(0, 1, str(toy_dir), kind, str(tmp_path / "one"))
+
+    for rank in (0, 1):
+        taken = json.loads((tmp_path / "two" / f"taken-rank{rank}.json").read_text())
+        assert [t["step"] for t in taken] == [0, 1, 2]
+        for t in taken:  # this rank's half of the 16 sequences, each tagged with the version that sampled it
+            assert t["sequences"] == 8 and len(t["versions"]) == 8
+            assert all(0 <= t["step"] - v <= 1 for v in t["versions"]), t
+        assert [t["versions"] for t in taken] == [[0] * 8, [0] * 8, [1] * 8]
+    two, one = (json.loads((tmp_path / run / "metrics.json").read_text()) for run in ("two", "one"))
+    assert len(two) == len(one) == 3
+    for m2, m1 in zip(two, one):
+        assert (m2["reward_mean"], m2["completion_length_mean"]) == (m1["reward_mean"], m1["completion_length_mean"])
+        assert (m2["policy_lag_max"], m2["stale_dropped"]) == (m1["policy_lag_max"], 0.0)
+        assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-4 if kind == "lora" else 2e-2, abs=1e-6)
+    assert [m["policy_lag_max"] for m in two] == [0.0, 1.0, 1.0]
+    assert 0 < sum(m["reward_mean"] for m in two) < 3  # rewards that vary, so equal ones mean equal samples
+    if kind == "full":
+        return
+    sharded, single = (load_file(str(tmp_path / run / "weights.safetensors")) for run in ("two", "one"))
+    assert sharded.keys() == single.keys()
+    for name, expected in single.items():
+        torch.testing.assert_close(sharded[name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_torchrun_async_job_trains_and_leaves_no_sampler(toy_dir, tmp_path):
+    """The job runner's launcher at resources.gpus 2 with max_staleness 1: the job finishes with finite losses,
+    the lag within the bound, and its sampler process gone with the ranks."""
+    import math
+
+    from tests.trainer.test_async_rollouts import sampler_processes
+    from worker.torchrun.launch import run_distributed
+
+    calls = Recorder()
+    result = run_distributed(async_job_spec(toy_dir, "lora", gpus=2, steps=2), tmp_path, calls)
+    assert result.steps_done == 2 and not result.stopped
+    metrics = [m for _, m in calls.steps]
+    assert [m["policy_lag_max"] for m in metrics] == [0.0, 1.0] and all(m["stale_dropped"] == 0 for m in metrics)
+    assert all(math.isfinite(m["loss"]) and m["trained_tokens"] > 0 for m in metrics)
+    assert sampler_processes() == []

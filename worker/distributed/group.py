@@ -79,3 +79,12 @@ def from_rank0(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def scatter_from_rank0(parts: list | None):
+    """Rank r's item of rank 0's `parts` (one per rank, rank order; None on the other ranks)."""
+    if not active():
+        return parts[0]
+    box = [None]
+    dist.scatter_object_list(box, parts if rank() == 0 else None, src=0)
+    return box[0]

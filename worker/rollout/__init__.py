@@ -13,6 +13,10 @@ each turn differs. ``close()`` frees what the engine holds.
   the full state dict), and it reports per-token sampling log-probs for the
   truncated importance-sampling correction.
 
+With rollout.max_staleness > 0 the job's engine samples in a sampler process
+instead (worker/rollout/async_sampler.py), given each numbered policy
+version; the trainer's own engine then serves evaluations.
+
 ``rollout.engine`` in the job spec picks one; vllm is the optional `vllm`
 extra, and a job asking for it on a worker without it fails with an error
 naming the field.

@@ -1,10 +1,11 @@
 """The sampler process of asynchronous CISPO (rollout.max_staleness > 0).
 
 A spawned child holds its own copy of the model (built from the job spec,
-then given the trainer's trainable tensors as version `step`) and runs our
-decode loop (worker/rollout/rollout.py's generate, the hf engine's
-sampler) with per-token log-probs always on: they are logp_old of the
-samples it produces. A job with an environment runs its episodes here too,
+then given the trainer's trainable tensors as version `step`) and runs
+worker/rollout/rollout.py's generate with the job's engine: our decode loop
+(rollout.engine 'hf'), or a vLLM engine started in the child ('vllm'), which
+is given each version as it arrives. Per-token log-probs are always on: they
+are logp_old of the samples it produces. A job with an environment runs its episodes here too,
 against the child's own instance of the environment (a python environment's
 sandbox is started by this child; an http one is called from it). Its inbox
 carries, in order:
@@ -59,16 +60,53 @@ def sampler_spec(spec: JobSpec) -> JobSpec:
     })
 
 
-def _build_sampler(spec: JobSpec, state: dict[str, torch.Tensor]):
-    from worker.rollout import _sampling_dtype
-    from worker.model.policy import load_policy
-    from worker.rollout.rollout import transformers_sampler
+class DecodeLoopSampler:
+    """rollout.engine 'hf': our decode loop over the child's own copy of the model."""
 
-    policy = load_policy(sampler_spec(spec), resume_from=None, warm_start=None)
-    load_trainable_state(policy.model, state)
-    policy.model.eval()
-    dtype = _sampling_dtype(spec, policy)
-    return policy, transformers_sampler(policy, spec.sampling, dtype=dtype, logprobs=True)
+    def __init__(self, spec: JobSpec, state: dict[str, torch.Tensor]):
+        from worker.model.policy import load_policy
+        from worker.rollout import _sampling_dtype
+        from worker.rollout.rollout import transformers_sampler
+
+        self.policy = load_policy(sampler_spec(spec), resume_from=None, warm_start=None)
+        load_trainable_state(self.policy.model, state)
+        self.policy.model.eval()
+        self.sample = transformers_sampler(self.policy, spec.sampling, dtype=_sampling_dtype(spec, self.policy),
+                                           logprobs=True)
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        load_trainable_state(self.policy.model, state)
+
+    def close(self) -> None:
+        pass
+
+
+class VLLMSampler:
+    """rollout.engine 'vllm': a vLLM engine in the child (worker/rollout/vllm_engine.py). Each version goes into
+    the child's copy of the policy, then to the engine: a LoRA adapter as a new LoRARequest with the next
+    numbered id (the previous one removed), full weights reloaded in place. The copy also gives the tokenizer."""
+
+    def __init__(self, spec: JobSpec, state: dict[str, torch.Tensor]):
+        from peft import PeftModel
+
+        from worker.model.policy import load_policy
+        from worker.rollout.vllm_engine import VLLMEngine
+
+        self.policy = load_policy(sampler_spec(spec), resume_from=None, warm_start=None)
+        self.engine = VLLMEngine(spec, lora=isinstance(self.policy.model, PeftModel))
+        self.sample = self.engine.sample  # its log-probs are after temperature: what the trainer scores
+        self.load(state)
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        load_trainable_state(self.policy.model, state)
+        self.engine.sync(self.policy.model)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _build_sampler(spec: JobSpec, state: dict[str, torch.Tensor]) -> DecodeLoopSampler | VLLMSampler:
+    return VLLMSampler(spec, state) if spec.rollout.engine == "vllm" else DecodeLoopSampler(spec, state)
 
 
 def _sampler_main(spec_json: dict, version: int, state: dict, inbox, outbox, max_staleness: int,
@@ -102,9 +140,17 @@ def _serve(spec: JobSpec, version: int, state: dict, inbox, outbox, max_stalenes
 
 def _serve_requests(spec: JobSpec, version: int, state: dict, inbox, outbox, max_staleness: int,
                     environment) -> None:
+    sampler = _build_sampler(spec, state)
+    try:
+        _serve_with(sampler, spec, version, inbox, outbox, max_staleness, environment)
+    finally:
+        sampler.close()
+
+
+def _serve_with(sampler: DecodeLoopSampler | VLLMSampler, spec: JobSpec, version: int, inbox, outbox,
+                max_staleness: int, environment) -> None:
     from worker.rollout.rollout import generate
 
-    policy, sample = _build_sampler(spec, state)
     parent = mp.parent_process()
     pending: deque[tuple[int, list[dict], list[int], list[int]]] = deque()
     newest: tuple[int, dict] | None = None  # a version received but not loaded yet
@@ -129,7 +175,7 @@ def _serve_requests(spec: JobSpec, version: int, state: dict, inbox, outbox, max
             if not handle(message):
                 return
         if newest is not None and newest[0] > version:
-            load_trainable_state(policy.model, newest[1])
+            sampler.load(newest[1])
             version = newest[0]
         newest = None
         if pending and version >= pending[0][0] - max_staleness:
@@ -137,8 +183,8 @@ def _serve_requests(spec: JobSpec, version: int, state: dict, inbox, outbox, max
             episodes = {} if environment is None else {
                 "environment": environment, "max_turns": spec.training.max_turns, "seeds": episode_seeds}
             started = time.perf_counter()
-            rollout = generate(policy, rows, spec.sampling, group_size=spec.training.group_size,
-                               sampling_seeds=seeds, sampler=sample, **episodes)
+            rollout = generate(sampler.policy, rows, spec.sampling, group_size=spec.training.group_size,
+                               sampling_seeds=seeds, sampler=sampler.sample, **episodes)
             outbox.put(("batch", step, version, rollout, time.perf_counter() - started, waited))
             waited = 0.0
             continue

@@ -17,11 +17,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from worker.distributed import group
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trainable tensors by name, as CPU copies the sender may keep no reference to."""
     return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def gathered_trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """trainable_state of a model FSDP shards over the ranks: whole tensors on rank 0, {} on the others.
+
+    Collective (every rank calls it): each trainable tensor is all-gathered in turn, so a rank holds one whole
+    tensor at a time beyond its shards. With one process, trainable_state."""
+    if not group.active():
+        return trainable_state(model)
+    state = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        whole = p.full_tensor() if isinstance(p, DTensor) else p
+        if group.rank() == 0:
+            state[name] = whole.detach().to("cpu", copy=True)
+    return state
 
 
 def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

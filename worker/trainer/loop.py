@@ -15,7 +15,9 @@ checkpoint resumes at any number of processes. Every random choice of a step
 a stream keyed by the job seed, the step and the prompt's (or sequence's)
 index in the whole batch (worker/model/streams.py), never by the rank: a
 job samples the same completions at 1 or N processes, and a resumed run
-replays the uninterrupted one.
+replays the uninterrupted one. Asynchronously (rollout.max_staleness > 0)
+rank 0's sampler process samples each whole batch ahead and every rank
+trains its share of it (worker/trainer/rank_pipeline.py).
 
 Simplifications, on purpose: rollouts from the spec's engine in the trainer's
 process (transformers, or vLLM: worker/rollout/), the LM head applied in chunks for log-probs, the
@@ -69,7 +71,8 @@ from worker.model.streams import stream_seed
 from worker.trainer.update import Updater
 from worker.rollout.policy_versions import fresh_sequences
 from worker.trainer.callbacks import Callbacks, NoCallbacks, TrainResult
-from worker.trainer.pipeline import RolloutPipeline, SerialScorer, pipeline_metrics
+from worker.trainer.pipeline import SerialScorer, pipeline_metrics
+from worker.trainer.rank_pipeline import RankPipeline
 from worker.trainer.resume_check import resume_mismatch
 
 def seed_everything(seed: int) -> None:
@@ -156,7 +159,7 @@ class Trainer:
             say(f"Starting the rollout engine ({spec.rollout.engine})")
         self.engine: RolloutEngine | None = engine or (make_engine(spec, self.policy) if generates else None)
         self._owns_engine = engine is None
-        self.pipeline: RolloutPipeline | None = None  # rollout.max_staleness > 0, while run() runs
+        self.pipeline: RankPipeline | None = None  # rollout.max_staleness > 0, while run() runs
         self.last_checkpoint: Path | None = resumed.path if resumed else None
 
     # -- phases ---------------------------------------------------------------
@@ -251,7 +254,7 @@ class Trainer:
         if self.supervised:
             return self._supervised_step(lr, started)
 
-        if self.pipeline is not None:  # sampled and scored ahead, in the sampler process and the scoring thread
+        if self.pipeline is not None:  # sampled and scored ahead (rank 0's sampler process), this rank's share
             scored = self.pipeline.take(self.step)
             rollout, feedback, rollout_s, fallbacks = scored.rollout, scored.feedback, scored.sample_s, []
         else:
@@ -283,8 +286,10 @@ class Trainer:
         keep_P = ~zero_P if adv.drop_zero_groups else torch.ones_like(zero_P)
         indices = [i for i in range(len(rollout)) if keep_P[i // tc.group_size]]
         if self.pipeline is not None:  # never train on a sample more than max_staleness versions old
-            fresh = fresh_sequences(scored.versions, self.step, spec.rollout.max_staleness)
-            indices = sorted(set(indices) & set(fresh.kept))
+            indices = sorted(set(indices) & set(fresh_sequences(scored.versions, self.step,
+                                                                spec.rollout.max_staleness).kept))
+            every_version = _concat_ranks({"versions": scored.versions})["versions"]
+            fresh = fresh_sequences(every_version, self.step, spec.rollout.max_staleness)  # the whole batch's
         if (record := getattr(self.callbacks, "on_samples", None)) is not None:
             record(self.step + 1, pick_samples(self.policy.tokenizer, rollout, feedback, advantages_PG, tc.group_size,
                                                multi_turn=self.environment is not None))
@@ -423,8 +428,8 @@ class Trainer:
                                      "set rollout.max_staleness to 0")
                 if self.scorer is not None:  # the scoring thread and evaluations share it
                     self.scorer = SerialScorer(self.scorer)
-                self.pipeline = RolloutPipeline(self.spec, self.policy.model, step=self.step, scorer=self.scorer,
-                                                draw=self._draw, scoring=self.scoring)
+                self.pipeline = RankPipeline(self.spec, self.policy.model, step=self.step, scorer=self.scorer,
+                                             draw=self._draw, scoring=self.scoring)
             return self._run(callbacks)
         finally:
             self.close()

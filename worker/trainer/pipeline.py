@@ -27,7 +27,7 @@ import torch
 
 from service.job_spec.spec import JobSpec
 from worker.rollout.async_sampler import SamplerDied, SamplerProcess
-from worker.rollout.policy_versions import Freshness, trainable_state
+from worker.rollout.policy_versions import Freshness
 from worker.rollout.thread_split import split_threads
 from worker.trainer.feedback import Feedback, collect_feedback
 from worker.rewards.engine import ScoringContext
@@ -67,10 +67,11 @@ class SerialScorer:
 
 
 class RolloutPipeline:
-    def __init__(self, spec: JobSpec, model: torch.nn.Module, *, step: int, scorer: Scorer | None, draw: Draw,
-                 scoring: ScoringContext | None = None):
-        """`scorer` None: an environment job (its episodes' rewards come with the rollout); `scoring`: the egress
-        policy and secrets the sampler's instance of the environment gets."""
+    def __init__(self, spec: JobSpec, state: dict[str, torch.Tensor], *, step: int, scorer: Scorer | None,
+                 draw: Draw, scoring: ScoringContext | None = None):
+        """`state`: the trainable tensors after `step` steps (worker/rollout/policy_versions.py); `scorer` None:
+        an environment job (its episodes' rewards come with the rollout); `scoring`: the egress policy and
+        secrets the sampler's instance of the environment gets."""
         self.spec = spec
         self.max_staleness, self.steps = spec.rollout.max_staleness, spec.training.steps
         self.failure_score = spec.training.reward_failure_score
@@ -78,7 +79,7 @@ class RolloutPipeline:
         # The trainer and the sampler each on cores of their own; close() gives the trainer all of them back.
         self._threads = torch.get_num_threads()
         trainer_threads, sampler_threads = split_threads(self._threads)
-        self.sampler = SamplerProcess(spec, version=step, state=trainable_state(model), threads=sampler_threads,
+        self.sampler = SamplerProcess(spec, version=step, state=state, threads=sampler_threads,
                                       egress=scoring.egress if scoring else None,
                                       secrets=scoring.secrets if scoring else None)
         torch.set_num_threads(trainer_threads)
@@ -105,9 +106,9 @@ class RolloutPipeline:
                                                                                 len(rows)))
             self._next_request += 1
 
-    def publish(self, version: int, model: torch.nn.Module) -> None:
-        """Send the weights after `version` trainer steps, then the request they newly allow."""
-        self.sampler.publish(version, trainable_state(model))
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Send the trainable tensors after `version` trainer steps, then the request they newly allow."""
+        self.sampler.publish(version, state)
         self._top_up(version)
 
     def take(self, step: int) -> ScoredBatch:
