@@ -37,7 +37,7 @@ def test_pack_rows_gives_a_sequence_over_the_budget_its_own_row():
 
 
 def test_collate_packed_restarts_positions_and_keeps_the_sequence_layout():
-    batch = collate_packed([[1, 5, 6, 7], [1, 8, 9]], [[0, 0, 1, 1], [0, 1, 1]], pad_id=0, device=CPU)
+    batch = collate_packed([[1, 5, 6, 7], [1, 8, 9]], [[0, 0, 1, 1], [0, 1, 1]], device=CPU)
     assert batch.input_ids_BT.tolist() == [[1, 5, 6, 1, 8]]
     assert batch.targets_BT.tolist() == [[5, 6, 7, 8, 9]]
     assert batch.position_ids_BT.tolist() == [[0, 1, 2, 0, 1]]
@@ -83,7 +83,7 @@ def test_packed_rows_score_like_padded_ones(toy_dir, arch, attn):
     seqs, masks = groups()
     seqs = [[t % 64 for t in seq] for seq in seqs]  # in the smaller model's vocabulary
     padded = collate_sequences(seqs, masks, pad_id=0, device=CPU)
-    packed = collate_packed(seqs, masks, pad_id=0, device=CPU)
+    packed = collate_packed(seqs, masks, device=CPU)
     assert packed.input_ids_BT.shape == (1, sum(len(s) - 1 for s in seqs))
     logp_a, ent_a, grads_a = _scored(model, padded)
     logp_b, ent_b, grads_b = _scored(model, packed)

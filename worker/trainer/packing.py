@@ -42,7 +42,7 @@ def pack_rows(indices: list[int], lengths: list[int] | dict[int, int], budget: i
     return rows
 
 
-def collate_packed(token_ids: list[list[int]], action_masks: list[list[int]], *, pad_id: int, device) -> TokenBatch:
+def collate_packed(token_ids: list[list[int]], action_masks: list[list[int]], *, device) -> TokenBatch:
     """One row (1, N) of the sequences end to end, each shifted for next-token scoring on its own.
 
     Its `sample_mask_BT` is the action mask of the same sequences right-padded (collate_sequences' layout),
@@ -66,23 +66,9 @@ def collate_packed(token_ids: list[list[int]], action_masks: list[list[int]], *,
     )
 
 
-def _sample_mask(action_masks: list[list[int]]):
+def _sample_mask(action_masks: list[list[int]]) -> torch.Tensor:
     """The targets' action mask, one right-padded row per sequence (what collate_sequences would make)."""
     out = torch.zeros((len(action_masks), max(map(len, action_masks)) - 1), dtype=torch.float32)
     for i, mask in enumerate(action_masks):
         out[i, : len(mask) - 1] = torch.tensor(mask[1:], dtype=torch.float32)
     return out
-
-
-def _sample_mask(action_masks: list[list[int]]):
-    """The targets' action mask, one right-padded row per sequence (what collate_sequences would make)."""
-    out = torch.zeros((len(action_masks), max(map(len, action_masks)) - 1), dtype=torch.float32)
-    for i, mask in enumerate(action_masks):
-        out[i, : len(mask) - 1] = torch.tensor(mask[1:], dtype=torch.float32)
-    return out
-
-
-def padding_saved(lengths: list[int], padded: list[list[int]], packed: list[list[int]]) -> tuple[int, int]:
-    """(tokens forwarded padded, tokens forwarded packed) for the same sequences grouped two ways."""
-    return (sum(max(lengths[i] for i in group) * len(group) for group in padded),
-            sum(lengths[i] for group in packed for i in group))

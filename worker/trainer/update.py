@@ -88,7 +88,7 @@ class Updater:
     def _batch(self, rollout: Rollout, idx: list[int]):
         if self.pack_tokens is not None:
             return collate_packed([rollout.token_ids[i] for i in idx], [rollout.action_mask[i] for i in idx],
-                                  pad_id=self.policy.tokenizer.pad_token_id, device=self.policy.device)
+                                  device=self.policy.device)
         return collate_sequences(
             [rollout.token_ids[i] for i in idx],
             [rollout.action_mask[i] for i in idx],
