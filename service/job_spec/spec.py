@@ -282,9 +282,9 @@ class JobSpec(Strict):
                 raise ValueError(f"training.pack_tokens ({self.training.pack_tokens}) must be at least "
                                  f"sampling.max_model_len ({self.sampling.max_model_len}): a packed row holds "
                                  "whole sequences")
-            if self.method != "cispo" or self.resources.processes > 1:
-                raise ValueError("training.pack_tokens packs the CISPO update of one process: it needs method "
-                                 "'cispo' and resources.gpus and resources.nodes 1 (FSDP is not packed yet)")
+            if self.method != "cispo":
+                raise ValueError("training.pack_tokens packs the CISPO update: a supervised job (method "
+                                 "'supervised') trains on padded micro-batches; leave it out")
         if self.lora is not None and self.lora.base_quantization != "none":
             if self.rollout.engine != "hf" or self.resources.processes > 1:
                 raise ValueError("lora.base_quantization 'nf4' runs with rollout.engine 'hf' and resources.gpus 1 "

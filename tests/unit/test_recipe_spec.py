@@ -50,9 +50,8 @@ def test_enabled_knobs_take_the_recipes_defaults():
         ({"training": {"pack_tokens": 1}}, ("training", "pack_tokens"), "greater than or equal to 2"),
         ({"training": {"pack_tokens": "lots"}}, ("training", "pack_tokens"), "integer"),
         ({"training": {"pack_tokens": 512}}, (), "training.pack_tokens (512) must be at least sampling.max_model_len"),
-        ({"training": {"pack_tokens": 2048}, "resources": {"gpus": 2}}, (), "training.pack_tokens packs the CISPO "
-         "update of one process"),
-        ({"training": {"pack_tokens": 2048}, "method": "supervised", "reward": None}, (), "needs method 'cispo'"),
+        ({"training": {"pack_tokens": 2048}, "method": "supervised", "reward": None}, (),
+         "training.pack_tokens packs the CISPO update"),
     ],
 )
 def test_bad_values_name_the_field(overrides, loc, words):
