@@ -83,6 +83,13 @@ class TrainingSpec(Strict):
     logprob_chunk_size: int = Field(
         1024, ge=1, description="Token rows per log-softmax chunk; bounds logits memory."
     )
+    pack_tokens: int | None = Field(
+        None, ge=2, le=1_048_576,
+        description="Sequence packing: the update puts sequences end to end in rows of at most this many tokens "
+        "(one row per forward and backward, in place of micro_batch_size padded sequences), each attending to "
+        "itself only; same log-probs and gradients, no padding. At least sampling.max_model_len, so no sequence "
+        "is split. null: padded micro-batches.",
+    )
     eval_interval: int = Field(0, ge=0, description="Evaluate every N steps (0: only first and last).")
     eval_max_rows: int = Field(64, ge=1)
     checkpoint_interval: int = Field(
@@ -270,6 +277,14 @@ class JobSpec(Strict):
         if self.training.lm_head_float32 and self.resources.processes > 1:
             raise ValueError("training.lm_head_float32 runs in one process: with resources.gpus > 1 FSDP casts the "
                              "head's weights to the compute dtype itself")
+        if self.training.pack_tokens is not None:
+            if self.training.pack_tokens < self.sampling.max_model_len:
+                raise ValueError(f"training.pack_tokens ({self.training.pack_tokens}) must be at least "
+                                 f"sampling.max_model_len ({self.sampling.max_model_len}): a packed row holds "
+                                 "whole sequences")
+            if self.method != "cispo":
+                raise ValueError("training.pack_tokens packs the CISPO update: a supervised job (method "
+                                 "'supervised') trains on padded micro-batches; leave it out")
         if self.lora is not None and self.lora.base_quantization != "none":
             if self.rollout.engine != "hf" or self.resources.processes > 1:
                 raise ValueError("lora.base_quantization 'nf4' runs with rollout.engine 'hf' and resources.gpus 1 "

@@ -24,9 +24,11 @@ def get(session: Session, project_id: str, job_id: str) -> Job | None:
 
 
 def retire(session: Session, job: Job) -> list[str]:
-    """Mark the model deleted (once: a racing second delete changes nothing) and drop its checkpoint rows."""
+    """Mark the model deleted (once: a racing second delete changes nothing) and drop its checkpoint rows; the job
+    no longer names a best checkpoint (it went with them)."""
     marked = session.execute(update(Job).where(Job.id == job.id, Job.model_deleted_at.is_(None))
-                             .values(model_deleted_at=now()).execution_options(synchronize_session=False))
+                             .values(model_deleted_at=now(), best_checkpoint_id=None)
+                             .execution_options(synchronize_session=False))
     if marked.rowcount != 1:
         return []
     prefixes = list(session.scalars(select(Checkpoint.storage_prefix).where(Checkpoint.job_id == job.id)))

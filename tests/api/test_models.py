@@ -48,3 +48,25 @@ def test_models_page_with_a_model_id_cursor(api):
     rest = api.client.get("/v1/models", params={"limit": 2, "after": first["last_id"]}).json()
     ids = [m["fine_tuning_job_id"] for m in first["data"] + rest["data"]]
     assert ids == [j["id"] for j in reversed(jobs)] and rest["has_more"] is False
+
+
+def test_deleting_a_model_unnames_its_best_checkpoint(api):
+    """The job object stops naming a best checkpoint whose row and files went with the model (it named a
+    checkpoint that no longer existed)."""
+    from service.db.session import session_factory
+    from service.repositories import job_evidence
+    from service.repositories import jobs as jobs_repo
+
+    job = created_job(api)
+    out = train(api.database_url, api.store, job["id"], status=None)
+    with session_factory(api.database_url).begin() as s:
+        assert job_evidence.set_best_checkpoint(s, job["id"], out["epoch"], out["checkpoint"])
+        assert jobs_repo.finish(s, job["id"], out["epoch"], "succeeded")
+    url = f"/v1/fine_tuning/jobs/{job['id']}"
+    done = api.client.get(url).json()
+    assert done["best_checkpoint"] == out["checkpoint"]
+
+    assert api.client.delete(f"/v1/models/{done['fine_tuned_model']}").status_code == 200
+    after = api.client.get(url)
+    assert after.status_code == 200 and after.json()["best_checkpoint"] is None
+    assert api.client.get(f"{url}/checkpoints").json()["data"] == []

@@ -27,6 +27,7 @@ def _with(api, section: str, values: dict, model: str = "tiny-model") -> dict:
     ("training", {"pass_rate_filter": {"threshold": 0}}, f"{HYPER}.training.pass_rate_filter.threshold"),
     ("sampling", {"min_output_tokens": 999}, f"{HYPER}.sampling"),
     ("lora", {"base_quantization": "int4"}, f"{HYPER}.lora.base_quantization"),
+    ("training", {"pack_tokens": 0}, f"{HYPER}.training.pack_tokens"),
 ])
 def test_bad_knob_values_are_refused_naming_the_field(api, section, values, field):
     error = assert_error(api.client.post(JOBS, json=_with(api, section, values)), 422, field)
@@ -45,3 +46,9 @@ def test_qlora_needs_bitsandbytes_and_the_dry_run_says_so(api, toy_dir):
     # Without the knob the same job passes, and there is no quantization check at all.
     plain = api.client.post(JOBS, params={"dry_run": "true"}, json=_with(api, "lora", {}, model=str(toy_dir / "model")))
     assert plain.status_code == 200 and "quantization" not in {c["name"] for c in plain.json()["checks"]}
+
+
+def test_a_packing_budget_below_the_model_length_is_refused_naming_both_fields(api):
+    error = assert_error(api.client.post(JOBS, json=_with(api, "training", {"pack_tokens": 100})), 422,
+                         "training.pack_tokens (100)", "sampling.max_model_len")
+    assert error["param"] == "method.cispo"  # a cross-field rule: the message names both fields

@@ -5,7 +5,8 @@ on the halves of a fixed batch; one process runs it on the whole batch. Loss,
 gradients and updated weights must agree, for LoRA and full fine-tuning,
 including a rank with fewer micro-batches than the other (it joins FSDP's
 collectives with a zero-weighted pass) and a KL term (the reference policy
-runs unsharded). Checkpoints hold whole tensors: one saved at 2 processes
+runs unsharded); also packed (training.pack_tokens) at 2 processes against
+padded at 1. Checkpoints hold whole tensors: one saved at 2 processes
 reloads at 1 and saves back identically, and the reverse. A whole job run by
 `cispo train` at 2 processes samples and learns what it does at 1.
 """
@@ -208,8 +209,19 @@ def _async_task(rank: int, world: int, toy_dir: str, kind: str, out: str) -> Non
         (Path(out) / "metrics.json").write_text(json.dumps([m for _, m in calls.steps]))
 
 
+def _packed_update_task(rank: int, world: int, toy_dir: str, out: str) -> None:
+    for kind in KINDS:
+        spec = job_spec(Path(toy_dir), kind)
+        # 24 tokens (under the spec's floor, max_model_len 32): rank 0's four sequences (9, 8, 7, 5 tokens) take
+        # two rows, rank 1's three (8, 7, 6) one
+        spec = spec.model_copy(update={"training": spec.training.model_copy(update={"pack_tokens": 24})})
+        result = one_update(spec, rank, world)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in result.items()}, Path(out) / f"{kind}.safetensors")
+
+
 TASKS = {"update": _update_task, "bf16_update": _bf16_update_task, "resume_and_save": _resume_and_save_task,
-         "async": _async_task}
+         "async": _async_task, "packed_update": _packed_update_task}
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +254,25 @@ def test_two_processes_match_one(kind, toy_dir, two_process_updates):
     initial = load_policy(job_spec(toy_dir, kind), resume_from=None, warm_start=None).model.state_dict()
     assert max((single["weight." + k] - v).abs().max().item() for k, v in initial.items()
                if "weight." + k in single) > 1e-3
+
+
+@pytest.mark.slow
+def test_two_processes_packed_match_one_padded(toy_dir, tmp_path):
+    """training.pack_tokens under FSDP2: each rank packs its own sequences (rank 1, one sequence short, runs
+    fewer rows and joins with a zero-weighted pass); loss, gradients and weights are one padded process's."""
+    spawn("packed_update", toy_dir=str(toy_dir), out=str(tmp_path))
+    for kind in KINDS:
+        sharded = load_file(str(tmp_path / f"{kind}.safetensors"))
+        single = one_update(job_spec(toy_dir, kind), rank=0, world=1)
+        assert sharded.keys() == single.keys()
+        for name, expected in single.items():
+            if name == "tokens":
+                continue
+            if name.startswith("weight."):
+                assert_same_adamw_step(sharded[name], expected, single["grad." + name.removeprefix("weight.")], name)
+            else:
+                torch.testing.assert_close(sharded[name], expected, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{kind} {name}: {m}")
 
 
 LR, EPS = 1e-2, 1e-8  # one_update's AdamW

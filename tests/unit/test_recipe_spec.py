@@ -14,6 +14,7 @@ def test_defaults_leave_every_knob_off():
     assert spec.loss.importance_sampling_level == "token" and spec.loss.off_policy_mask is None
     assert spec.training.pass_rate_filter is None and spec.training.lm_head_float32 is False
     assert spec.sampling.min_output_tokens == 0 and spec.lora.base_quantization == "none"
+    assert spec.training.pack_tokens is None
 
 
 def test_enabled_knobs_take_the_recipes_defaults():
@@ -46,6 +47,11 @@ def test_enabled_knobs_take_the_recipes_defaults():
         ({"lora": {"base_quantization": "nf4"}, "rollout": {"engine": "vllm"}}, (), "lora.base_quantization"),
         ({"training": {"lm_head_float32": True}, "resources": {"gpus": 2}}, (), "lm_head_float32"),
         ({"advantages": {"scale": "batch_std", "per_turn": True}}, (), "per_turn"),
+        ({"training": {"pack_tokens": 1}}, ("training", "pack_tokens"), "greater than or equal to 2"),
+        ({"training": {"pack_tokens": "lots"}}, ("training", "pack_tokens"), "integer"),
+        ({"training": {"pack_tokens": 512}}, (), "training.pack_tokens (512) must be at least sampling.max_model_len"),
+        ({"training": {"pack_tokens": 2048}, "method": "supervised", "reward": None}, (),
+         "training.pack_tokens packs the CISPO update"),
     ],
 )
 def test_bad_values_name_the_field(overrides, loc, words):

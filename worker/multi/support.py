@@ -31,6 +31,8 @@ def refusal(spec: JobSpec) -> str | None:
         reasons.append("it runs the LM head in float32")
     if spec.training.gradient_checkpointing:
         reasons.append("it uses gradient checkpointing")
+    if spec.training.pack_tokens is not None:
+        reasons.append("it packs sequences (training.pack_tokens)")
     return "; ".join(reasons) or None
 
 

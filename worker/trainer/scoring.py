@@ -27,20 +27,30 @@ class TokenBatch:
     """Right-padded prompt+completion sequences, aligned for next-token scoring.
 
     With shared prefixes, row i continues prefix ``prefix_of_B[i]`` and the
-    BT tensors hold only the tokens after it.
+    BT tensors hold only the tokens after it. Packed (worker/trainer/packing.py),
+    the BT tensors are one row of every sequence end to end, with position ids
+    and no attention mask, and ``sample_mask_BT`` is the one-row-per-sequence
+    layout that log-probs are returned in.
     """
 
     input_ids_BT: Tensor
-    attention_mask_BT: Tensor
+    attention_mask_BT: Tensor | None
     targets_BT: Tensor  # input_ids shifted left by one
     action_mask_BT: Tensor  # 1 where the target is a generated token
     prefix_ids_GP: Tensor | None = None  # distinct shared prefixes, left-padded
     prefix_mask_GP: Tensor | None = None
     prefix_of_B: Tensor | None = None
+    position_ids_BT: Tensor | None = None  # packed: restarting at 0 for each sequence
+    sample_mask_BT: Tensor | None = None  # packed: the action mask, one right-padded row per sequence
 
     @property
     def num_action_tokens(self) -> int:
         return int(self.action_mask_BT.sum())
+
+    @property
+    def sequence_action_mask_BT(self) -> Tensor:
+        """The action mask in the layout sequence_logprobs returns: one row per sequence, right-padded."""
+        return self.action_mask_BT if self.sample_mask_BT is None else self.sample_mask_BT
 
 
 def collate_sequences(token_ids: list[list[int]], action_masks: list[list[int]], *, pad_id: int,
@@ -110,7 +120,9 @@ def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_siz
 
     Only action positions go through the LM head: prompt and environment
     targets carry no loss, and skipping them saves their share of the head's
-    cost (often most of it: long prompts, short answers).
+    cost (often most of it: long prompts, short answers). The result has one
+    row per sequence (batch.sequence_action_mask_BT's layout), packed or not:
+    the action tokens come in the same order in both layouts.
     """
     hidden_BTH = _hidden_states(model, batch)
     action_BT = batch.action_mask_BT.bool()
@@ -122,12 +134,16 @@ def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_siz
         chunk_size=chunk_size,
         head_dtype=head_dtype,  # training.lm_head_float32
     )
-    zeros_BT = logp_1N.new_zeros(action_BT.shape)
-    return zeros_BT.index_put((action_BT,), logp_1N[0]), zeros_BT.index_put((action_BT,), entropy_1N[0])
+    sequence_action_BT = batch.sequence_action_mask_BT.bool()
+    zeros_BT = logp_1N.new_zeros(sequence_action_BT.shape)
+    return (zeros_BT.index_put((sequence_action_BT,), logp_1N[0]),
+            zeros_BT.index_put((sequence_action_BT,), entropy_1N[0]))
 
 
 def _hidden_states(model, batch: TokenBatch) -> Tensor:
     """The last layer's hidden states at the batch's positions (after the shared prefixes, if any)."""
+    if batch.position_ids_BT is not None:  # packed: the position ids' restarts confine attention to each sequence
+        return _last_hidden(model, input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT, use_cache=False)
     if batch.prefix_ids_GP is None:
         return _last_hidden(model, input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
                             use_cache=False)

@@ -10,7 +10,10 @@ taken by the policy version that produced each token (worker/trainer/pipeline.py
 Sequences are collated with the rollout's action mask, so prompt and
 environment tokens are context only; advantages arrive per action token
 (one value per sequence is broadcast), which is how per-turn advantages
-reach each turn's tokens.
+reach each turn's tokens. With training.pack_tokens each forward and backward
+is one packed row of whole sequences instead of a padded micro-batch
+(worker/trainer/packing.py); the log-probs come back one row per sequence,
+so nothing after the forward changes.
 
 With several processes (FSDP2) each rank updates on its own sequences. The
 normaliser is the action-token count of the whole optimizer step, summed over
@@ -38,6 +41,7 @@ from worker.distributed.shard import unsharded
 from worker.trainer.metrics import UpdateStats
 from worker.model.policy import Policy
 from worker.rollout.rollout import Rollout
+from worker.trainer.packing import collate_packed, pack_rows
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
 from worker.model.streams import generator
 
@@ -73,8 +77,18 @@ class Updater:
         # (tried: FSDP2 reshards after each forward, and the backward through the earlier prompt pass then
         # meets freed parameter storage).
         self.share_prefixes = not spec.training.gradient_checkpointing and not group.active()
+        self.pack_tokens = spec.training.pack_tokens  # None: padded micro-batches of micro_batch_size sequences
+
+    def _micro_batches(self, indices: list[int], lengths: list[int]) -> list[list[int]]:
+        """The sequences of each forward and backward: a packed row's, or a padded micro-batch's."""
+        if self.pack_tokens is not None:
+            return pack_rows(indices, lengths, self.pack_tokens)
+        return micro_batches(indices, lengths, self.training.micro_batch_size)
 
     def _batch(self, rollout: Rollout, idx: list[int]):
+        if self.pack_tokens is not None:
+            return collate_packed([rollout.token_ids[i] for i in idx], [rollout.action_mask[i] for i in idx],
+                                  device=self.policy.device)
         return collate_sequences(
             [rollout.token_ids[i] for i in idx],
             [rollout.action_mask[i] for i in idx],
@@ -101,13 +115,13 @@ class Updater:
         result: dict[int, Tensor] = {}
         with unsharded(model, self.policy.reference_model if reference else None):
             lengths = [len(ids) for ids in rollout.token_ids]
-            for idx in micro_batches(indices, lengths, self.training.micro_batch_size):
+            for idx in self._micro_batches(indices, lengths):
                 batch = self._batch(rollout, idx)
                 with self._frozen(reference) as scorer, self.policy.autocast():
                     logp, _ = sequence_logprobs(scorer, batch, temperature=self.temperature,
                                                 chunk_size=self.training.logprob_chunk_size,
                                                 head_dtype=self.head_dtype)
-                result.update(zip(idx, _per_sequence(logp, batch.action_mask_BT)))
+                result.update(zip(idx, _per_sequence(logp, batch.sequence_action_mask_BT)))
         model.train(was_training)
         return result
 
@@ -178,7 +192,7 @@ class Updater:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
-                micros = micro_batches(mini, lengths, self.training.micro_batch_size)
+                micros = self._micro_batches(mini, lengths)
                 for _ in range(group.max_all(len(micros)) - len(micros)):
                     self._zero_weight_pass(rollout)
                 for micro in micros:
@@ -188,7 +202,8 @@ class Updater:
                             model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size,
                             head_dtype=self.head_dtype,
                         )
-                    mask = batch.action_mask_BT.bool()
+                    action_mask_BT = batch.sequence_action_mask_BT  # logp's layout: one row per sequence
+                    mask = action_mask_BT.bool()
                     old_logp = logp.detach() if old is None else _scatter(old, micro, mask, logp)
                     ref_logp = None if ref is None else _scatter(ref, micro, mask, logp)
                     out = cispo_loss(
@@ -196,7 +211,7 @@ class Updater:
                             logprobs_BT=logp,
                             old_logprobs_BT=old_logp,
                             advantages_B=_scatter(token_adv, micro, mask, logp),
-                            action_mask_BT=batch.action_mask_BT,
+                            action_mask_BT=action_mask_BT,
                             ref_logprobs_BT=ref_logp,
                             sampler_logprobs_BT=None if sampler is None else _scatter(sampler, micro, mask, logp),
                         ),
@@ -211,7 +226,7 @@ class Updater:
                     )
                     (out.loss * world).backward()  # FSDP averages gradients over ranks; the sum is wanted
                     step_loss += float(out.loss.detach())
-                    stats.add(out, float((entropy * batch.action_mask_BT).sum()))
+                    stats.add(out, float((entropy * action_mask_BT).sum()))
                 max_norm = self.spec.optimizer.max_grad_norm
                 norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
                 stats.grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))

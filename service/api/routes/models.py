@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
+from anyio import from_thread
 from fastapi import APIRouter, Query
 
 from service.api import presenters
-from service.api.deps import PrincipalDep, SessionDep, StoreDep
+from service.api.deps import PollCacheDep, PrincipalDep, SessionDep, StoreDep
 from service.models import fine_tuned
 from service.schemas.api import ListObject
 from service.schemas.model_api import ModelDeleted, ModelObject
@@ -33,9 +34,12 @@ def get_model(model: str, session: SessionDep, who: PrincipalDep) -> ModelObject
 
 
 @router.delete("/{model:path}", response_model=ModelDeleted)
-def delete_model(model: str, session: SessionDep, who: PrincipalDep, store: StoreDep) -> ModelDeleted:
+def delete_model(model: str, session: SessionDep, who: PrincipalDep, store: StoreDep,
+                 cache: PollCacheDep) -> ModelDeleted:
     prefixes = fine_tuned.delete(session, who.project_id, who.project_name, model)
     session.commit()
+    # The job object changed (no best checkpoint any more): the caller's next GET of it must see that.
+    from_thread.run_sync(cache.forget, who.project_id, model.rsplit(":", 1)[-1])
     for prefix in prefixes:  # after the commit: a failure here leaves unreachable bytes, never a dangling row
         try:
             store.delete_prefix(prefix)
