@@ -91,3 +91,15 @@ def test_a_run_without_a_checkpoint_starts_the_record_afresh(database_url):
     counters, metrics, events, samples = _history(database_url, job_id)
     assert (counters, metrics, samples) == ((0, 0), {}, set())  # the re-run evaluates step 0 again, too
     assert events == ["Job started (attempt 1 of 3) on w1"]
+
+
+def test_a_step_re_recorded_counts_against_its_own_jobs_tokens_only(database_url):
+    first, second = _job(database_url), _job(database_url)
+    sessions = session_factory(database_url)
+    with sessions.begin() as s:
+        for job_id, tokens in ((first, 100), (second, 7)):
+            epoch = jobs.claim(s, job_id, "w", ttl_s=60)
+            assert jobs.record_step(s, job_id, epoch, 1, {}, trained_tokens=tokens, ttl_s=60)
+        assert jobs.record_step(s, second, epoch, 1, {}, trained_tokens=9, ttl_s=60)  # the step again
+    assert _history(database_url, second)[0] == (1, 9)
+    assert _history(database_url, first)[0] == (1, 100)

@@ -252,3 +252,79 @@ def test_queued_before_lists_old_queued_jobs_past_their_backoff(sessions):
     with sessions() as s:
         assert sorted(jobs.queued_before(s, t - 50)) == sorted([old, waited])
         assert backing_off not in jobs.queued_before(s, t + 1)
+
+
+def _api_job(sessions, status: str) -> str:
+    job_id = _new_job(sessions)
+    if status == "running":
+        _claim(sessions, job_id)
+    else:
+        _set(sessions, job_id, status=status)
+    return job_id
+
+
+def _act(sessions, job_id: str, action) -> Job:
+    with sessions.begin() as s:
+        return action(s, jobs.get_for_worker(s, job_id))
+
+
+@pytest.mark.parametrize("status", ["validating_files", "queued", "paused"])
+def test_a_job_not_yet_running_is_cancelled_at_once(sessions, status):
+    job_id = _api_job(sessions, status)
+    _act(sessions, job_id, jobs.request_cancel)
+    job = _job(sessions, job_id)
+    assert (job.status, job.cancel_requested) == ("cancelled", False)
+    assert abs(job.finished_at - time.time()) <= 5
+    assert _events(sessions, job_id) == [("info", "Job cancelled")]
+
+
+def test_a_running_job_is_asked_to_cancel_or_pause_and_keeps_its_lease(sessions):
+    job_id = _api_job(sessions, "running")
+    _act(sessions, job_id, jobs.request_cancel)
+    _act(sessions, job_id, jobs.request_pause)
+    job = _job(sessions, job_id)
+    assert (job.status, job.lease_owner, job.cancel_requested, job.pause_requested, job.finished_at) == (
+        "running", "w", True, True, None)
+    assert _events(sessions, job_id) == [
+        ("info", "Cancellation requested; the job stops at the end of its current step"),
+        ("info", "Pause requested; the job checkpoints and pauses after its current step")]
+
+
+def test_a_queued_job_pauses_at_once_and_resumes_to_the_queue(sessions):
+    job_id = _api_job(sessions, "queued")
+    _act(sessions, job_id, jobs.request_pause)
+    assert _job(sessions, job_id).status == "paused"
+    _set(sessions, job_id, pause_requested=True)  # as a running job's pause leaves it
+    _act(sessions, job_id, jobs.resume)
+    job = _job(sessions, job_id)
+    assert (job.status, job.pause_requested) == ("queued", False)
+    assert _events(sessions, job_id) == [("info", "Job paused"), ("info", "Job resumed")]
+
+
+@pytest.mark.parametrize("action, word, refused_in", [
+    (jobs.request_cancel, "cancelled", ["succeeded", "failed", "cancelled"]),
+    (jobs.request_pause, "paused", ["validating_files", "paused", "succeeded", "failed", "cancelled"]),
+    (jobs.resume, "resumed", ["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]),
+])
+def test_an_illegal_transition_says_what_was_refused_and_changes_nothing(sessions, action, word, refused_in):
+    for status in refused_in:
+        job_id = _api_job(sessions, status)
+        with pytest.raises(jobs.IllegalTransition) as refused:
+            _act(sessions, job_id, action)
+        assert str(refused.value) == f"job {job_id} is {status}; it cannot be {word}"
+        assert refused.value.action == word
+        job = _job(sessions, job_id)
+        assert (job.status, job.cancel_requested, job.pause_requested) == (status, False, False)
+        assert _events(sessions, job_id) == []
+
+
+def test_recording_a_step_or_a_checkpoint_renews_the_lease_only_when_asked(sessions):
+    job_id = _new_job(sessions)
+    epoch = _claim(sessions, job_id, ttl_s=1)
+    with sessions.begin() as s:
+        assert jobs.record_step(s, job_id, epoch, 1, {"loss": 1.0}, trained_tokens=0, ttl_s=300)
+    renewed = _job(sessions, job_id).lease_expires_at
+    assert renewed >= time.time() + 290
+    with sessions.begin() as s:
+        assert jobs.add_checkpoint(s, job_id, epoch, step=1, storage_prefix="c/1", files={}, metrics={})
+    assert _job(sessions, job_id).lease_expires_at == renewed  # no ttl_s: the lease is left as it is

@@ -3,8 +3,8 @@
 A worker that lost its lease (its lease ran out and another worker claimed the
 job) must have each write refused by the epoch alone: the job's status is
 `running` throughout, so a fence that forgot the epoch would let the write
-through. record_step, heartbeat and finish are covered in
-tests/worker/test_job_runner.py; these are the others.
+through. record_step, heartbeat and finish are also covered through a worker
+in tests/worker/test_job_runner.py.
 """
 
 from __future__ import annotations
@@ -100,3 +100,17 @@ def test_a_stale_epoch_cannot_write_samples_estimates_or_the_result_file(taken_o
         assert job_outputs.add_samples(s, job_id, current, 1, [sample])
         assert job_outputs.set_estimated_finish(s, job_id, current, 12345)
     assert _count(sessions, JobSample, job_id) == 1 and _job(sessions, job_id).estimated_finish == 12345
+
+
+def test_a_stale_epoch_cannot_record_a_step_renew_the_lease_or_finish(taken_over):
+    sessions, job_id, stale, current = taken_over
+    before = _job(sessions, job_id)
+    with sessions.begin() as s:
+        assert not jobs.record_step(s, job_id, stale, 4, {"loss": 1.0}, trained_tokens=5, ttl_s=600)
+        assert jobs.heartbeat(s, job_id, stale, ttl_s=600) is None
+        assert not jobs.finish(s, job_id, stale, "failed", error_code="x", error_message="stale")
+    job = _job(sessions, job_id)
+    assert (job.status, job.steps_done, job.trained_tokens, job.lease_expires_at, job.error_code) == (
+        "running", 0, 0, before.lease_expires_at, None)
+    with sessions() as s:
+        assert jobs.metrics(s, job_id, names=None, step_min=None, step_max=None, limit=10) == []
