@@ -44,8 +44,9 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     "repositories": (["service/repositories/jobs.py", "service/repositories/job_outputs.py",
                       "service/repositories/job_history.py", "service/repositories/pagination.py"],
                      ["tests/service/test_lease_fence.py", "tests/service/test_job_history.py",
-                      "tests/api/test_isolation.py",
-                      "tests/api/test_jobs_lifecycle.py", "-k", "not postgresql"], []),
+                      "tests/service/test_job_states.py", "tests/service/test_job_reads.py",
+                      "tests/service/test_job_outputs_repository.py", "tests/service/test_pagination.py",
+                      "tests/api/test_isolation.py", "tests/api/test_jobs_lifecycle.py", "-k", "not postgresql"], []),
     # launch.py runs as a script under `python -I -S` (no site-packages, so no mutmut trampoline): not mutated.
     "sandbox": (["service/sandbox/"], ["tests/service/sandbox/test_cgroup.py", "tests/service/sandbox/test_kernel.py"],
                 ["service/sandbox/launch.py"]),
