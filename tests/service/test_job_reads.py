@@ -114,13 +114,20 @@ def test_checkpoints_are_read_through_their_job_and_project(two_projects):
 def test_a_metadata_filter_reads_past_the_first_chunk_and_pages(two_projects):
     sessions, own, other = two_projects
     with sessions.begin() as s:
-        tagged = [_job(s, own, metadata_={"run": "a"}) for _ in range(3)]
-        for _ in range(60):  # newer than the tagged ones: they sit past a first chunk of 50
+        # Newest first: 48 untagged, two tagged (the second last in the first chunk of 50), 10 untagged, one tagged.
+        tagged = [_job(s, own, metadata_={"run": "a"})]
+        for _ in range(10):
+            _job(s, own, metadata_={"run": "b"})
+        tagged += [_job(s, own, metadata_={"run": "a"}), _job(s, own, metadata_={"run": "a"})]
+        for _ in range(48):
             _job(s, own, metadata_={"run": "b"})
         _job(s, other, metadata_={"run": "a"})
+    newest = tagged[::-1]
     with sessions() as s:
         first = jobs.page(s, own, after=None, limit=2, metadata={"run": "a"})
-        assert ([j.id for j in first.items], first.has_more) == (tagged[:0:-1], True)
+        assert ([j.id for j in first.items], first.has_more) == (newest[:2], True)
         rest = jobs.page(s, own, after=first.items[-1].id, limit=2, metadata={"run": "a"})
-        assert ([j.id for j in rest.items], rest.has_more) == ([tagged[0]], False)
+        assert ([j.id for j in rest.items], rest.has_more) == (newest[2:], False)
+        everything = jobs.page(s, own, after=None, limit=10, metadata={"run": "a"})  # each chunk read once
+        assert ([j.id for j in everything.items], everything.has_more) == (newest, False)
         assert jobs.page(s, own, after=None, limit=5, metadata={"run": "c"}).items == []
