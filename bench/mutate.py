@@ -50,7 +50,8 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     # launch.py and child_bootstrap.py run under `python -I -S` (no site-packages, so no mutmut trampoline): not
     # mutated. cgroup.py and uids.py first: the limits and the uid leases (spawn, probe, channel: not measured yet).
     "sandbox": (["service/sandbox/cgroup.py", "service/sandbox/uids.py"],
-                ["tests/service/sandbox/test_cgroup.py", "tests/service/sandbox/test_kernel.py"], []),
+                ["tests/service/sandbox/test_cgroup.py", "tests/service/sandbox/test_uids.py",
+                 "tests/service/sandbox/test_kernel.py"], []),
 }
 
 

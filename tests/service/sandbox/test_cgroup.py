@@ -12,6 +12,8 @@ the host offers: v2 where its hierarchy has the memory controller.
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,55 @@ def test_v1_cgroups_get_memory_memsw_swappiness_and_pids(monkeypatch, kernel_fil
     assert _limits(memory) == {"memory.limit_in_bytes": str(128 << 20),
                                "memory.memsw.limit_in_bytes": str(128 << 20), "memory.swappiness": "0"}
     assert _limits(pids) == {"pids.max": "16"}
+
+
+def test_v1_without_swap_accounting_writes_no_memsw_limit(monkeypatch, kernel_files, tmp_path):
+    kernel_files["swap"] = False
+    for c in ("memory", "pids"):
+        (tmp_path / c / "job").mkdir(parents=True)
+    monkeypatch.setattr(sandbox_cgroup, "_mounts", lambda: [(str(tmp_path / "memory"), "cgroup", ["rw", "memory"]),
+                                                            (str(tmp_path / "pids"), "cgroup", ["rw", "pids"])])
+    monkeypatch.setattr(sandbox_cgroup, "_own_paths", lambda: {"memory": "/job", "pids": "/job"})
+    memory, _ = sandbox_cgroup.new_cgroup(128 << 20, 16).paths
+    # The kernel would refuse to create memsw's file; the stand-in would let it be written: it must not be.
+    assert _limits(memory) == {"memory.limit_in_bytes": str(128 << 20)}
+
+
+# -- reading and removing cgroups --------------------------------------------------------------------------
+
+
+def test_memory_peak_reads_the_versions_file_from_the_first_path_that_has_it(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    assert sandbox_cgroup.SandboxCgroup("v2", [first, second]).memory_peak() is None
+    (second / "memory.peak").write_text("4096\n")
+    (second / "memory.max_usage_in_bytes").write_text("8192\n")
+    assert sandbox_cgroup.SandboxCgroup("v2", [first, second]).memory_peak() == 4096
+    (first / "memory.max_usage_in_bytes").write_text("not a number\n")  # unreadable: the next path is tried
+    assert sandbox_cgroup.SandboxCgroup("v1", [first, second]).memory_peak() == 8192
+
+
+def test_remove_cgroup_says_whether_every_directory_went(tmp_path):
+    empty, busy = tmp_path / "empty", tmp_path / "busy"
+    empty.mkdir(), busy.mkdir()
+    (busy / "task").write_text("")  # rmdir fails on it, as on a cgroup that still has a task
+    assert sandbox_cgroup.remove_cgroup(None) is True
+    assert sandbox_cgroup.remove_cgroup(sandbox_cgroup.SandboxCgroup("v2", [empty, tmp_path / "gone"])) is True
+    assert not empty.exists()
+    empty.mkdir()
+    assert sandbox_cgroup.remove_cgroup(sandbox_cgroup.SandboxCgroup("v1", [busy, empty])) is False
+    assert busy.exists() and not empty.exists()  # the rest are still removed
+
+
+def test_only_old_empty_sandbox_cgroups_are_swept(tmp_path):
+    old, young, busy = (tmp_path / f"{sandbox_cgroup.PREFIX}{n}" for n in ("old", "young", "busy"))
+    for path in (old, young, busy):
+        path.mkdir()
+    (busy / "task").write_text("")
+    other = tmp_path / "not-a-sandbox"
+    other.mkdir()
+    long_ago = time.time() - sandbox_cgroup.STALE_S - 60
+    for path in (old, busy, other):
+        os.utime(path, (long_ago, long_ago))
+    sandbox_cgroup._sweep_stale(tmp_path)
+    assert (old.exists(), young.exists(), busy.exists(), other.exists()) == (False, True, True, True)
