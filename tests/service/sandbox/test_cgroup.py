@@ -13,6 +13,7 @@ the host offers: v2 where its hierarchy has the memory controller.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -194,3 +195,49 @@ def test_only_old_empty_sandbox_cgroups_are_swept(tmp_path):
         os.utime(path, (long_ago, long_ago))
     sandbox_cgroup._sweep_stale(tmp_path)
     assert (old.exists(), young.exists(), busy.exists(), other.exists()) == (False, True, True, True)
+
+
+def test_the_proc_files_are_parsed_as_the_kernel_writes_them(monkeypatch, tmp_path):
+    proc = {"/proc/self/mounts": "cgroup2 /sys/fs/cgroup cgroup2 rw,nosuid 0 0\n"
+                                 "tmpfs /tmp tmpfs rw 0 0\n"
+                                 "cgroup /sys/fs/cgroup/memory cgroup rw,memory 0 0\n"
+                                 "cgroup /mnt/my\\040pids cgroup rw,pids 0 0\n",
+            "/proc/self/cgroup": "0::/kubepods/pod1\n4:memory:/job\n5:pids,cpu:/job2\n6:name=odd:/a:b\n"}
+    for name, text in proc.items():
+        (tmp_path / name.rsplit("/", 1)[1]).write_text(text)
+    real = sandbox_cgroup.Path
+    monkeypatch.setattr(sandbox_cgroup, "Path", lambda p: real(tmp_path / p.rsplit("/", 1)[1]) if p in proc
+                        else real(p))
+    assert sandbox_cgroup._mounts() == [("/sys/fs/cgroup", "cgroup2", ["rw", "nosuid"]),
+                                        ("/sys/fs/cgroup/memory", "cgroup", ["rw", "memory"]),
+                                        ("/mnt/my pids", "cgroup", ["rw", "pids"])]
+    assert sandbox_cgroup._own_paths() == {"": "/kubepods/pod1", "memory": "/job", "pids": "/job2", "cpu": "/job2",
+                                           "name=odd": "/a:b"}
+
+
+def test_v2_without_a_v2_path_for_this_process_is_not_used(v2_only, tmp_path):
+    _v2_tree(tmp_path, "/kubepods/pod1", "memory pids", "memory pids")
+    del v2_only[""]  # a v1-only process on a host that also mounts v2
+    assert sandbox_cgroup.parents() == ("", [])
+
+
+def test_a_leaf_another_worker_already_made_is_joined(v2_only, tmp_path):
+    base = _v2_tree(tmp_path, "/kubepods/pod1", "memory pids", "", procs="12\n")
+    (base / sandbox_cgroup.WORKER_LEAF).mkdir()
+    assert sandbox_cgroup.parents() == ("v2", [base])
+
+
+def test_a_limit_that_cannot_be_written_leaves_no_cgroup_behind(v2_only, kernel_files, tmp_path, monkeypatch):
+    base = _v2_tree(tmp_path, "/kubepods/pod1", "memory pids", "memory pids")
+    real_write = Path.write_text
+
+    def write_text(self, data, *args, **kwargs):
+        if self.name == "pids.max" and self.parent.parent == base:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_write(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    monkeypatch.setattr(Path, "rmdir", shutil.rmtree)  # a cgroup's files go with its directory
+    with pytest.raises(sandbox_cgroup.CgroupUnavailable, match="cannot set up the sandbox cgroup: .*Permission denied"):
+        sandbox_cgroup.new_cgroup(1 << 20, 4)
+    assert not list(base.glob(sandbox_cgroup.PREFIX + "*"))

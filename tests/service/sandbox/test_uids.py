@@ -44,8 +44,10 @@ def test_a_range_that_starts_at_root_or_holds_nothing_is_refused(leases, first, 
         uids.lease_uid(first=first, count=count)
 
 
-def test_live_leases_never_share_a_uid_and_a_released_one_is_free_again(leases):
+def test_live_leases_never_share_a_uid_and_a_released_one_is_free_again(leases, monkeypatch):
+    monkeypatch.setattr(uids.random, "randrange", lambda n: 0)  # every scan starts at a uid already held
     held = [uids.lease_uid(first=5000, count=3) for _ in range(3)]
+    assert {stat.S_IMODE((leases / str(lease.uid)).stat().st_mode) for lease in held} == {0o600}
     assert sorted(lease.uid for lease in held) == [5000, 5001, 5002]
     with pytest.raises(uids.NoUidFree, match="5000-5002"):
         uids.lease_uid(first=5000, count=3)
