@@ -133,6 +133,11 @@ def _template(kind: str) -> str:
     from service.db.migrate import upgrade
 
     if kind not in _templates:
+        if kind == "sqlite" and os.environ.get("CISPO_TEST_SQLITE_TEMPLATE"):
+            # bench/mutate.py: every mutant's run is a new test session; one migration serves them all.
+            kept = Path(os.environ["CISPO_TEST_SQLITE_TEMPLATE"])
+            build_once(kept, lambda building: upgrade(f"sqlite:///{building}"))
+            return str(kept)  # not in _templates: it outlives the session
         if kind == "sqlite":
             path = Path(tempfile.mkdtemp(prefix="cispo-test-schema-")) / "template.sqlite"
             upgrade(f"sqlite:///{path}")

@@ -91,3 +91,38 @@ def test_a_run_without_a_checkpoint_starts_the_record_afresh(database_url):
     counters, metrics, events, samples = _history(database_url, job_id)
     assert (counters, metrics, samples) == ((0, 0), {}, set())  # the re-run evaluates step 0 again, too
     assert events == ["Job started (attempt 1 of 3) on w1"]
+
+
+def test_a_step_re_recorded_counts_against_its_own_jobs_tokens_only(database_url):
+    first, second = _job(database_url), _job(database_url)
+    sessions = session_factory(database_url)
+    with sessions.begin() as s:
+        for job_id, tokens in ((first, 100), (second, 7)):
+            epoch = jobs.claim(s, job_id, "w", ttl_s=60)
+            assert jobs.record_step(s, job_id, epoch, 1, {}, trained_tokens=tokens, ttl_s=60)
+        assert jobs.record_step(s, second, epoch, 1, {}, trained_tokens=9, ttl_s=60)  # the step again
+    assert _history(database_url, second)[0] == (1, 9)
+    assert _history(database_url, first)[0] == (1, 100)
+
+
+def test_a_claim_rewinds_its_own_job_only(database_url):
+    """Another job's steps past the claimed job's checkpoint, and its tokens, stay as they are."""
+    claimed, bystander = _job(database_url), _job(database_url)
+    sessions = session_factory(database_url)
+    with sessions.begin() as s:
+        epoch = jobs.claim(s, bystander, "w", ttl_s=60)
+        for step in (1, 2):
+            _step(s, bystander, epoch, step, tokens=10, reward=0.5)
+        assert jobs.record_step(s, bystander, epoch, 2, {"loss": 1000.0}, trained_tokens=0, ttl_s=60)
+    before = _history(database_url, bystander)
+    with sessions.begin() as s:
+        dead = jobs.claim(s, claimed, "w", ttl_s=-1)
+        _step(s, claimed, dead, 1, tokens=5, reward=0.1)
+        assert jobs.record_step(s, claimed, dead, 1, {"loss": 1000.0}, trained_tokens=0, ttl_s=60)
+        jobs.add_checkpoint(s, claimed, dead, step=1, storage_prefix="x", files={}, metrics={})
+        _step(s, claimed, dead, 2, tokens=5, reward=0.2)
+        s.execute(Job.__table__.update().where(Job.id == claimed).values(lease_expires_at=0))  # then it died
+    with sessions.begin() as s:
+        assert jobs.claim(s, claimed, "w2", ttl_s=60)
+    assert _history(database_url, bystander) == before and before[0] == (2, 20)
+    assert _history(database_url, claimed)[0] == (1, 5)  # the tokens of step 1, not its loss

@@ -3,8 +3,8 @@
 A worker that lost its lease (its lease ran out and another worker claimed the
 job) must have each write refused by the epoch alone: the job's status is
 `running` throughout, so a fence that forgot the epoch would let the write
-through. record_step, heartbeat and finish are covered in
-tests/worker/test_job_runner.py; these are the others.
+through. record_step, heartbeat and finish are also covered through a worker
+in tests/worker/test_job_runner.py.
 """
 
 from __future__ import annotations
@@ -100,3 +100,47 @@ def test_a_stale_epoch_cannot_write_samples_estimates_or_the_result_file(taken_o
         assert job_outputs.add_samples(s, job_id, current, 1, [sample])
         assert job_outputs.set_estimated_finish(s, job_id, current, 12345)
     assert _count(sessions, JobSample, job_id) == 1 and _job(sessions, job_id).estimated_finish == 12345
+
+
+def test_a_stale_epoch_cannot_record_a_step_renew_the_lease_or_finish(taken_over):
+    sessions, job_id, stale, current = taken_over
+    before = _job(sessions, job_id)
+    with sessions.begin() as s:
+        assert not jobs.record_step(s, job_id, stale, 4, {"loss": 1.0}, trained_tokens=5, ttl_s=600)
+        assert jobs.heartbeat(s, job_id, stale, ttl_s=600) is None
+        assert not jobs.finish(s, job_id, stale, "failed", error_code="x", error_message="stale")
+    job = _job(sessions, job_id)
+    assert (job.status, job.steps_done, job.trained_tokens, job.lease_expires_at, job.error_code) == (
+        "running", 0, 0, before.lease_expires_at, None)
+    with sessions() as s:
+        assert jobs.metrics(s, job_id, names=None, step_min=None, step_max=None, limit=10) == []
+
+
+def test_the_fence_holds_one_job_only(database_url):
+    """Two jobs each at epoch 1: one's worker writing must not touch the other, which has the same epoch."""
+    sessions = session_factory(database_url)
+    with sessions.begin() as s:
+        project = projects.get_or_create_project(s, "p")
+        ids = [jobs.add(s, Job(project_id=project.id, status="queued", model="m", training_file="file-x", spec={},
+                               method={"type": "cispo"}, seed=1, total_steps=10)).id for _ in range(2)]
+    with sessions.begin() as s:
+        mine, other = ((job_id, jobs.claim(s, job_id, "w", ttl_s=60)) for job_id in ids)
+    assert mine[1] == other[1] == 1
+    with sessions.begin() as s:
+        assert jobs.finish(s, mine[0], mine[1], "succeeded")
+    assert (_job(sessions, other[0]).status, _job(sessions, mine[0]).status) == ("running", "succeeded")
+
+
+def test_a_job_that_stopped_running_refuses_its_last_workers_writes(taken_over):
+    """Paused (or ended) with the epoch unchanged: a write the worker still had in flight must not land."""
+    sessions, job_id, _, current = taken_over
+    with sessions.begin() as s:
+        assert jobs.finish(s, job_id, current, "paused")
+    with sessions.begin() as s:
+        assert not jobs.record_step(s, job_id, current, 1, {"loss": 1.0}, trained_tokens=3, ttl_s=60)
+        assert jobs.heartbeat(s, job_id, current, ttl_s=60) is None
+        assert jobs.add_checkpoint(s, job_id, current, step=1, storage_prefix="late/1", files=FILES,
+                                   metrics={}) is None
+    job = _job(sessions, job_id)
+    assert (job.status, job.steps_done, job.lease_expires_at) == ("paused", 0, None)
+    assert _count(sessions, Checkpoint, job_id) == 0
