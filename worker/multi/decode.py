@@ -24,12 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from service.job_spec.sampling import SamplingSpec
 from worker.multi.lora import SegmentRouter
 from worker.model.cache_arg import CACHE_ARG
 from worker.rollout.decode import left_padded
+from worker.rollout.growing_cache import growing_cache
 from worker.rollout.token_picking import NonFiniteLogits, Picker
 
 
@@ -73,7 +73,7 @@ def sample_jobs(model, router: SegmentRouter, jobs: list[JobRows], *, eos_id: in
     unique, row_of = torch.unique(keyed, dim=0, return_inverse=True)
     firsts = torch.full((unique.shape[0],), B, dtype=torch.long, device=device).scatter_reduce(
         0, row_of, torch.arange(B, device=device), reduce="amin")
-    cache = DynamicCache(config=model.config)
+    cache = growing_cache(model.config, P + max_new)
     with router.rows([names[j] for j in job_of[firsts].tolist()]):
         logits = model(input_ids=ids[firsts, :P], attention_mask=mask[firsts, :P],
                        position_ids=positions[firsts, :P], **{CACHE_ARG: cache}, use_cache=True,

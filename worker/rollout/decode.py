@@ -12,9 +12,9 @@ around each step. Here, one module a job:
   recorded log-probs, refusing NaN logits);
 - this module: the loop itself on a CPU (and wherever compiling fails);
   only the last position goes through the LM head; each distinct prompt is
-  prefilled once (a group's completions share it) into a dynamic cache from
-  which finished rows are dropped, so a long-tailed batch stops paying for
-  its short completions;
+  prefilled once (a group's completions share it) into a cache grown in place
+  (worker/rollout/growing_cache.py) from which finished rows are dropped, so
+  a long-tailed batch stops paying for its short completions;
 - worker/rollout/static_decode.py: the compiled loop (CUDA): a static cache
   and one CUDA-graphed step, with a fallback per shape;
 - worker/rollout/rollout_state.py: freeing what rollouts keep before an update.
@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
 from service.job_spec.sampling import SamplingSpec
 from worker.model.cache_arg import CACHE_ARG
 from worker.rollout import static_decode
+from worker.rollout.growing_cache import growing_cache
 from worker.rollout.token_picking import FiniteGuard, Picker
 
 __all__ = ["sample_tokens", "left_padded", "eager_loop"]
@@ -95,7 +95,7 @@ def sample_tokens(
 
 def eager_loop(model, ids, mask, positions, P, max_new, pick: Picker, eos_id, *,
                check_every: int | None = None) -> Tensor:
-    """Decode with a dynamic cache; rows that reach EOS leave the batch (and the cache) every `check_every` steps.
+    """Decode with a growing cache; rows that reach EOS leave the batch (and the cache) every `check_every` steps.
 
     Asking whether any row finished is a device sync: on CUDA (where this loop runs only when compiling
     failed) that is done every EAGER_CHECK_EVERY steps, finished rows riding along until then; on a CPU,
@@ -103,7 +103,7 @@ def eager_loop(model, ids, mask, positions, P, max_new, pick: Picker, eos_id, *,
     check_every = check_every or (EAGER_CHECK_EVERY if ids.is_cuda else 1)
     B = ids.shape[0]
     lengths = torch.full((B,), max_new, dtype=torch.long, device=ids.device)
-    cache = DynamicCache(config=model.config)
+    cache = growing_cache(model.config, P + max_new)  # written in place: no per-step copy of the cache
     live = torch.arange(B, device=ids.device)  # batch rows still decoding, in cache order
     # A group's completions share one prompt: prefill each distinct prompt once, then give every row its copy.
     unique, row_of = torch.unique(ids[:, :P], dim=0, return_inverse=True)
