@@ -42,10 +42,10 @@ def test_a_failed_compile_falls_back_for_that_shape_only_is_reported_and_retried
     static_decode.take_compile_fallbacks()
     calls = []
 
-    def flaky(model):  # compiling the 6-row shape fails; any other shape works
+    def flaky(model):  # compiling the 6-row shape (bucket 8) fails; any other shape works
         def step(model, token_B1, *args):
             calls.append(token_B1.shape[0])
-            if token_B1.shape[0] == 6:
+            if token_B1.shape[0] == 8:
                 raise RuntimeError("inductor: no C compiler")
             return static_decode.decode_step(model, token_B1, *args)
         return step
@@ -53,12 +53,12 @@ def test_a_failed_compile_falls_back_for_that_shape_only_is_reported_and_retried
     monkeypatch.setattr(static_decode, "compiled_step", flaky)
     assert _sample(plain_model, rows, compiled=True) == expected  # decoded eagerly instead
     reported = static_decode.take_compile_fallbacks()
-    assert len(reported) == 1 and "batch 6" in reported[0] and "compiled again next time" in reported[0]
+    assert len(reported) == 1 and "batch bucket 8" in reported[0] and "compiled again next time" in reported[0]
     assert _sample(plain_model, few, compiled=True) == expected_few and 2 in calls  # other shapes still compile
     assert static_decode.take_compile_fallbacks() == []
     for _ in range(static_decode.MAX_COMPILE_TRIES - 1):  # retried: the same shape tries compiling again
         calls.clear()
-        assert _sample(plain_model, rows, compiled=True) == expected and calls == [6]
+        assert _sample(plain_model, rows, compiled=True) == expected and calls == [8]
     assert "eagerly from now on" in static_decode.take_compile_fallbacks()[-1]
     calls.clear()
     assert _sample(plain_model, rows, compiled=True) == expected and calls == []  # given up for this shape only
@@ -68,15 +68,36 @@ def test_static_caches_are_kept_per_shape(plain_model):
     """A training batch, an eval batch, the training batch again: its cache (and its addresses) comes back."""
     rows, few = prompts(6), prompts(2)
     static_greedy(plain_model, rows, 6)
-    first = static_decode.static_caches[plain_model][(6, static_decode.CACHE_BUCKET)]
+    first = static_decode.static_caches[plain_model][(8, static_decode.CACHE_BUCKET)]
     static_greedy(plain_model, few, 6)
     assert static_greedy(plain_model, rows, 6) == static_greedy(plain_model, rows, 6)
-    assert static_decode.static_caches[plain_model][(6, static_decode.CACHE_BUCKET)] is first
+    assert static_decode.static_caches[plain_model][(8, static_decode.CACHE_BUCKET)] is first
     bucket = static_decode.CACHE_BUCKET
-    assert list(static_decode.static_caches[plain_model]) == [(2, bucket), (6, bucket)]
-    for b in range(1, static_decode.STATIC_CACHES_KEPT + 2):  # the least recently used beyond the limit are dropped
+    assert list(static_decode.static_caches[plain_model]) == [(2, bucket), (8, bucket)]
+    for b in (1, 3, 9, 17):  # buckets 1, 4, 16, 24: the least recently used beyond the limit are dropped
         static_greedy(plain_model, prompts(b), 2)
     assert len(static_decode.static_caches[plain_model]) == static_decode.STATIC_CACHES_KEPT
+
+
+def test_batches_are_padded_to_a_bucket_sharing_its_cache_and_graph(plain_model, monkeypatch):
+    """Batches of 5, 6 and 7 rows (an eval batch, a later turn's survivors) run the 8-row cache and step, and each
+    row still gets the eager loop's tokens (the padding rows' are never returned)."""
+    steps = []
+
+    def recording(model):
+        def step(model, token_B1, *args):
+            steps.append(token_B1.shape[0])
+            return static_decode.decode_step(model, token_B1, *args)
+        return step
+
+    monkeypatch.setattr(static_decode, "compiled_step", recording)
+    static_decode.static_caches.pop(plain_model, None)
+    for b in (5, 6, 7):
+        rows = prompts(b)
+        assert _sample(plain_model, rows, compiled=True) == _sample(plain_model, rows)
+    assert set(steps) == {8}
+    assert list(static_decode.static_caches[plain_model]) == [(8, static_decode.CACHE_BUCKET)]
+    assert [static_decode.batch_bucket(b) for b in (1, 2, 3, 5, 8, 9, 13, 64)] == [1, 2, 4, 8, 8, 16, 16, 64]
 
 
 def test_kept_rollout_state_is_freed_above_the_threshold(plain_model):

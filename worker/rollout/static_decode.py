@@ -2,9 +2,10 @@
 
 mode "reduce-overhead" records CUDA graphs; shapes are bucketed so few
 compiles happen; finished rows stay in the batch (static shapes) and the
-loop ends once all rows are done. One static cache is kept per (batch,
-length bucket), the last few used, so eval batches and later turns do not
-evict the training shape's cache (and its CUDA graphs' addresses). If
+loop ends once all rows are done. Batches are padded up to a batch bucket,
+and one static cache is kept per (batch bucket, length bucket), the last few
+used, so eval batches and later turns reuse a graph near their size and do
+not evict the training shape's cache (and its CUDA graphs' addresses). If
 compiling a shape fails, that rollout decodes eagerly and the failure is
 kept for the trainer to report (`take_compile_fallbacks`: a metric and a
 warning event); the shape is compiled again next time, up to
@@ -23,8 +24,9 @@ from transformers import StaticCache
 from worker.model.cache_arg import CACHE_ARG
 from worker.rollout.token_picking import Picker
 
-__all__ = ["static_loop", "compiled_step", "decode_step", "shape_key", "compile_allowed", "compile_failed",
-           "take_compile_fallbacks", "static_caches", "CACHE_BUCKET", "STATIC_CACHES_KEPT", "MAX_COMPILE_TRIES"]
+__all__ = ["static_loop", "compiled_step", "decode_step", "shape_key", "batch_bucket", "compile_allowed",
+           "compile_failed", "take_compile_fallbacks", "static_caches", "CACHE_BUCKET", "STATIC_CACHES_KEPT",
+           "MAX_COMPILE_TRIES"]
 
 log = logging.getLogger(__name__)
 
@@ -51,32 +53,45 @@ def compiled_step(model):
 
 
 def static_loop(model, ids, mask, positions, P, max_new, pick: Picker, eos_id, *, step=decode_step,
-                 check_every: int = 16) -> Tensor:
-    """Decode with a preallocated cache and one (compiled) step of fixed shapes; finished rows ride along."""
+                check_every: int = 16) -> Tensor:
+    """Decode with a preallocated cache and one (compiled) step of fixed shapes; finished rows ride along.
+
+    The batch is padded up to its bucket (`shape_key`) with copies of the first row (a real prompt: no row
+    attends to nothing); their logits are never picked from and their tokens never returned."""
     B = ids.shape[0]
-    total = shape_key(B, P + max_new)[1]
-    full_mask = torch.zeros((B, total), dtype=mask.dtype, device=mask.device)
-    full_mask[:, : mask.shape[1]] = mask
-    cache = _static_cache(model, B, total)
-    logits = model(input_ids=ids[:, :P], attention_mask=full_mask[:, :P], position_ids=positions[:, :P],
+    rows, total = shape_key(B, P + max_new)
+    fill = torch.cat([torch.arange(B, device=ids.device), torch.zeros(rows - B, dtype=torch.long, device=ids.device)])
+    full_mask = torch.zeros((rows, total), dtype=mask.dtype, device=mask.device)
+    full_mask[:, : mask.shape[1]] = mask[fill]
+    positions = positions[fill]
+    cache = _static_cache(model, rows, total)
+    logits = model(input_ids=ids[fill, :P], attention_mask=full_mask[:, :P], position_ids=positions[:, :P],
                    **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
     lengths = torch.full((B,), max_new, dtype=torch.long, device=ids.device)
     for t in range(max_new):
-        token = pick(logits, ids[:, : P + t], slice(None), t)
+        token = pick(logits[:B], ids[:, : P + t], slice(None), t)
         ids[:, P + t] = token
         newly = (token == eos_id) & ~finished
         lengths = torch.where(newly, t + 1, lengths)
         finished |= newly
         if t == max_new - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):  # a sync only now and then
             break
-        logits = step(model, token[:, None], full_mask, positions[:, P + t : P + t + 1], cache).clone()
+        logits = step(model, token[fill, None], full_mask, positions[:, P + t : P + t + 1], cache).clone()
     return lengths
 
 
+def batch_bucket(batch: int) -> int:
+    """Rows a static cache and compiled graph are made for: the next power of two up to 8, then the next
+    multiple of 8, so an eval batch, a later turn or a smaller last batch reuses a nearby shape's cache and
+    graph instead of compiling and allocating its own."""
+    return 1 << (batch - 1).bit_length() if batch <= 8 else -(-batch // 8) * 8
+
+
 def shape_key(batch: int, length: int) -> tuple[int, int]:
-    """(batch, cache length rounded up to CACHE_BUCKET): what a static cache and a compiled graph are made for."""
-    return batch, -(-length // CACHE_BUCKET) * CACHE_BUCKET
+    """(batch bucket, cache length rounded up to CACHE_BUCKET): what a static cache and a compiled graph are
+    made for."""
+    return batch_bucket(batch), -(-length // CACHE_BUCKET) * CACHE_BUCKET
 
 
 def _static_cache(model, batch: int, length: int) -> StaticCache:
@@ -99,8 +114,8 @@ def compile_failed(model, key: tuple[int, int], error: Exception) -> None:
     failures[key] = failures.get(key, 0) + 1
     after = ("it is compiled again next time" if failures[key] < MAX_COMPILE_TRIES else
              f"after {failures[key]} failures this shape decodes eagerly from now on")
-    message = (f"compiled decoding failed for batch {key[0]}, cache length {key[1]} ({type(error).__name__}: "
-               f"{str(error)[:300]}); this rollout decoded eagerly, {after}")
+    message = (f"compiled decoding failed for batch bucket {key[0]}, cache length {key[1]} "
+               f"({type(error).__name__}: {str(error)[:300]}); this rollout decoded eagerly, {after}")
     log.warning(message, exc_info=error)  # the traceback goes to the log; the event gets the message
     _fallbacks.append(message)
 
