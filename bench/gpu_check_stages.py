@@ -96,12 +96,13 @@ def stage_decode(fig: Figures, smoke: bool) -> None:
 
     from bench.trl_compare import build_model
     from service.job_spec.sampling import SamplingSpec
-    from worker.rollout import decode
+    from worker.rollout import decode, static_decode
+    from worker.rollout.effective_weights import rollout_weights
 
     w = _workload(smoke)
     if not CUDA:  # no CUDA graphs or Inductor here: the same compiled code path through aot_eager
-        aot_step = torch.compile(decode._decode_step, backend="aot_eager", fullgraph=True)
-        decode._compiled_step = lambda model: aot_step
+        aot_step = torch.compile(static_decode.decode_step, backend="aot_eager", fullgraph=True)
+        static_decode.compiled_step = lambda model: aot_step
     rows = w.batch * w.group
     prompts = _prompts(rows, w)
     new = min(32, w.max_tokens)
@@ -130,7 +131,7 @@ def stage_decode(fig: Figures, smoke: bool) -> None:
                         if "lora_B" in name:
                             p.normal_(0, 0.05)
                 target.eval()
-            with decode.rollout_weights(target) as generator:
+            with rollout_weights(target) as generator:
                 eager, compiled = run(generator, prompts, compiled=False), run(generator, prompts, compiled=True)
             fig[f"greedy_equal_rows_{label}"] = f"{sum(a == b for a, b in zip(eager, compiled))}/{rows}"
             fig[f"greedy_equal_{label}"] = eager == compiled
@@ -161,7 +162,7 @@ def stage_decode(fig: Figures, smoke: bool) -> None:
             fig[f"ms_per_step_{label}"] = round(statistics.median(seconds) / steps * 1e3, 3)
     counts = _decode_counters()
     fig["graph_breaks"], fig["cudagraph_skips"] = counts["graph_breaks"], counts["cudagraph_skips"]
-    fig["compile_fallbacks"] = decode.take_compile_fallbacks()
+    fig["compile_fallbacks"] = static_decode.take_compile_fallbacks()
     problems = [k for k in ("graph_breaks", "cudagraph_skips", "recompiles_on_return_to_64") if fig[k]]
     problems += ["compile_fallbacks"] if fig["compile_fallbacks"] else []
     if problems:

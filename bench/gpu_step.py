@@ -50,7 +50,7 @@ def decode_ms_per_step(w: Workload, workdir: Path, *, repeats: int) -> tuple[flo
     from transformers import AutoModelForCausalLM
 
     from service.job_spec.sampling import SamplingSpec
-    from worker.rollout import decode
+    from worker.rollout import decode, static_decode
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = build_model(workdir / "decode-model", w)
@@ -63,7 +63,7 @@ def decode_ms_per_step(w: Workload, workdir: Path, *, repeats: int) -> tuple[flo
     kwargs = dict(max_new=w.max_tokens, sampling=sampling, greedy=False, eos_id=-1, pad_id=0, device=device,
                   compiled=compiled)  # eos_id -1: every row runs all max_tokens steps
     decode.sample_tokens(model, prompts, **kwargs)  # warm-up (and compile)
-    fallbacks = decode.take_compile_fallbacks()
+    fallbacks = static_decode.take_compile_fallbacks()
     seconds = []
     for _ in range(repeats):
         if compiled:
@@ -73,7 +73,7 @@ def decode_ms_per_step(w: Workload, workdir: Path, *, repeats: int) -> tuple[flo
         if compiled:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
-    fallbacks += decode.take_compile_fallbacks()
+    fallbacks += static_decode.take_compile_fallbacks()
     loop = "eager" if not compiled else (f"eager (compiling failed: {fallbacks[0]})" if fallbacks else
                                          "static cache, torch.compile reduce-overhead (CUDA graphs)")
     return statistics.median(seconds) / w.max_tokens * 1e3, loop

@@ -15,7 +15,8 @@ from service.job_spec.sampling import SamplingSpec
 from worker.multi.decode import JobRows, sample_jobs
 from worker.multi.lora import SharedBase, segments_of
 from worker.multi.rollout import RolloutRequest, generate_jobs
-from worker.rollout.decode import rollout_weights, sample_tokens
+from worker.rollout.decode import sample_tokens
+from worker.rollout.effective_weights import rollout_weights
 from worker.rollout.rollout import generate, transformers_sampler
 from worker.model.policy import Policy
 from worker.model.streams import stream_seed

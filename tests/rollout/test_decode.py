@@ -9,7 +9,10 @@ from transformers import AutoModelForCausalLM
 
 from service.job_spec.sampling import SamplingSpec
 from tests.trainer.conftest import forward_shapes
-from worker.rollout import decode
+from worker.rollout import decode, static_decode
+from worker.rollout.effective_weights import rollout_weights
+from worker.rollout.rollout_state import release_rollout_state, rollout_state_bytes
+from worker.rollout.token_picking import Picker, logits_processors, pick_tokens
 
 EOS, PAD = 2, 0
 CPU = torch.device("cpu")
@@ -40,8 +43,8 @@ def static_greedy(model, rows: list[list[int]], max_new: int, *, greedy: bool = 
     """The static-cache loop (the one compiled on CUDA) run eagerly (sampling with `seeds` when not greedy)."""
     B, P = len(rows), max(map(len, rows))
     ids, mask, positions = decode.left_padded(rows, max_new, PAD)
-    pick = decode._Picker(spec(), greedy, (B, max_new), CPU, record=False, seeds=seeds)
-    lengths = decode._static_loop(model, ids, mask, positions, P, max_new, pick, EOS)
+    pick = Picker(spec(), greedy, (B, max_new), CPU, record=False, seeds=seeds)
+    lengths = static_decode.static_loop(model, ids, mask, positions, P, max_new, pick, EOS)
     return [r[:n] for r, n in zip(ids[:, P:].tolist(), lengths.tolist())]
 
 
@@ -50,7 +53,7 @@ def test_greedy_tokens_equal_transformers_generate(lora_model):
     rows = prompts()
     expected = hf_greedy(lora_model, rows, 6)
     assert any(r[-1] == EOS for r in expected) and any(r[-1] != EOS for r in expected)  # both kinds of row
-    with decode.rollout_weights(lora_model) as merged:
+    with rollout_weights(lora_model) as merged:
         eager, no_logprobs = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(), greedy=True, eos_id=EOS,
                                                   pad_id=PAD, device=CPU)
         static = static_greedy(merged, rows, 6)
@@ -66,7 +69,7 @@ def test_merging_never_writes_the_base_weights(lora_model):
     before = {n: p.detach().clone() for n, p in lora_model.named_parameters()}
     params_before = {n: p for n, p in lora_model.named_parameters()}
     for _ in range(3):
-        with decode.rollout_weights(lora_model):
+        with rollout_weights(lora_model):
             pass
     after = dict(lora_model.named_parameters())
     assert after.keys() == before.keys()
@@ -80,7 +83,7 @@ def test_merging_never_writes_the_base_weights(lora_model):
 def test_a_plain_model_decodes_as_it_is(toy_dir):
     model = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32).eval()
     rows = prompts(3)
-    with decode.rollout_weights(model) as same:
+    with rollout_weights(model) as same:
         assert same is model
         assert decode.sample_tokens(same, rows, max_new=8, sampling=spec(), greedy=True, eos_id=EOS, pad_id=PAD,
                                     device=CPU)[0] == hf_greedy(model, rows, 8)
@@ -89,7 +92,7 @@ def test_a_plain_model_decodes_as_it_is(toy_dir):
 def test_finished_rows_leave_the_batch(lora_model):
     """Each forward after a row's EOS runs on fewer rows; the loop ends when every row is done."""
     rows = prompts()
-    with forward_shapes(lora_model) as shapes, decode.rollout_weights(lora_model) as merged:
+    with forward_shapes(lora_model) as shapes, rollout_weights(lora_model) as merged:
         out, _ = decode.sample_tokens(merged, rows, max_new=40, sampling=spec(), greedy=True, eos_id=EOS,
                                       pad_id=PAD, device=CPU)
     batch_sizes = [b for b, _ in shapes]
@@ -106,11 +109,11 @@ def test_sampling_follows_the_softmax_and_honours_top_k():
     logits = torch.tensor([2.0, 0.0, 1.0, -1.0, 0.5])
     rows = 40_000
     history = torch.zeros((rows, 1), dtype=torch.long)
-    picks = decode._pick(logits.repeat(rows, 1), history, decode.logits_processors(spec(temperature=2.0), greedy=False),
+    picks = pick_tokens(logits.repeat(rows, 1), history, logits_processors(spec(temperature=2.0), greedy=False),
                          greedy=False)
     freq = torch.bincount(picks, minlength=5).float() / rows
     assert torch.allclose(freq, torch.softmax(logits / 2.0, -1), atol=0.01)
-    picks = decode._pick(logits.repeat(rows, 1), history, decode.logits_processors(spec(top_k=2), greedy=False),
+    picks = pick_tokens(logits.repeat(rows, 1), history, logits_processors(spec(top_k=2), greedy=False),
                          greedy=False)
     freq = torch.bincount(picks, minlength=5).float() / rows
     assert set(picks.unique().tolist()) == {0, 2}
@@ -122,7 +125,7 @@ def test_a_rows_tokens_depend_on_its_seed_not_on_its_batch(lora_model):
     draws the same tokens; other seeds draw others."""
     rows, seeds = prompts(6), [11, 12, 13, 14, 15, 16]
     kw = dict(max_new=30, sampling=spec(), greedy=False, eos_id=EOS, pad_id=PAD, device=CPU)
-    with decode.rollout_weights(lora_model) as merged:
+    with rollout_weights(lora_model) as merged:
         together, _ = decode.sample_tokens(merged, rows, seeds=seeds, **kw)
         alone = [decode.sample_tokens(merged, [r], seeds=[s], **kw)[0][0] for r, s in zip(rows, seeds)]
         backwards = decode.sample_tokens(merged, rows[::-1], seeds=seeds[::-1], **kw)[0][::-1]
@@ -135,12 +138,12 @@ def test_a_rows_tokens_depend_on_its_seed_not_on_its_batch(lora_model):
 
 def test_processors_come_from_the_spec_only():
     """The spec's identity knobs add nothing (top_k=0 means no top-k); greedy keeps only the repetition penalty."""
-    assert len(decode.logits_processors(spec(), greedy=False)) == 0
-    names = [type(p).__name__ for p in decode.logits_processors(
+    assert len(logits_processors(spec(), greedy=False)) == 0
+    names = [type(p).__name__ for p in logits_processors(
         spec(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.1), greedy=False)]
     assert names == ["RepetitionPenaltyLogitsProcessor", "TemperatureLogitsWarper", "TopKLogitsWarper",
                      "TopPLogitsWarper", "MinPLogitsWarper"]
-    greedy = decode.logits_processors(spec(temperature=0.7, top_k=5, repetition_penalty=1.1), greedy=True)
+    greedy = logits_processors(spec(temperature=0.7, top_k=5, repetition_penalty=1.1), greedy=True)
     assert [type(p).__name__ for p in greedy] == ["RepetitionPenaltyLogitsProcessor"]
 
 
@@ -148,7 +151,7 @@ def test_each_distinct_prompt_is_prefilled_once(lora_model):
     """Groups share a prompt: the first forward runs on the distinct prompts only, and every row still gets the
     tokens generate() gives it."""
     rows = [p for p in prompts(3) for _ in range(4)]  # three groups of four completions
-    with forward_shapes(lora_model) as shapes, decode.rollout_weights(lora_model) as merged:
+    with forward_shapes(lora_model) as shapes, rollout_weights(lora_model) as merged:
         out, _ = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(), greedy=True, eos_id=EOS,
                                       pad_id=PAD, device=CPU)
     batch_sizes = [b for b, _ in shapes]
@@ -168,7 +171,7 @@ def test_a_lower_rollout_dtype_runs_every_weight_in_it_and_writes_none(lora_mode
     before = {n: (p, p.detach().clone()) for n, p in lora_model.named_parameters()}
     ids = torch.tensor(prompts(4)[0])[None]
     full = _effective_logits(lora_model, ids)
-    with decode.rollout_weights(lora_model, torch.bfloat16) as low:
+    with rollout_weights(lora_model, torch.bfloat16) as low:
         used = {n: p.dtype for n, p in low.named_parameters() if ".lora_" not in n}
         low_logits = _effective_logits(low, ids)
     assert set(used.values()) == {torch.bfloat16}
@@ -184,7 +187,7 @@ def test_a_lower_rollout_dtype_runs_every_weight_in_it_and_writes_none(lora_mode
 def test_tied_weights_stay_tied_in_a_lower_dtype(toy_dir):
     model = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32)
     model.get_output_embeddings().weight = model.get_input_embeddings().weight  # as a tied checkpoint loads
-    with decode.rollout_weights(model, torch.bfloat16) as low:
+    with rollout_weights(model, torch.bfloat16) as low:
         assert low.get_input_embeddings().weight is low.get_output_embeddings().weight
         assert low.get_input_embeddings().weight.dtype == torch.bfloat16
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
@@ -208,7 +211,7 @@ def test_reported_logprobs_are_what_the_trainer_scores(lora_model, dtype, tolera
     in the same precision, off by the rounding (not more) in bfloat16."""
     rows = prompts(6)
     torch.manual_seed(3)
-    with decode.rollout_weights(lora_model, dtype) as sampler:
+    with rollout_weights(lora_model, dtype) as sampler:
         outs, reported = decode.sample_tokens(sampler, rows, max_new=8, sampling=spec(temperature=0.7),
                                               greedy=False, eos_id=EOS, pad_id=PAD, device=CPU, logprobs=True)
     assert [len(r) for r in reported] == [len(o) for o in outs]
@@ -224,9 +227,9 @@ def test_min_output_tokens_suppresses_eos_until_then():
     is picked at steps 0 and 1 and EOS at step 2; the recorded log-prob is the unmasked distribution's."""
     logits = torch.tensor([[0.0, 0.0, 5.0, 1.0, 0.0]])  # EOS = 2
     history = torch.zeros((1, 1), dtype=torch.long)
-    plain = decode._Picker(spec(), True, (1, 4), CPU, record=True, eos_id=EOS)
+    plain = Picker(spec(), True, (1, 4), CPU, record=True, eos_id=EOS)
     assert plain(logits, history, slice(None), 0).tolist() == [EOS]
-    held = decode._Picker(spec(min_output_tokens=2), True, (1, 4), CPU, record=True, eos_id=EOS)
+    held = Picker(spec(min_output_tokens=2), True, (1, 4), CPU, record=True, eos_id=EOS)
     assert [held(logits, history, slice(None), t).item() for t in range(3)] == [3, 3, EOS]
     expected = torch.log_softmax(logits, -1)[0]
     torch.testing.assert_close(held.logprobs_BT[0, :3], expected[[3, 3, EOS]])
@@ -234,7 +237,7 @@ def test_min_output_tokens_suppresses_eos_until_then():
 
 def test_min_output_tokens_in_the_decode_loop(lora_model):
     rows = prompts()
-    with decode.rollout_weights(lora_model) as merged:
+    with rollout_weights(lora_model) as merged:
         free, _ = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(), greedy=True, eos_id=EOS,
                                        pad_id=PAD, device=CPU)
         held, _ = decode.sample_tokens(merged, rows, max_new=6, sampling=spec(min_output_tokens=4), greedy=True,
@@ -249,7 +252,7 @@ def test_a_float32_head_in_a_bf16_rollout(lora_model):
     ids = torch.tensor(prompts(4)[0])[None]
     head = lora_model.get_output_embeddings()
     before = head.weight
-    with decode.rollout_weights(lora_model, torch.bfloat16, head_float32=True) as low:
+    with rollout_weights(lora_model, torch.bfloat16, head_float32=True) as low:
         assert low.get_output_embeddings().weight.dtype == torch.float32
         assert low.get_input_embeddings().weight.dtype == torch.bfloat16
         logits = low(input_ids=ids).logits
@@ -259,12 +262,12 @@ def test_the_adapter_runs_unmerged_giving_peft_logits_bit_for_bit_without_weight
     """No copy of any adapted weight is made for a rollout (a full copy of the linears: 1.4 GB at 0.5B in float32),
     and the lean unmerged forward gives PEFT's own logits exactly, not a merge's rounding of them."""
     lora_model.eval()
-    decode.release_rollout_state(lora_model, above_bytes=0)  # what earlier tests' lower-dtype rollouts kept
+    release_rollout_state(lora_model, above_bytes=0)  # what earlier tests' lower-dtype rollouts kept
     ids = torch.tensor(prompts(4)[0])[None]
     expected = _effective_logits(lora_model, ids)
-    with decode.rollout_weights(lora_model) as sampler:
+    with rollout_weights(lora_model) as sampler:
         got = _effective_logits(sampler, ids)
-        assert decode.rollout_state_bytes(lora_model) == 0
+        assert rollout_state_bytes(lora_model) == 0
     assert torch.equal(got, expected)
     with lora_model.disable_adapter():
         assert not torch.equal(_effective_logits(lora_model, ids), expected)  # the adapter does change the logits

@@ -8,7 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.rollout.test_decode import CPU, EOS, PAD, prompts, spec, static_greedy
-from worker.rollout import decode
+from worker.rollout import decode, static_decode
+from worker.rollout.effective_weights import rollout_weights
+from worker.rollout.rollout_state import release_rollout_state, rollout_state_bytes
+from worker.rollout.token_picking import NonFiniteLogits, Picker
 
 
 @pytest.fixture
@@ -25,37 +28,38 @@ def _sample(model, rows, *, greedy=True, compiled=False, max_new=8):
 def test_nan_logits_fail_the_rollout_instead_of_sampling_the_last_token(plain_model, monkeypatch, compiled):
     """An overflowed (here: poisoned) LM head row makes every softmax NaN; the old loop then sampled the last
     vocabulary id for every row, silently."""
-    monkeypatch.setattr(decode, "_compiled_step", lambda model: decode._decode_step)  # the static loop, uncompiled
+    # the static loop, uncompiled
+    monkeypatch.setattr(static_decode, "compiled_step", lambda model: static_decode.decode_step)
     with torch.no_grad():
         plain_model.lm_head.weight[5] = float("nan")
-    with pytest.raises(decode.NonFiniteLogits, match="NaN or inf logits"):
+    with pytest.raises(NonFiniteLogits, match="NaN or inf logits"):
         _sample(plain_model, prompts(3), greedy=False, compiled=compiled)
 
 
 def test_a_failed_compile_falls_back_for_that_shape_only_is_reported_and_retried(plain_model, monkeypatch):
     rows, few = prompts(6), prompts(2)
     expected, expected_few = _sample(plain_model, rows), _sample(plain_model, few)
-    decode.take_compile_fallbacks()
+    static_decode.take_compile_fallbacks()
     calls = []
 
-    def flaky(model):  # compiling the 6-row shape fails; any other shape works
+    def flaky(model):  # compiling the 6-row shape (bucket 8) fails; any other shape works
         def step(model, token_B1, *args):
             calls.append(token_B1.shape[0])
-            if token_B1.shape[0] == 6:
+            if token_B1.shape[0] == 8:
                 raise RuntimeError("inductor: no C compiler")
-            return decode._decode_step(model, token_B1, *args)
+            return static_decode.decode_step(model, token_B1, *args)
         return step
 
-    monkeypatch.setattr(decode, "_compiled_step", flaky)
+    monkeypatch.setattr(static_decode, "compiled_step", flaky)
     assert _sample(plain_model, rows, compiled=True) == expected  # decoded eagerly instead
-    reported = decode.take_compile_fallbacks()
-    assert len(reported) == 1 and "batch 6" in reported[0] and "compiled again next time" in reported[0]
+    reported = static_decode.take_compile_fallbacks()
+    assert len(reported) == 1 and "batch bucket 8" in reported[0] and "compiled again next time" in reported[0]
     assert _sample(plain_model, few, compiled=True) == expected_few and 2 in calls  # other shapes still compile
-    assert decode.take_compile_fallbacks() == []
-    for _ in range(decode.MAX_COMPILE_TRIES - 1):  # retried: the same shape tries compiling again
+    assert static_decode.take_compile_fallbacks() == []
+    for _ in range(static_decode.MAX_COMPILE_TRIES - 1):  # retried: the same shape tries compiling again
         calls.clear()
-        assert _sample(plain_model, rows, compiled=True) == expected and calls == [6]
-    assert "eagerly from now on" in decode.take_compile_fallbacks()[-1]
+        assert _sample(plain_model, rows, compiled=True) == expected and calls == [8]
+    assert "eagerly from now on" in static_decode.take_compile_fallbacks()[-1]
     calls.clear()
     assert _sample(plain_model, rows, compiled=True) == expected and calls == []  # given up for this shape only
 
@@ -64,28 +68,50 @@ def test_static_caches_are_kept_per_shape(plain_model):
     """A training batch, an eval batch, the training batch again: its cache (and its addresses) comes back."""
     rows, few = prompts(6), prompts(2)
     static_greedy(plain_model, rows, 6)
-    first = decode._static_caches[plain_model][(6, decode.CACHE_BUCKET)]
+    first = static_decode.static_caches[plain_model][(8, static_decode.CACHE_BUCKET)]
     static_greedy(plain_model, few, 6)
     assert static_greedy(plain_model, rows, 6) == static_greedy(plain_model, rows, 6)
-    assert decode._static_caches[plain_model][(6, decode.CACHE_BUCKET)] is first
-    assert list(decode._static_caches[plain_model]) == [(2, decode.CACHE_BUCKET), (6, decode.CACHE_BUCKET)]
-    for b in range(1, decode.STATIC_CACHES_KEPT + 2):  # the least recently used beyond the limit are dropped
+    assert static_decode.static_caches[plain_model][(8, static_decode.CACHE_BUCKET)] is first
+    bucket = static_decode.CACHE_BUCKET
+    assert list(static_decode.static_caches[plain_model]) == [(2, bucket), (8, bucket)]
+    for b in (1, 3, 9, 17):  # buckets 1, 4, 16, 24: the least recently used beyond the limit are dropped
         static_greedy(plain_model, prompts(b), 2)
-    assert len(decode._static_caches[plain_model]) == decode.STATIC_CACHES_KEPT
+    assert len(static_decode.static_caches[plain_model]) == static_decode.STATIC_CACHES_KEPT
+
+
+def test_batches_are_padded_to_a_bucket_sharing_its_cache_and_graph(plain_model, monkeypatch):
+    """Batches of 5, 6 and 7 rows (an eval batch, a later turn's survivors) run the 8-row cache and step, and each
+    row still gets the eager loop's tokens (the padding rows' are never returned)."""
+    steps = []
+
+    def recording(model):
+        def step(model, token_B1, *args):
+            steps.append(token_B1.shape[0])
+            return static_decode.decode_step(model, token_B1, *args)
+        return step
+
+    monkeypatch.setattr(static_decode, "compiled_step", recording)
+    static_decode.static_caches.pop(plain_model, None)
+    for b in (5, 6, 7):
+        rows = prompts(b)
+        assert _sample(plain_model, rows, compiled=True) == _sample(plain_model, rows)
+    assert set(steps) == {8}
+    assert list(static_decode.static_caches[plain_model]) == [(8, static_decode.CACHE_BUCKET)]
+    assert [static_decode.batch_bucket(b) for b in (1, 2, 3, 5, 8, 9, 13, 64)] == [1, 2, 4, 8, 8, 16, 16, 64]
 
 
 def test_kept_rollout_state_is_freed_above_the_threshold(plain_model):
     rows = prompts(4)
-    with decode.rollout_weights(plain_model, torch.bfloat16) as generator:  # kept bf16 weight copies
+    with rollout_weights(plain_model, torch.bfloat16) as generator:  # kept bf16 weight copies
         expected = static_greedy(generator, rows, 6)
-    held = decode.rollout_state_bytes(plain_model)
+    held = rollout_state_bytes(plain_model)
     weights = sum(p.numel() * 2 for p in plain_model.parameters())
     assert held > weights  # every weight's bf16 copy and the static cache
-    assert not decode.release_rollout_state(plain_model, above_bytes=held)  # small enough: kept
-    assert not decode.release_rollout_state(plain_model)  # on a CPU nothing is freed by default
-    assert decode.release_rollout_state(plain_model, above_bytes=held - 1)
-    assert decode.rollout_state_bytes(plain_model) == 0
-    with decode.rollout_weights(plain_model, torch.bfloat16) as generator:  # rebuilt as needed, same tokens
+    assert not release_rollout_state(plain_model, above_bytes=held)  # small enough: kept
+    assert not release_rollout_state(plain_model)  # on a CPU nothing is freed by default
+    assert release_rollout_state(plain_model, above_bytes=held - 1)
+    assert rollout_state_bytes(plain_model) == 0
+    with rollout_weights(plain_model, torch.bfloat16) as generator:  # rebuilt as needed, same tokens
         assert static_greedy(generator, rows, 6) == expected
 
 
@@ -94,17 +120,17 @@ def test_compiled_decode_step_gives_the_eager_tokens(lora_model, monkeypatch):
     """The compiled (static cache, fullgraph) step, here with the aot_eager backend (no CUDA graphs, no C
     compiler), gives the eager loop's greedy tokens, plain and with a LoRA folded in."""
     torch._dynamo.reset()
-    compiled = torch.compile(decode._decode_step, backend="aot_eager", fullgraph=True)
-    monkeypatch.setattr(decode, "_compiled_step", lambda model: compiled)
-    decode.take_compile_fallbacks()
+    compiled = torch.compile(static_decode.decode_step, backend="aot_eager", fullgraph=True)
+    monkeypatch.setattr(static_decode, "compiled_step", lambda model: compiled)
+    static_decode.take_compile_fallbacks()
     rows = prompts(4)
-    with decode.rollout_weights(lora_model) as merged:
+    with rollout_weights(lora_model) as merged:
         eager = _sample(merged, rows, max_new=6)
         assert _sample(merged, rows, max_new=6, compiled=True) == eager
     with lora_model.disable_adapter():
         base = lora_model.get_base_model()
         assert _sample(base, rows, max_new=6, compiled=True) == _sample(base, rows, max_new=6)
-    assert decode.take_compile_fallbacks() == []  # it really ran compiled
+    assert static_decode.take_compile_fallbacks() == []  # it really ran compiled
 
 
 def test_the_trainer_reports_a_compile_fallback_as_a_metric_and_a_warning(toy_dir, tmp_path, monkeypatch):
@@ -120,13 +146,13 @@ def test_the_trainer_reports_a_compile_fallback_as_a_metric_and_a_warning(toy_di
         def step(*args):
             if next(failures, False):
                 raise RuntimeError("cudagraph pool exhausted")
-            return decode._decode_step(*args)
+            return static_decode.decode_step(*args)
         return step
 
     real = rollout.sample_tokens
     monkeypatch.setattr(rollout, "sample_tokens", lambda *a, **k: real(*a, **{**k, "compiled": True}))
-    monkeypatch.setattr(decode, "_compiled_step", sometimes_failing)
-    decode.take_compile_fallbacks()
+    monkeypatch.setattr(static_decode, "compiled_step", sometimes_failing)
+    static_decode.take_compile_fallbacks()
     metrics, warnings = [], []
 
     class Collect(StopAt):
@@ -152,13 +178,13 @@ def test_the_eager_loop_can_drop_finished_rows_every_few_steps(lora_model):
 
     def run(check_every):
         ids, mask, positions = decode.left_padded(rows, max_new, PAD)
-        pick = decode._Picker(spec(), True, (B, max_new), CPU, record=False)
+        pick = Picker(spec(), True, (B, max_new), CPU, record=False)
         with forward_shapes(lora_model) as shapes:
-            lengths = decode._eager_loop(merged, ids, mask, positions, P, max_new, pick, EOS,
+            lengths = decode.eager_loop(merged, ids, mask, positions, P, max_new, pick, EOS,
                                          check_every=check_every)
         return [r[:n] for r, n in zip(ids[:, P:].tolist(), lengths.tolist())], [b for b, _ in shapes[1:]]
 
-    with decode.rollout_weights(lora_model) as merged:
+    with rollout_weights(lora_model) as merged:
         every_step, sizes_1 = run(1)
         every_4, sizes_4 = run(4)
     assert every_4 == every_step

@@ -15,7 +15,8 @@ from service.repositories import jobs as jobs_repo
 from service.job_spec.sampling import SamplingSpec
 from worker.artifacts import upload_checkpoint
 from worker.checkpoint import checkpoint_name, save_checkpoint
-from worker.rollout.decode import rollout_weights, sample_tokens
+from worker.rollout.decode import sample_tokens
+from worker.rollout.effective_weights import rollout_weights
 from worker.model.turns import encode_prompt
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -4,7 +4,7 @@ The adapters train in float32 on top of it, as in QLoRA (Dettmers et al., 2023):
 quantisation of their scales, matmuls in the compute dtype. bitsandbytes is not a dependency of this
 project; a worker without it refuses the job before loading anything (invalid_job), and the dry run says
 so too (service/dry_run.py). The hf sampler runs such a model with its adapters unmerged
-(worker/rollout/decode.py: a 4-bit weight cannot take the adapter folded in).
+(worker/rollout/effective_weights.py: a 4-bit weight cannot take the adapter folded in).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ worker/rollout/decode.py's eager loop, generalised to rows of several jobs:
 the rows are sorted by job and every forward is routed (worker/multi/lora.py),
 so one pass over the base weights per decode step serves every job. What a row
 samples depends on its own job only:
-- each job has its own picker (worker/rollout/decode.py's `_Picker`): its
+- each job has its own picker (worker/rollout/token_picking.py's `Picker`): its
   sampling knobs, its per-row uniform streams drawn up front for exactly the
   (rows, max_new) shape the job would use alone, its recorded log-probs at its
   own temperature, its min_output_tokens;
@@ -24,11 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from service.job_spec.sampling import SamplingSpec
 from worker.multi.lora import SegmentRouter
-from worker.rollout.decode import CACHE_ARG, NonFiniteLogits, _Picker, left_padded
+from worker.model.cache_arg import CACHE_ARG
+from worker.rollout.decode import left_padded
+from worker.rollout.growing_cache import growing_cache
+from worker.rollout.token_picking import NonFiniteLogits, Picker
 
 
 @dataclass
@@ -60,7 +62,7 @@ def sample_jobs(model, router: SegmentRouter, jobs: list[JobRows], *, eos_id: in
     job_of = torch.tensor([j for j, job in enumerate(jobs) for _ in job.prompts], device=device)
     local = torch.tensor([i for job in jobs for i in range(len(job.prompts))], device=device)
     widths = [max(map(len, job.prompts), default=0) for job in jobs]  # each job's own left-padded width
-    pickers = [_Picker(job.sampling, job.greedy, (len(job.prompts), job.max_new), device, record=job.logprobs,
+    pickers = [Picker(job.sampling, job.greedy, (len(job.prompts), job.max_new), device, record=job.logprobs,
                        seeds=job.seeds, eos_id=eos_id) for job in jobs]
     lengths = torch.tensor([job.max_new for job in jobs for _ in job.prompts], device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
@@ -71,7 +73,7 @@ def sample_jobs(model, router: SegmentRouter, jobs: list[JobRows], *, eos_id: in
     unique, row_of = torch.unique(keyed, dim=0, return_inverse=True)
     firsts = torch.full((unique.shape[0],), B, dtype=torch.long, device=device).scatter_reduce(
         0, row_of, torch.arange(B, device=device), reduce="amin")
-    cache = DynamicCache(config=model.config)
+    cache = growing_cache(model.config, P + max_new)
     with router.rows([names[j] for j in job_of[firsts].tolist()]):
         logits = model(input_ids=ids[firsts, :P], attention_mask=mask[firsts, :P],
                        position_ids=positions[firsts, :P], **{CACHE_ARG: cache}, use_cache=True,

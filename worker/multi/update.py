@@ -34,7 +34,7 @@ from worker.cispo import LossInputs, cispo_loss, sequence_weights, token_logprob
 from worker.multi.lora import BASE_ONLY, SharedBase
 from worker.rollout.rollout import Rollout
 from worker.trainer.metrics import UpdateStats
-from worker.rollout.decode import CACHE_ARG
+from worker.model.cache_arg import CACHE_ARG
 from worker.trainer.scoring import _last_hidden, collate_sequences
 from worker.model.streams import generator
 from worker.trainer.update import micro_batches, off_policy_options

@@ -47,7 +47,8 @@ import torch
 from service.schemas.dataset import row_prompt
 from service.job_spec.sampling import SamplingSpec
 from worker.envs.protocol import Environment
-from worker.rollout.decode import rollout_weights, sample_tokens
+from worker.rollout.decode import sample_tokens
+from worker.rollout.effective_weights import rollout_weights
 from worker.model.policy import Policy
 from worker.model.streams import stream_seed
 from worker.model.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages

@@ -4,7 +4,7 @@ The base is loaded once and wrapped in one PeftModel; each checkpoint's
 adapter is downloaded from the object store (hashes checked against its
 manifest), loaded under the checkpoint's id, and kept; past `max_adapters`
 the least recently used is deleted. A request runs on its adapter folded
-into the weights (worker/rollout/decode.py's rollout_weights: the trainer's
+into the weights (worker/rollout/effective_weights.py's rollout_weights: the trainer's
 own sampling path, so a fine-tuned model answers here as it did in its
 rollouts), or with every adapter switched off for the base itself.
 """
@@ -23,7 +23,7 @@ from service.storage import ObjectStore
 from worker.artifacts import download_checkpoint
 from worker.checkpoint import load_checkpoint
 from worker.model import precision
-from worker.rollout.decode import rollout_weights
+from worker.rollout.effective_weights import rollout_weights
 from worker.model.policy import pick_device
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ import torch
 from transformers import DynamicCache
 
 from service.job_spec.sampling import SamplingSpec
-from worker.rollout.decode import CACHE_ARG, NonFiniteLogits, logits_processors
+from worker.model.cache_arg import CACHE_ARG
+from worker.rollout.token_picking import NonFiniteLogits, logits_processors
 
 
 @torch.no_grad()

@@ -52,7 +52,8 @@ from worker.distributed.shard import unsharded
 from worker.distributed.state import full_model_state, full_optimizer_state, load_full_optimizer_state
 from worker.trainer.data import PromptSampler, load_splits
 from worker.trainer.metrics import UpdateStats
-from worker.rollout import decode
+from worker.rollout.rollout_state import release_rollout_state
+from worker.rollout.static_decode import take_compile_fallbacks
 from worker.model import precision
 from worker.model.policy import MASTER_PREFIX, REFERENCE, Policy, load_policy
 from worker.rewards.engine import ScoringContext
@@ -269,8 +270,8 @@ class Trainer:
                 rollout = self.engine.generate(self.policy, rows, spec.sampling, group_size=tc.group_size,
                                                sampling_seeds=sampling_seeds, **self._episodes(seeds))
             rollout_s = time.perf_counter() - started
-            decode.release_rollout_state(self.policy.model)  # a large model's decode caches and copies
-            fallbacks = decode.take_compile_fallbacks()  # this step's and the last evaluation's
+            release_rollout_state(self.policy.model)  # a large model's decode caches and copies
+            fallbacks = take_compile_fallbacks()  # this step's and the last evaluation's
             if (warn := getattr(self.callbacks, "on_warning", None)) is not None:
                 for message in fallbacks:
                     warn(self.step + 1, message)

@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from worker.cispo import token_logprobs
-from worker.rollout.decode import CACHE_ARG
+from worker.model.cache_arg import CACHE_ARG
 
 
 @dataclass

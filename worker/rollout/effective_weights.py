@@ -1,0 +1,164 @@
+"""A model's effective weights for a rollout: the active LoRA adapters applied, cast to the rollout dtype.
+
+- the active LoRA adapter runs unmerged on each adapted linear, through a
+  lean forward that replaces PEFT's for the rollout: base(x) + B(A(x)) *
+  scaling, PEFT's own arithmetic (the same logits, bit for bit), without its
+  per-call bookkeeping. Nothing is copied: folding the adapter into a copy of
+  every adapted weight cost their memory again (1.4 GB at Qwen2.5-0.5B in
+  float32) and a pass over them per rollout, for two rank-r matmuls per
+  linear that cost ~1% of its own. The base parameters are never written, so
+  no merge/unmerge drift reaches training or checkpoints. Adapter kinds the
+  lean forward does not cover (embeddings, DoRA and other variants) are
+  folded into a kept copy of their weight;
+- the rollout may run in a lower precision than training (rollout.dtype, e.g.
+  bfloat16 sampling for a float32 job): the weights are cast once per
+  rollout into kept copies, not at every step as autocast would.
+Copies are kept between rollouts (`kept_copies`) so that tensor addresses stay
+put and CUDA graphs replay instead of re-recording; worker/rollout/rollout_state.py
+frees them when they grow large.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+__all__ = ["rollout_weights", "kept_copies"]
+
+kept_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {name: kept weight copy}
+
+
+@contextmanager
+def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bool = False):
+    """Run `model` as a plain causal LM on its effective weights: active LoRA adapters applied, cast to `dtype`.
+
+    Each adapted linear runs base(x) + B(A(x)) * scaling through a lean
+    forward of its own (`_lean_lora_forward`); other adapted layers get a
+    weight of their own holding W + delta (kept for the next rollout, so
+    addresses stay stable for CUDA graphs) with the adapter path switched
+    off. With a `dtype` other than the weights' own, every other
+    floating-point parameter (base weights, embeddings, norms, LM head) is
+    swapped for a kept copy in that dtype (tied weights stay tied), so the
+    forward runs in it but for the small adapter matmuls, which stay in the
+    adapter's dtype as in PEFT's own forward. The model's own parameters are
+    never written: the optimizer's tensors, and what checkpoints save, are
+    untouched. Buffers (rotary frequencies) stay as they are. With
+    `head_float32` the LM head runs on a float32 copy of its weight and its
+    input is cast up (training.lm_head_float32), so sampling sees the logits
+    the trainer scores.
+    """
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    hooks: list = []
+    copies: dict[int, torch.nn.Parameter] = {}  # id(original) -> its copy, so a tied weight is copied once
+
+    def swap(module: torch.nn.Module, name: str, value: Tensor) -> None:
+        original = module._parameters[name]
+        copy = copies.get(id(original))
+        if copy is None:  # else a tied weight: it shares the copy made for its twin
+            kept = kept_copies.setdefault(module, {})
+            copy, target = kept.get(name), dtype or original.dtype
+            if copy is None or copy.shape != original.shape or copy.dtype != target:
+                copy = kept[name] = torch.nn.Parameter(torch.empty_like(original, dtype=target), requires_grad=False)
+            copies[id(original)] = copy.copy_(value)
+        module._parameters[name] = copy
+        swapped.append((module, name, original))
+
+    peft = isinstance(model, PeftModel)
+    if peft and _quantized_base(model, LoraLayer):  # QLoRA: a 4-bit weight cannot take the adapter folded in
+        yield model  # the adapters run unmerged, the base in its own 4-bit kernels
+        return
+    lean: list[torch.nn.Module] = []  # LoRA linears running _lean_lora_forward
+    try:
+        with torch.no_grad():
+            for module in model.modules() if peft else ():
+                if not isinstance(module, LoraLayer) or module.merged:
+                    continue
+                adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
+                if not adapters:
+                    continue
+                if _lean_applies(module, adapters):
+                    module.forward = _lean_lora_forward(module, adapters)
+                    lean.append(module)
+                    continue
+                base = module.get_base_layer()
+                merged = base.weight.detach()
+                for adapter in adapters:
+                    merged = merged + module.get_delta_weight(adapter).to(merged.dtype)
+                swap(base, "weight", merged)
+            if dtype is not None:
+                for name, module in model.named_modules():
+                    if peft and ".lora_" in f".{name}":  # adapters: in their own dtype (PEFT's), or unused
+                        continue
+                    for pname, p in list(module._parameters.items()):
+                        if p is not None and p.is_floating_point() and p.dtype != dtype:
+                            swap(module, pname, p)
+            head = model.get_output_embeddings()
+            if head_float32 and head.weight.dtype != torch.float32:
+                current = head._parameters["weight"]  # maybe already a copy in `dtype`; a tied twin keeps it
+                kept = kept_copies.setdefault(head, {})
+                copy = kept.get("weight.float32")
+                if copy is None or copy.shape != current.shape:
+                    copy = kept["weight.float32"] = torch.nn.Parameter(
+                        torch.empty_like(current, dtype=torch.float32), requires_grad=False)
+                # From the model's own weight (float32 masters stay unrounded), not a `dtype` copy made above.
+                own = next((o for m, n, o in swapped if m is head and n == "weight"), current)
+                head._parameters["weight"] = copy.copy_(own)
+                swapped.append((head, "weight", current))
+                hooks.append(head.register_forward_pre_hook(lambda _m, args: (args[0].float(), *args[1:])))
+        if peft:
+            with model.disable_adapter():
+                yield model
+        else:
+            yield model
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module, name, original in reversed(swapped):
+            module._parameters[name] = original
+        for module in lean:
+            del module.forward  # the class's (PEFT's) forward again
+
+
+def _lean_applies(module, adapters: list[str]) -> bool:
+    """Whether `module` is a plain LoRA linear whose adapters are all vanilla LoRA (no DoRA or other variant)."""
+    from peft.tuners.lora.layer import Linear
+
+    variants = getattr(module, "lora_variant", {})
+    dora = getattr(module, "use_dora", {})
+    return (type(module) is Linear and "forward" not in module.__dict__
+            and all(a in module.lora_A and a not in variants and not dora.get(a, False) for a in adapters))
+
+
+def _lean_lora_forward(module, adapters: list[str]):
+    """PEFT's LoRA Linear forward for inference, minus its per-call checks: base(x) + B(A(drop(x))) * scaling per
+    adapter, in PEFT's order and dtypes (the adapter in its own, float32: the same logits bit for bit)."""
+    base = module.get_base_layer()
+    paths = []
+    for adapter in adapters:
+        drop = module.lora_dropout[adapter]
+        paths.append((None if isinstance(drop, torch.nn.Identity) else drop, module.lora_A[adapter].weight,
+                      module.lora_A[adapter].bias, module.lora_B[adapter].weight, module.lora_B[adapter].bias,
+                      module.scaling[adapter]))
+
+    def forward(x: Tensor, *args, **kwargs) -> Tensor:
+        result = base(x, *args, **kwargs)
+        result_dtype = result.dtype
+        for drop, a_weight, a_bias, b_weight, b_bias, scaling in paths:
+            h = x.to(a_weight.dtype)
+            h = torch.nn.functional.linear(h if drop is None else drop(h), a_weight, a_bias)
+            result = result + torch.nn.functional.linear(h, b_weight, b_bias) * scaling
+        return result.to(result_dtype)
+
+    return forward
+
+
+def _quantized_base(model, lora_layer) -> bool:
+    """Whether any adapted layer's base weight is quantised (bitsandbytes' Params4bit carries a quant_state)."""
+    return any(getattr(m.get_base_layer().weight, "quant_state", None) is not None
+               for m in model.modules() if isinstance(m, lora_layer))
