@@ -111,14 +111,29 @@ def test_bf16_checkpoint_is_bf16_for_users_and_resumes_from_float32(toy_dir, tmp
 def test_auto_dtype_on_a_gpu_is_bf16_for_half_checkpoints_never_fp16(toy_dir, tmp_path, monkeypatch, saved, bf16,
                                                                       expected):
     """'auto' on a GPU: bfloat16 where the device has it (a float16 checkpoint included: float16 training underflows
-    without loss scaling), float32 where it has not; a CPU stays float32."""
+    without loss scaling), float32 where it has not."""
     from worker.model import precision
 
     config = json.loads((toy_dir / "model" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": saved}))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
     assert precision.compute_dtype("auto", str(tmp_path), torch.device("cuda")) == expected
-    assert precision.compute_dtype("auto", str(tmp_path), torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.parametrize("saved,avx512_bf16,amx,expected", [
+    ("bfloat16", True, False, torch.bfloat16), ("float16", False, True, torch.bfloat16),
+    ("float32", True, True, torch.float32), ("bfloat16", False, False, torch.float32)])
+def test_auto_dtype_on_a_cpu_is_bf16_for_half_checkpoints_where_its_matmuls_have_bf16(
+        toy_dir, tmp_path, monkeypatch, saved, avx512_bf16, amx, expected):
+    """'auto' on a CPU: bfloat16 for a half-precision checkpoint where the CPU multiplies bf16 natively (the toy task
+    learns as in float32 there: bench/README.md), float32 where torch would emulate it or the checkpoint is float32."""
+    from worker.model import precision
+
+    config = json.loads((toy_dir / "model" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": saved}))
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert precision.compute_dtype("auto", str(tmp_path), torch.device("cpu")) == expected
 
 
 def test_tf32_matmuls_on_cuda_only():

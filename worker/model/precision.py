@@ -1,8 +1,10 @@
 """Mixed precision: trainable weights and optimizer state in float32, the forward passes in the job's dtype.
 
-`spec.dtype` is the compute dtype ("auto": bfloat16 on a GPU that has it for a
-half-precision checkpoint, float16 ones included, else float32; float32 on a
-CPU). float16 training is refused at validation: without loss scaling, a loss
+`spec.dtype` is the compute dtype ("auto": bfloat16 for a half-precision
+checkpoint, float16 ones included, on a GPU that has bfloat16 or a CPU with
+bfloat16 matmul instructions (AVX512-BF16 or AMX), else float32; on such a CPU
+the toy task learns as in float32: bench/README.md, bench/bf16_learning.py).
+float16 training is refused at validation: without loss scaling, a loss
 that is a mean over ~10^4 tokens gives gradients below float16's range, and a
 float16 overflow turns logits into NaN. When the compute dtype is lower than float32:
 
@@ -36,11 +38,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def compute_dtype(name: str, model: str, device: torch.device) -> torch.dtype:
     """The dtype of the forward passes: the spec's, or for "auto" bfloat16 for a half-precision checkpoint on a
-    GPU with bfloat16 (float32 otherwise)."""
+    device with fast bfloat16 (float32 otherwise)."""
     if name != "auto":
         return DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # half precision on CPU is slow and lossy
     saved = getattr(AutoConfig.from_pretrained(model), "dtype", None)
     if isinstance(saved, str):
         saved = DTYPES.get(saved)
@@ -50,6 +50,11 @@ def compute_dtype(name: str, model: str, device: torch.device) -> torch.dtype:
 
 
 def bf16_supported(device: torch.device) -> bool:
+    """A GPU with bfloat16, or a CPU whose matmuls run bfloat16 natively (without AVX512-BF16 or AMX torch
+    emulates it, slower than float32)."""
+    if device.type == "cpu":
+        return any(getattr(torch.cpu, probe, lambda: False)()
+                   for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 

@@ -29,7 +29,7 @@ on the same sequences at any number of processes.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor
@@ -39,6 +39,7 @@ from worker.cispo import LossInputs, cispo_loss, sequence_weights
 from worker.distributed import group
 from worker.distributed.shard import unsharded
 from worker.trainer.metrics import UpdateStats
+from worker.model.lora_forward import fused_lora_linears
 from worker.model.policy import Policy
 from worker.rollout.rollout import Rollout
 from worker.trainer.packing import collate_packed, pack_rows
@@ -153,6 +154,15 @@ class Updater:
         `advantages` holds, per sequence, one value per action token (or one value per sequence).
         Sequences without action tokens (an episode whose reset failed) carry no gradient and are skipped.
         """
+        with self._lora_forward():
+            return self._run(rollout, advantages, indices, step)
+
+    def _lora_forward(self):
+        """LoRA linears adding their adapter's output in one addmm (worker/model/lora_forward.py); in one process
+        only (under FSDP2 the module's parameters are sharded between calls)."""
+        return fused_lora_linears(self.policy.model) if self.policy.is_lora and not group.active() else nullcontext()
+
+    def _run(self, rollout: Rollout, advantages: Tensor | list[Tensor], indices: list[int], step: int) -> UpdateStats:
         stats = UpdateStats()
         counts = rollout.action_counts
         lengths = [len(ids) for ids in rollout.token_ids]
