@@ -146,6 +146,12 @@ class Settings(BaseSettings):
         EgressPolicy.from_setting(v)
         return v
 
+    @field_validator("worker_memory_gib", mode="before")
+    @classmethod
+    def _empty_memory_is_the_default(cls, v):
+        # docker-compose passes an unset CISPO_WORKER_MEMORY_GIB through as "" (${CISPO_WORKER_MEMORY_GIB:-}).
+        return None if v == "" else v
+
     @field_validator("project_weights")
     @classmethod
     def _positive_weights(cls, v: dict[str, float]) -> dict[str, float]:

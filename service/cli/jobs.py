@@ -42,9 +42,16 @@ def _bar(done: int, total: int, width: int = 24) -> str:
     return "#" * filled + "-" * (width - filled)
 
 
+def _queue_place(job: dict) -> str:
+    """'#2' for the second queued job workers will take; '-' once it is no longer queued."""
+    return f"#{job['queue_position']}" if job.get("queue_position") else "-"
+
+
 def _progress_line(job: dict, reward: float | None) -> str:
     line = (f"{job['id']}  {job['status']:<10} [{_bar(job['steps_done'], job['total_steps'])}] "
             f"{job['steps_done']}/{job['total_steps']} steps")
+    if job.get("queue_position"):
+        line += f"  {_queue_place(job)} in the queue"
     return line + (f"  reward {reward:.4f}" if reward is not None else "")
 
 
@@ -113,10 +120,11 @@ def cmd_list(args, client: Client) -> int:
     if args.json:
         print_json(page)
         return 0
-    print(f"{'ID':<32}  {'STATUS':<16}  {'STEPS':>9}  {'CREATED (UTC)':<19}  MODEL")
+    print(f"{'ID':<32}  {'STATUS':<16}  {'STEPS':>9}  {'QUEUE':>5}  {'CREATED (UTC)':<19}  MODEL")
     for job in page["data"]:
         steps = f"{job['steps_done']}/{job['total_steps']}"
-        print(f"{job['id']:<32}  {job['status']:<16}  {steps:>9}  {utc_time(job['created_at']):<19}  {job['model']}")
+        print(f"{job['id']:<32}  {job['status']:<16}  {steps:>9}  {_queue_place(job):>5}  "
+              f"{utc_time(job['created_at']):<19}  {job['model']}")
     if page["has_more"]:
         print(f"(more: --after {page['data'][-1]['id']})", file=sys.stderr)
     return 0
@@ -260,12 +268,14 @@ def add_jobs_command(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--watch", action="store_true", help="then watch it until it ends")
     create.add_argument("--interval", type=positive(float), default=2.0, help="seconds between polls with --watch")
 
-    listing = command("list", cmd_list, "list the project's jobs, newest first", job=False)
+    listing = command("list", cmd_list, "list the project's jobs, newest first (QUEUE: a queued job's place, "
+                      "#1 next)", job=False)
     listing.add_argument("--limit", type=int, default=20)
     listing.add_argument("--after", help="a job id: list the jobs older than it")
     command("get", cmd_get, "print a job as JSON")
-    command("watch", cmd_watch, "a progress bar (steps, latest reward) until the job ends; exit 0 if it "
-            "succeeded").add_argument("--interval", type=positive(float), default=2.0, help="seconds between polls")
+    command("watch", cmd_watch, "a progress bar (steps, place in the queue, latest reward) until the job ends; "
+            "exit 0 if it succeeded").add_argument("--interval", type=positive(float), default=2.0,
+                                                   help="seconds between polls")
     events = command("events", cmd_events, "the job's events, oldest first", aliases=["logs"])
     events.add_argument("--follow", "-f", action="store_true", help="keep printing new events until the job ends")
     events.add_argument("--limit", type=int, default=100)

@@ -125,6 +125,29 @@ def test_watch_and_follow_until_the_job_ends_then_download_verified(live, tmp_pa
     assert not corrupt.exists() and not (tmp_path / "corrupt.tar.part").exists()
 
 
+def test_queued_jobs_show_their_place_in_the_queue(live, tmp_path):
+    (tmp_path / "train.jsonl").write_bytes(jsonl(TRAIN_ROWS))
+    first, second = (cispo(live, "create", "--model", "tiny-model", "--training-file", "train.jsonl", "--reward",
+                           REWARD, "--steps", "3", cwd=tmp_path).stdout.strip() for _ in range(2))
+
+    def listed() -> dict[str, list[str]]:
+        lines = cispo(live, "list").stdout.splitlines()
+        assert lines[0].split()[:4] == ["ID", "STATUS", "STEPS", "QUEUE"]
+        return {line.split()[0]: line.split()[:4] for line in lines[1:]}
+
+    assert listed() == {first: [first, "queued", "0/3", "#1"], second: [second, "queued", "0/3", "#2"]}
+    assert json.loads(cispo(live, "get", second).stdout)["queue_position"] == 2
+    watch = start(live, "watch", second, "--interval", "0.2")
+    try:
+        assert first_line(watch).split()[:7] == [second, "queued", "[------------------------]", "0/3", "steps",
+                                                 "#2", "in"]
+    finally:
+        watch.kill()
+    # A job no longer queued has no place; the one behind it moves up.
+    assert cispo(live, "cancel", first).returncode == 0
+    assert listed() == {first: [first, "cancelled", "0/3", "-"], second: [second, "queued", "0/3", "#1"]}
+
+
 def test_watch_exits_nonzero_when_the_job_does_not_succeed(live, tmp_path):
     (tmp_path / "train.jsonl").write_bytes(jsonl(TRAIN_ROWS))
     job_id = cispo(live, "create", "--model", "tiny-model", "--training-file", "train.jsonl", "--reward", REWARD,

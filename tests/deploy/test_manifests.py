@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -280,6 +281,17 @@ def test_compose_connection_settings_match_the_servers(monkeypatch):
     assert settings.home == Path(env["CISPO_HOME"])
     store = open_store(settings.resolved_storage_url())
     assert type(store).__name__ == "S3Store"
+
+
+def test_compose_passes_the_shared_worker_settings_through(monkeypatch):
+    raw = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name in ("api", "worker"):  # the API orders queue positions by the weights
+        env = raw[name]["environment"]
+        for key in ("CISPO_PROJECT_WEIGHTS", "CISPO_WORKER_MEMORY_GIB"):
+            assert re.fullmatch(r"\$\{" + key + r":-[^}]*\}+", str(env.get(key))), f"{name}: {key} is not passed through"
+    # unset, they are the code's defaults: no weights, 90% of the device's memory
+    settings = settings_under(service_env(compose_services()["worker"]), monkeypatch)
+    assert settings.project_weights == {} and settings.worker_memory_gib is None
 
 
 def test_compose_cispo_home_is_a_mounted_volume():
@@ -551,8 +563,8 @@ def test_schema_allows_every_pool_the_cli_offers():
 _VALUES_REF = re.compile(r"\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 
 
-def lookup_values(path: list[str]):
-    node = chart_values()
+def lookup_values(path: list[str], values: dict | None = None):
+    node = chart_values() if values is None else values
     for i, key in enumerate(path):
         assert isinstance(node, dict) and key in node, f".Values.{'.'.join(path)}: no {'.'.join(path[: i + 1])} in values.yaml"
         node = node[key]
@@ -571,15 +583,29 @@ def test_every_values_reference_exists_in_values_yaml():
 # A template action: {{ ... }}, {{- ... -}}; comments {{/* */}} are dropped first.
 _ACTION = re.compile(r"\{\{-?\s*(.*?)\s*-?\}\}", re.S)
 _COMMENT = re.compile(r"\{\{-?\s*/\*.*?\*/\s*-?\}\}", re.S)
-_ONLY_VALUES = re.compile(r"^\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)((?:\s*\|\s*(?:quote|int|int64|toString))*)$")
+_PIPE = r'quote|int|int64|toString|toJson|default\s+"[^"]*"'
+_ONLY_VALUES = re.compile(r"^\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)((?:\s*\|\s*(?:" + _PIPE + r"))*)$")
 
 
-def render_template(text: str) -> tuple[list[dict], dict[str, str]]:
+def apply_pipes(value, pipes: str):
+    """A `.Values.x` expression's value through its pipeline, as Helm's functions would return it."""
+    for fn in re.findall(_PIPE, pipes):
+        if fn.startswith("default"):
+            value = value if value not in (None, "", 0, False, {}, []) else json.loads(fn.split(None, 1)[1])
+        elif fn == "toJson":
+            value = json.dumps(value, separators=(",", ":"), sort_keys=True)  # Go: compact, map keys sorted
+        elif fn in ("quote", "toString"):
+            value = str(value)
+    return value
+
+
+def render_template(text: str, values: dict | None = None) -> tuple[list[dict], dict[str, str]]:
     """Approximate a render: returns the YAML documents and {token: template expression}.
 
     Lines holding nothing but template actions (if/with/range/end, include|nindent,
-    toYaml|nindent) are dropped; `.Values.x` expressions become their values.yaml
-    value; any other expression becomes a token TPL<n>X, mapped back in the table.
+    toYaml|nindent) are dropped; `.Values.x` expressions become their value in
+    `values` (default: values.yaml), through their pipeline; any other expression
+    becomes a token TPL<n>X, mapped back in the table.
     """
     table: dict[str, str] = {}
     text = _COMMENT.sub("", text)
@@ -593,10 +619,7 @@ def render_template(text: str) -> tuple[list[dict], dict[str, str]]:
         expr = m.group(1).strip()
         only = _ONLY_VALUES.match(expr)
         if only:
-            value = lookup_values(only.group(1)[1:].split("."))
-            if "quote" in only.group(2) or "toString" in only.group(2):
-                value = str(value)
-            return json.dumps(value)
+            return json.dumps(apply_pipes(lookup_values(only.group(1)[1:].split("."), values), only.group(2)))
         token = f"TPL{len(table)}X"
         table[token] = expr
         return token
@@ -854,6 +877,59 @@ def test_configmap_and_secret_keys_are_settings():
             for c in containers(doc):
                 for e in c.get("env") or []:
                     assert is_known_env(e["name"]), f"{path.name}: env {e['name']} is no setting"
+
+
+def rendered_config(values: dict) -> dict[str, str]:
+    """The ConfigMap's settings under `values`: the keys rendered from values (not those from includes or extraEnv)."""
+    (data,), _ = render_template(define_body("cispo.config"), values)
+    return {k: v for k, v in data.items() if k.startswith("CISPO_") and "TPL" not in f"{k}{v}"}
+
+
+def settings_under(env: dict[str, str], monkeypatch):
+    from service.settings import Settings
+
+    for key in [k for k in os.environ if k.startswith("CISPO_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return Settings()
+
+
+def test_shared_worker_settings_reach_the_api_and_the_workers(monkeypatch):
+    values = copy.deepcopy(chart_values())
+    values["config"].update(projectWeights={"research": 2.5, "team b": 1}, workerMemoryGiB=70.5)
+    jsonschema.Draft7Validator(values_schema()).validate(values)
+    settings = settings_under(rendered_config(values), monkeypatch)
+    assert settings.project_weights == {"research": 2.5, "team b": 1}
+    assert settings.worker_memory_gib == 70.5
+    # values.yaml's defaults are the code's: no weights, 90% of the device's memory
+    settings = settings_under(rendered_config(chart_values()), monkeypatch)
+    assert settings.project_weights == {} and settings.worker_memory_gib is None
+    # the API orders queue positions by the weights, the workers admit by both: each reads the ConfigMap
+    for component in ("api", "worker"):
+        (c,) = containers(one("Deployment", component)[1])
+        assert [r for r in c.get("envFrom") or [] if "configMapRef" in r], f"the {component} does not read the ConfigMap"
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda c: c.update(projectWeights={"research": 0}), id="weight-zero"),
+        pytest.param(lambda c: c.update(projectWeights={"research": -1}), id="weight-negative"),
+        pytest.param(lambda c: c.update(projectWeights={"research": "2"}), id="weight-as-string"),
+        pytest.param(lambda c: c.update(projectWeights=[{"research": 2}]), id="weights-not-a-map"),
+        pytest.param(lambda c: c.pop("projectWeights"), id="weights-null"),  # Helm drops a key set to null
+        pytest.param(lambda c: c.update(workerMemoryGiB=0), id="memory-zero"),
+        pytest.param(lambda c: c.update(workerMemoryGiB="40Gi"), id="memory-as-quantity"),
+        pytest.param(lambda c: c["extraEnv"].update(CISPO_PROJECT_WEIGHTS="{}"), id="weights-set-twice"),
+        pytest.param(lambda c: c["extraEnv"].update(CISPO_WORKER_MEMORY_GIB="40"), id="memory-set-twice"),
+    ],
+)
+def test_schema_refuses_wrong_shared_worker_values(mutate):
+    values = copy.deepcopy(chart_values())
+    mutate(values["config"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(values_schema()).validate(values)
 
 
 def test_app_pods_read_the_configmap_and_the_secret():

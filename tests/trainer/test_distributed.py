@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from service.job_spec.spec import JobSpec
 from worker.toy.__main__ import toy_spec
+from worker.trainer.callbacks import NoCallbacks
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout the subprocesses import
 SEQUENCES = 8  # the global batch: 2 prompts x group 4
@@ -220,8 +221,67 @@ def _packed_update_task(rank: int, world: int, toy_dir: str, out: str) -> None:
             save_file({k: v.contiguous() for k, v in result.items()}, Path(out) / f"{kind}.safetensors")
 
 
+class StopAfter(NoCallbacks):
+    """Callbacks that ask to stop (as a cancel or pause does) once `after` steps are done; every rank decides alike,
+    as torchrun's ranks do with rank 0's answer (worker/torchrun/rank.py)."""
+
+    def __init__(self, after: int | None = None):
+        self.after, self.steps = after, []
+
+    def on_step(self, step, metrics): self.steps.append(metrics)
+    def should_stop(self): return self.after is not None and len(self.steps) >= self.after
+
+
+def _async_stop_resume_task(rank: int, world: int, toy_dir: str, out: str) -> None:
+    """A max_staleness 1 job of 4 steps at this world size, stopped after step 2 with the next batches in flight,
+    then resumed from its checkpoint to the end. Records, per rank, each run's step, the version tag of every
+    sequence trained on and whether rank 0's sampler process outlived the stop; rank 0 also the checkpoint's
+    state, each step's metrics and the final trainable weights."""
+    from tests.trainer.test_async_rollouts import sampler_processes
+    from worker.checkpoint import load_checkpoint
+    from worker.distributed.state import full_model_state
+    from worker.trainer import rank_pipeline
+    from worker.trainer.loop import Trainer
+
+    taken = []
+    real_take = rank_pipeline.RankPipeline.take
+
+    def take(self, step):
+        share = real_take(self, step)
+        taken.append({"step": step, "versions": list(share.versions)})
+        return share
+
+    rank_pipeline.RankPipeline.take = take
+    spec = async_job_spec(Path(toy_dir), "lora", gpus=world, steps=4)
+    record: dict = {}
+    try:
+        first, stop = Trainer(spec, Path(out) / "run"), StopAfter(2)
+        stopped = first.run(stop)
+        record["stopped"] = {"stopped": stopped.stopped, "steps_done": stopped.steps_done,
+                             "samplers_left": len(sampler_processes())}
+        # A resumed job is a new launch after every rank has ended, rank 0's checkpoint written (the others
+        # return from save() before it is, and would otherwise look for it too soon).
+        if world > 1:
+            torch.distributed.barrier()
+        resumed, rest = Trainer(spec, Path(out) / "run"), StopAfter()
+        record["resumed_at"] = resumed.step
+        finished = resumed.run(rest)
+        record["finished"] = {"stopped": finished.stopped, "steps_done": finished.steps_done}
+    finally:
+        rank_pipeline.RankPipeline.take = real_take
+    record["taken"] = taken
+    (Path(out) / f"stop-resume-rank{rank}.json").write_text(json.dumps(record))
+    state = full_model_state(resumed.policy.model) if world > 1 else resumed.policy.model.state_dict()
+    if rank == 0:
+        trainable = {n for n, p in resumed.policy.model.named_parameters() if p.requires_grad}
+        save_file({k: v.contiguous() for k, v in state.items() if k in trainable}, Path(out) / "weights.safetensors")
+        (Path(out) / "metrics.json").write_text(json.dumps(stop.steps + rest.steps))
+        (Path(out) / "checkpoint-state.json").write_text(json.dumps(load_checkpoint(stopped.last_checkpoint).state))
+
+
 TASKS = {"update": _update_task, "bf16_update": _bf16_update_task, "resume_and_save": _resume_and_save_task,
-         "async": _async_task, "packed_update": _packed_update_task}
+         "async": _async_task, "packed_update": _packed_update_task,
+         "async_stop_resume": _async_stop_resume_task}
 
 
 @pytest.fixture(scope="module")
@@ -537,3 +597,39 @@ def test_torchrun_async_job_trains_and_leaves_no_sampler(toy_dir, tmp_path):
     assert [m["policy_lag_max"] for m in metrics] == [0.0, 1.0] and all(m["stale_dropped"] == 0 for m in metrics)
     assert all(math.isfinite(m["loss"]) and m["trained_tokens"] > 0 for m in metrics)
     assert sampler_processes() == []
+
+
+@pytest.mark.slow
+def test_two_ranks_stopped_asynchronously_resume_from_the_checkpoint_as_one_process_does(toy_dir, tmp_path):
+    """max_staleness 1 at 2 ranks, stopped (cancel, pause, drain) after step 2 of 4 with the next batches in flight:
+    every rank stops, rank 0's sampler process is gone, the checkpoint holds the trained position (what was in
+    flight is requested again), and both ranks resume from it and finish, the resumed sampler starting at version
+    2. The same stop and resume in one process samples the same completions and ends with the same adapter."""
+    for run in ("two", "one"):
+        (tmp_path / run).mkdir()
+    spawn("async_stop_resume", toy_dir=str(toy_dir), out=str(tmp_path / "two"))
+    _async_stop_resume_task(0, 1, str(toy_dir), str(tmp_path / "one"))
+
+    for rank in (0, 1):
+        record = json.loads((tmp_path / "two" / f"stop-resume-rank{rank}.json").read_text())
+        assert record["stopped"] == {"stopped": True, "steps_done": 2, "samplers_left": 0}, rank
+        assert record["resumed_at"] == 2
+        assert record["finished"] == {"stopped": False, "steps_done": 4}
+        # Batch j by version max(0, j - 1) before the stop; after it, batches 2 and 3 by the resumed weights.
+        assert [(t["step"], sorted(set(t["versions"])), len(t["versions"])) for t in record["taken"]] == \
+               [(0, [0], 8), (1, [0], 8), (2, [2], 8), (3, [2], 8)], rank
+    state = json.loads((tmp_path / "two" / "checkpoint-state.json").read_text())
+    assert state["step"] == 2 and state["data"] == {"epoch": 0, "index": 2 * 4}
+
+    two, one = (json.loads((tmp_path / run / "metrics.json").read_text()) for run in ("two", "one"))
+    assert len(two) == len(one) == 4
+    for m2, m1 in zip(two, one):
+        assert (m2["reward_mean"], m2["completion_length_mean"]) == (m1["reward_mean"], m1["completion_length_mean"])
+        assert (m2["policy_lag_max"], m2["stale_dropped"]) == (m1["policy_lag_max"], 0.0)
+        assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-6)
+    assert [m["policy_lag_max"] for m in two] == [0.0, 1.0, 0.0, 1.0]
+    assert 0 < sum(m["reward_mean"] for m in two) < 4  # rewards that vary, so equal ones mean equal samples
+    sharded, single = (load_file(str(tmp_path / run / "weights.safetensors")) for run in ("two", "one"))
+    assert sharded.keys() == single.keys()
+    for name, expected in single.items():
+        torch.testing.assert_close(sharded[name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

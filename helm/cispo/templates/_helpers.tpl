@@ -103,6 +103,8 @@ CISPO_JUDGE_MODELS: {{ .Values.config.judgeModels | quote }}
 CISPO_RAY_ADDRESS: {{ include "cispo.rayAddress" . | quote }}
 CISPO_RAY_GANG_TIMEOUT_S: {{ .Values.ray.gangTimeoutS | toString | quote }}
 CISPO_WORKER_JOBS: {{ .Values.config.workerJobs | default 1 | toString | quote }}
+CISPO_PROJECT_WEIGHTS: {{ .Values.config.projectWeights | toJson | quote }}
+CISPO_WORKER_MEMORY_GIB: {{ .Values.config.workerMemoryGiB | default "" | toString | quote }}
 {{- range $key, $value := .Values.config.extraEnv }}
 {{ $key }}: {{ $value | toString | quote }}
 {{- end }}
