@@ -31,22 +31,14 @@ if str(ROOT) not in sys.path:
 def run_once(toy: Path, out: Path, *, seed: int, dtype: str, steps: int) -> dict:
     from service.job_spec.spec import JobSpec
     from worker.toy.__main__ import toy_spec
+    from worker.trainer.callbacks import NoCallbacks
     from worker.trainer.loop import train
 
     rewards: list[float] = []
 
-    class Collect:
+    class Collect(NoCallbacks):
         def on_step(self, step, metrics):
             rewards.append(metrics["reward_mean"])
-
-        def on_eval(self, step, metrics):
-            pass
-
-        def on_checkpoint(self, step, path):
-            pass
-
-        def should_stop(self):
-            return False
 
     spec = JobSpec.model_validate({**toy_spec(toy, steps=steps), "seed": seed, "dtype": dtype})
     started = time.perf_counter()

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from bench.trl_compare import SHAPES, Workload, build_model, measure_machine, our_trainer, write_prompts  # noqa: E402
+from bench.trl_compare import (Workload, add_workload_args, build_model, measure_machine, our_trainer,  # noqa: E402
+                                workload_from, write_prompts)
 
 
 def time_decode(trainer, w: Workload, *, repeats: int, profile_rows: int = 0) -> list[float]:
@@ -69,18 +70,11 @@ def _prompt_lines(trainer, w: Workload) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="small", choices=list(SHAPES))
+    add_workload_args(parser)
     parser.add_argument("--repeats", type=int, default=3, help="timed decode calls (after one warm-up)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per completion (default: the shape's)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--profile", type=int, default=0, help="profile one more call; list this many operators")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    shape = dict(SHAPES[args.shape])
-    if args.max_tokens is not None:
-        shape["max_tokens"] = args.max_tokens
-    w = Workload(**shape)
+    w = workload_from(args)
     from bench.floors import decode_bytes, decode_flops, floor_seconds
 
     print(f"torch threads {torch.get_num_threads()}; load average at start {os.getloadavg()[0]:.1f}", flush=True)

@@ -363,20 +363,35 @@ def peak_rss(side: str, argv: list[str], workdir: Path) -> dict:
     return json.loads(lines[-1].removeprefix("ALONE "))
 
 
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload options every bench on this workload takes (see workload_from)."""
+    parser.add_argument("--shape", default="small", choices=list(SHAPES), help="the model and prompt shapes")
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per completion (default: the shape's)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: torch's default); 1 gives steadier figures on a busy shared machine")
+
+
+def workload_from(args: argparse.Namespace, **overrides) -> Workload:
+    """The Workload add_workload_args' options name (torch's thread count set as a side effect)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = dict(SHAPES[args.shape])
+    if args.max_tokens is not None:
+        shape["max_tokens"] = args.max_tokens
+    return Workload(**{**shape, **overrides})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="small", choices=list(SHAPES), help="the model and prompt shapes")
+    add_workload_args(parser)
     parser.add_argument("--steps", type=int, default=6, help="measured steps per side")
     parser.add_argument("--warmup", type=int, default=2, help="steps per side left out of the figures")
     parser.add_argument("--batch", type=int, default=Workload.batch, help="prompts per step")
     parser.add_argument("--group", type=int, default=Workload.group, help="completions per prompt")
-    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per completion (default: the shape's)")
     parser.add_argument("--lora-r", type=int, default=Workload.lora_r, help="0: full fine-tuning")
     parser.add_argument("--dtype", default=Workload.dtype, choices=["float32", "bfloat16"], help="both sides' model")
     parser.add_argument("--rollout-dtype", default=Workload.rollout_dtype, choices=["auto", "float32", "bfloat16"],
                         help="our rollouts only (rollout.dtype)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads (0: torch's default); 1 gives steadier figures on a busy shared machine")
     parser.add_argument("--rss-steps", type=int, default=1,
                         help="steps of each side alone, in a child process, for its peak RSS (0: skip)")
     parser.add_argument("--alone", choices=["ours", "trl"],
@@ -384,13 +399,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path,
                         help="with --alone: the directory holding model/ and train.jsonl (built there if missing)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    shape = dict(SHAPES[args.shape])
-    if args.max_tokens is not None:
-        shape["max_tokens"] = args.max_tokens
-    w = Workload(**{**shape, "batch": args.batch, "group": args.group, "lora_r": args.lora_r, "dtype": args.dtype,
-                    "rollout_dtype": args.rollout_dtype})
+    w = workload_from(args, batch=args.batch, group=args.group, lora_r=args.lora_r, dtype=args.dtype,
+                      rollout_dtype=args.rollout_dtype)
     if args.alone:
         if not (args.workdir / "model").exists():
             build_model(args.workdir / "model", w)

@@ -15,6 +15,7 @@ from service.sandbox.spawn import sandbox_level
 from worker.toy.__main__ import toy_spec
 from worker.toy.task import write_jsonl
 from worker.toy.two_turn import environment_spec, plain_chat_model
+from worker.trainer.callbacks import NoCallbacks
 from worker.trainer.loop import Trainer
 from worker.model.policy import load_policy
 from worker.rollout import rollout as rollout_module
@@ -254,20 +255,11 @@ def test_cispo_learns_a_two_turn_environment(toy_dir, tmp_path):
     spec = JobSpec.model_validate(raw)
     rewards, turns = [], []
 
-    class Collect:
+    class Collect(NoCallbacks):
         def on_step(self, step, metrics):
             rewards.append(metrics["reward_mean"])
             turns.append(metrics["turns_mean"])
             assert metrics["reward_errors"] == 0
-
-        def on_eval(self, step, metrics):
-            pass
-
-        def on_checkpoint(self, step, path):
-            pass
-
-        def should_stop(self):
-            return False
 
     result = Trainer(spec, tmp_path / "run").run(Collect())
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10

@@ -8,25 +8,17 @@ import pytest
 
 from tests.worker.vllm_fixtures import vllm_job_spec
 from worker.rollout import make_engine
+from worker.trainer.callbacks import NoCallbacks
 from worker.trainer.loop import Trainer
 from worker.model.policy import load_policy
 
 
-class Collect:
+class Collect(NoCallbacks):
     def __init__(self):
         self.steps: list[dict] = []
 
     def on_step(self, step, metrics):
         self.steps.append(metrics)
-
-    def on_eval(self, step, metrics):
-        pass
-
-    def on_checkpoint(self, step, path):
-        pass
-
-    def should_stop(self):
-        return False
 
 
 def test_vllm_job_reports_truncated_is_metrics(vllm_toy_dir, vllm_engine, tmp_path):
