@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -328,16 +327,16 @@ def print_floors(result: dict, w: Workload, machine: dict, rss: dict[str, dict] 
     return {"decode_floor": decode_floor, "update_floor": update_floor, "memory_floor": parts["sum"]}
 
 
-def _rss_bytes() -> int:
+def _status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
 
 def run_alone(side: str, w: Workload, workdir: Path, steps: int) -> dict:
     """`steps` steps of one side in this process (a child's): its peak RSS, and what it held before the model."""
-    baseline = _rss_bytes()
+    baseline = _status_bytes("VmRSS")
     phases: dict[str, float] = {}
     if side == "ours":
         trainer = our_trainer(workdir / "model", workdir / "train.jsonl", workdir / f"alone-ours-{os.getpid()}", w)
@@ -349,7 +348,9 @@ def run_alone(side: str, w: Workload, workdir: Path, steps: int) -> dict:
     else:
         prompts = [json.loads(line)["prompt"] for line in (workdir / "train.jsonl").read_text().splitlines()]
         trl_trainer(workdir / "model", prompts, workdir / "alone-trl", w, steps=steps, callbacks=[]).train()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    # This memory's own high-water mark: getrusage's ru_maxrss survives fork + exec, so a child of the
+    # side-by-side process (both models loaded) would report its parent's peak.
+    peak = _status_bytes("VmHWM")
     return {"peak": peak, "baseline": baseline, "load": os.getloadavg()[0], **phases}
 
 
