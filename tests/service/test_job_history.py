@@ -8,13 +8,13 @@ from sqlalchemy import select
 from service.db.models import Job, JobEvent, JobMetric, JobSample
 from service.db.session import session_factory
 from service.repositories import job_outputs, jobs, projects
+from tests.service.job_rows import queued_job
 
 
 def _job(database_url: str) -> str:
     with session_factory(database_url).begin() as s:
         project = projects.get_or_create_project(s, "p")
-        return jobs.add(s, Job(project_id=project.id, status="queued", model="m", training_file="file-x", spec={},
-                               method={"type": "cispo"}, seed=0, total_steps=5)).id
+        return queued_job(s, project.id, seed=0, total_steps=5)
 
 
 def _step(s, job_id: str, epoch: int, step: int, tokens: int, reward: float) -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
-from service.db.models import File, Job
+from service.db.models import File
 from service.db.session import session_factory
 from service.repositories import job_outputs, jobs, projects
+from tests.service.job_rows import queued_job
 
 
 @pytest.fixture
@@ -18,8 +19,7 @@ def running(database_url):
     sessions = session_factory(database_url)
     with sessions.begin() as s:
         project = projects.get_or_create_project(s, "p")
-        job_id = jobs.add(s, Job(project_id=project.id, status="queued", model="m", training_file="file-x",
-                                 spec={}, method={"type": "cispo"}, seed=1, total_steps=10)).id
+        job_id = queued_job(s, project.id)
         project_id = project.id
     with sessions.begin() as s:
         epoch = jobs.claim(s, job_id, "w", ttl_s=60)
@@ -69,8 +69,7 @@ def test_samples_of_a_step_written_again_replace_the_earlier_ones(running):
 def test_writing_a_steps_samples_leaves_other_jobs_samples_of_that_step(running):
     sessions, job_id, epoch, project_id = running
     with sessions.begin() as s:
-        other = jobs.add(s, Job(project_id=project_id, status="queued", model="m", training_file="file-x",
-                                spec={}, method={"type": "cispo"}, seed=1, total_steps=10)).id
+        other = queued_job(s, project_id)
     with sessions.begin() as s:
         other_epoch = jobs.claim(s, other, "w2", ttl_s=60)
         assert job_outputs.add_samples(s, other, other_epoch, 1, [_sample("theirs")])
@@ -112,8 +111,7 @@ def test_result_files_are_attached_to_the_column_named(running):
 def test_the_event_stream_reads_one_jobs_events_in_order(running):
     sessions, job_id, epoch, project_id = running
     with sessions.begin() as s:
-        other = jobs.add(s, Job(project_id=project_id, status="queued", model="m", training_file="file-x",
-                                spec={}, method={"type": "cispo"}, seed=1, total_steps=10)).id
+        other = queued_job(s, project_id)
         first = jobs.add_event(s, job_id, "Job started").id
         jobs.add_event(s, job_id, "Step 1/10", type="metrics", data={"step": 1})
         jobs.add_event(s, job_id, "Checkpoint saved")

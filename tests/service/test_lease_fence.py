@@ -15,6 +15,7 @@ from sqlalchemy import func, select
 from service.db.models import Checkpoint, File, Job, JobSample
 from service.db.session import session_factory
 from service.repositories import job_outputs, jobs, projects
+from tests.service.job_rows import queued_job
 
 FILES = {"adapter.tar": {"sha256": "0" * 64, "bytes": 1}}
 
@@ -25,8 +26,7 @@ def taken_over(database_url):
     sessions = session_factory(database_url)
     with sessions.begin() as s:
         project = projects.get_or_create_project(s, "p")
-        job_id = jobs.add(s, Job(project_id=project.id, status="queued", model="m", training_file="file-x",
-                                 spec={}, method={"type": "cispo"}, seed=1, total_steps=10)).id
+        job_id = queued_job(s, project.id)
     with sessions.begin() as s:
         stale = jobs.claim(s, job_id, "w1", ttl_s=-1)  # expires at once
     with sessions.begin() as s:
@@ -121,8 +121,7 @@ def test_the_fence_holds_one_job_only(database_url):
     sessions = session_factory(database_url)
     with sessions.begin() as s:
         project = projects.get_or_create_project(s, "p")
-        ids = [jobs.add(s, Job(project_id=project.id, status="queued", model="m", training_file="file-x", spec={},
-                               method={"type": "cispo"}, seed=1, total_steps=10)).id for _ in range(2)]
+        ids = [queued_job(s, project.id) for _ in range(2)]
     with sessions.begin() as s:
         mine, other = ((job_id, jobs.claim(s, job_id, "w", ttl_s=60)) for job_id in ids)
     assert mine[1] == other[1] == 1
