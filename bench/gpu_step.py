@@ -15,7 +15,9 @@ Decode ms/step times our sampler alone (worker/rollout/decode.py) on the same
 64 prompts: on CUDA the static-cache decode step compiled with CUDA graphs,
 elsewhere the eager loop (the script says which one ran, and whether
 compiling fell back). Targets from issue 8: LoRA >= 8x TRL, full >= 4x,
-decode <= 2.7 ms/step.
+decode <= 2.7 ms/step. Last, our LoRA step at rollout.max_staleness 1 against
+0 (bench/async_step.py's measurement: the sampler process shares the GPU;
+target from issue 15: >= 1.5x).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ SMOKE_WORKLOAD = Workload(batch=2, group=2, prompt_tokens=8, max_tokens=8, vocab
                           layers=2, heads=2, kv_heads=1, lora_r=4, dtype="float32")
 TARGETS = {"lora": 8.0, "full": 4.0}
 DECODE_TARGET_MS = 2.7
+ASYNC_TARGET = 1.5
 
 
 def decode_ms_per_step(w: Workload, workdir: Path, *, repeats: int) -> tuple[float, str]:
@@ -79,11 +82,26 @@ def decode_ms_per_step(w: Workload, workdir: Path, *, repeats: int) -> tuple[flo
     return statistics.median(seconds) / w.max_tokens * 1e3, loop
 
 
+def async_speedup(w: Workload, workdir: Path, *, steps: int, warmup: int) -> float:
+    """Our LoRA step's rate at rollout.max_staleness 1 over 0, each a whole Trainer.run (bench/async_step.py)."""
+    from bench.async_step import measure, report
+    from bench.trl_compare import our_spec, reward, write_prompts
+
+    model = build_model(workdir / "model", w)
+    write_prompts(workdir / "train.jsonl", w)
+    raw = our_spec(model, workdir / "train.jsonl", w)
+    warmup = max(1, warmup)  # the first step's end is where measuring starts
+    runs = [measure(raw, s, steps=steps, warmup=warmup, out=workdir / f"s{s}", reward_fn=reward) for s in (0, 1)]
+    return report("async", f"LoRA r={w.lora_r}, max_staleness 0 and 1", runs, warmup)[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and one step each: checks the script runs")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per side and mode")
     parser.add_argument("--warmup", type=int, default=1, help="steps per side left out (our compile happens here)")
+    parser.add_argument("--no-async", action="store_true",
+                        help="skip the max_staleness row (bench/gpu_check.py's bench stage: its time budget)")
     args = parser.parse_args()
     w, steps, warmup = (SMOKE_WORKLOAD, 1, 0) if args.smoke else (GPU_WORKLOAD, args.steps, args.warmup)
     if not args.smoke and not torch.cuda.is_available():
@@ -101,10 +119,16 @@ def main() -> None:
             torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as tmp:
         ms, loop = decode_ms_per_step(w, Path(tmp), repeats=1 if args.smoke else 3)
+    overlap = None
+    if not args.no_async:
+        with tempfile.TemporaryDirectory() as tmp:
+            overlap = async_speedup(w, Path(tmp), steps=steps, warmup=warmup)
     print(f"\n== summary ({time.perf_counter() - started:.0f} s) ==")
     for mode, target in TARGETS.items():
         print(f"{mode:<6} step speed-up vs TRL {speedups[mode]:6.2f}x  (target >= {target:.0f}x)")
     print(f"decode {ms:.2f} ms/step for {w.batch * w.group} sequences, {loop}  (target <= {DECODE_TARGET_MS} ms)")
+    if overlap is not None:
+        print(f"async  max_staleness 1 vs 0   {overlap:6.2f}x  (target >= {ASYNC_TARGET}x)")
 
 
 if __name__ == "__main__":

@@ -25,4 +25,6 @@ def test_gpu_step_smoke_prints_every_figure():
         match = re.search(rf"{mode}\s+step speed-up vs TRL\s+([0-9.]+)x", summary)
         assert match and float(match.group(1)) > 0, summary
     assert re.search(r"decode ([0-9.]+) ms/step for 4 sequences, eager\s", summary), summary
+    match = re.search(r"async\s+max_staleness 1 vs 0\s+([0-9.]+)x", summary)
+    assert match and float(match.group(1)) > 0, summary
     assert "full fine-tuning" in out.stdout and "LoRA r=4" in out.stdout
