@@ -293,7 +293,7 @@ def test_setsid_daemon_does_not_survive_close():
         daemon = _host_pid(proc, int(proc.score(["setsid"], [{}]).scores[0]))
         assert os.getsid(daemon) != os.getsid(proc.pid)  # it did leave the session
         proc.close()
-        assert _gone(daemon, wait_s=1.0)
+        assert _gone(daemon)  # the default 5 s: the namespace is torn down asynchronously, slower on a loaded machine
     finally:
         proc.close()
         if daemon and not _gone(daemon, wait_s=0):
