@@ -57,13 +57,21 @@ def _fused_forward(module):
     return forward
 
 
+def vanilla_adapters(module, adapters: list[str]) -> bool:
+    """Whether every one of `adapters` is a plain LoRA linear adapter of `module` (no DoRA or other variant)."""
+    variants = getattr(module, "lora_variant", {})
+    dora = getattr(module, "use_dora", {})
+    return all(a in module.lora_A and a not in variants and not dora.get(a, False) for a in adapters)
+
+
 def _fusable(module, adapters: list[str], x: Tensor, kwargs: dict) -> bool:
     if module.disable_adapters or module.merged or kwargs.get("adapter_names") is not None:
         return False
-    dora = getattr(module, "use_dora", {})
+    if not vanilla_adapters(module, adapters):
+        return False
     for adapter in adapters:
         a, b = module.lora_A[adapter], module.lora_B[adapter]
-        if adapter in module.lora_variant or dora.get(adapter, False) or a.bias is not None or b.bias is not None:
+        if a.bias is not None or b.bias is not None:
             return False
         # addmm needs one dtype: autocast gives it, else the base's weight must be the adapter's
         if not torch.is_autocast_enabled(x.device.type) and module.get_base_layer().weight.dtype != b.weight.dtype:

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from worker.model.lora_forward import vanilla_adapters
+
 __all__ = ["rollout_weights", "kept_copies"]
 
 kept_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {name: kept weight copy}
@@ -129,10 +131,7 @@ def _lean_applies(module, adapters: list[str]) -> bool:
     """Whether `module` is a plain LoRA linear whose adapters are all vanilla LoRA (no DoRA or other variant)."""
     from peft.tuners.lora.layer import Linear
 
-    variants = getattr(module, "lora_variant", {})
-    dora = getattr(module, "use_dora", {})
-    return (type(module) is Linear and "forward" not in module.__dict__
-            and all(a in module.lora_A and a not in variants and not dora.get(a, False) for a in adapters))
+    return type(module) is Linear and "forward" not in module.__dict__ and vanilla_adapters(module, adapters)
 
 
 def _lean_lora_forward(module, adapters: list[str]):
