@@ -72,7 +72,7 @@ def _config(paths: list[str], tests: list[str], skip: list[str]) -> str:
     return ("\n[tool.mutmut]\n"
             f"source_paths = {quoted(paths)}\n"
             f"do_not_mutate = {quoted(skip)}\n"
-            'also_copy = ["service/", "worker/", "tests/", "migrations/", "bench/", "README.md"]\n'
+            'also_copy = ["service/", "worker/", "tests/", "migrations/", "bench/", "README.md", "docs/"]\n'
             f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
             'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
             # mutmut's wall-clock limit is 15x the tests' call time, which leaves out fixture setup: on a loaded

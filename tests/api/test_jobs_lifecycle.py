@@ -6,14 +6,13 @@ worker uses (claim, record_step, add_checkpoint, finish).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hashlib
 
 import pytest
 
 from service.repositories import jobs as jobs_repo
 from tests.api.conftest import assert_error, cispo_body, created_job, running_api, uploaded
+from tests.project_docs import docs_text
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -115,14 +114,13 @@ def test_a_finished_job_reports_progress_metrics_and_its_model_name(api):
 
 
 def test_the_documented_orders_are_the_served_ones(api):
-    """Metrics are a time series, oldest first; events, checkpoints and samples newest first. The README and the
-    OpenAPI descriptions say so (the README used to say newest first for metrics too)."""
+    """Metrics are a time series, oldest first; events, checkpoints and samples newest first. The docs (README.md,
+    docs/) and the OpenAPI descriptions say so (the README used to say newest first for metrics too)."""
     paths = api.client.get("/openapi.json").json()["paths"]
     prefix = "/v1/fine_tuning/jobs/{fine_tuning_job_id}"
     assert "oldest step first" in paths[f"{prefix}/metrics"]["get"]["description"]
     assert "newest step first" in paths[f"{prefix}/samples"]["get"]["description"]
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    [metrics_row] = [line for line in readme.splitlines() if line.startswith("| `GET .../{id}/metrics`")]
+    [metrics_row] = [line for line in docs_text().splitlines() if line.startswith("| `GET .../{id}/metrics`")]
     assert "oldest step first" in metrics_row and "newest" not in metrics_row
 
 

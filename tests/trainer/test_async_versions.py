@@ -158,9 +158,9 @@ def test_a_stand_in_environment_is_refused_asynchronously(toy_dir, tmp_path):
 @pytest.mark.slow
 def test_cispo_learns_the_toy_task_with_stale_rollouts(toy_dir, tmp_path):
     """test_trainer.py's learning test at max_staleness 1 (most batches sampled one version behind), with the
-    off-policy sequence mask README recommends under staleness: the same thresholds, over 3 seeds.
+    off-policy sequence mask the docs recommend under staleness: the same thresholds, over 3 seeds.
 
-    Measured (README; bench/async_learning.py): with the mask, seeds 1, 2, 3, 5 gained +0.36..+0.75 eval (mean
+    Measured (the docs' asynchronous rollouts; bench/async_learning.py): with the mask, seeds 1, 2, 3, 5 gained +0.36..+0.75 eval (mean
     +0.65; synchronous seeds 1-5: +0.55..+0.75, mean +0.66). Without it the toy's large steps make stale batches
     unstable: seeds 1-5 gained -0.25..+0.75 (seed 5 collapsed to 0), a mean below this test's threshold."""
     gains, eval_gains = [], []
