@@ -13,6 +13,7 @@ import torch
 from service.job_spec.spec import JobSpec
 from service.sandbox.spawn import sandbox_level
 from tests.rollout.test_multi_turn import Scripted
+from tests.trainer.learning import learning_gains
 from tests.trainer.test_async_rollouts import Recorder, assert_gone, async_spec, sampler_children  # noqa: F401
 from worker.rollout.async_sampler import SamplerProcess
 from worker.rollout.policy_versions import trainable_state
@@ -175,10 +176,8 @@ def test_cispo_learns_the_toy_task_with_stale_rollouts(toy_dir, tmp_path):
                 assert metrics["policy_lag_max"] <= 1
 
         result = train(spec, tmp_path / str(seed), callbacks=Collect())
-        first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-        before, after = result.first_eval["eval_reward_mean"], result.last_eval["eval_reward_mean"]
-        print(f"seed {seed}: train reward {first:.3f} -> {last:.3f}; eval {before:.3f} -> {after:.3f}")
-        gains.append(last - first)
-        eval_gains.append(after - before)
+        gain, eval_gain = learning_gains(f"seed {seed}", rewards, result)
+        gains.append(gain)
+        eval_gains.append(eval_gain)
     assert sum(gains) / 3 > 0.08
     assert sum(eval_gains) / 3 >= 0.3
