@@ -42,7 +42,9 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     # machine, through the repositories themselves and through the API routes that use them.
     # Not yet configured: the rest of service/repositories/ (webhooks, evals, fleet, projects, ...: 790 mutants).
     "repositories": (["service/repositories/jobs.py", "service/repositories/job_outputs.py",
-                      "service/repositories/job_history.py", "service/repositories/pagination.py"],
+                      "service/repositories/job_history.py", "service/repositories/pagination.py",
+                      "service/repositories/job_lease.py", "service/repositories/job_records.py",
+                      "service/repositories/job_recovery.py", "service/repositories/inserts.py"],
                      ["tests/service/test_lease_fence.py", "tests/service/test_job_history.py",
                       "tests/service/test_job_states.py", "tests/service/test_job_reads.py",
                       "tests/service/test_job_outputs_repository.py", "tests/service/test_pagination.py",
@@ -72,7 +74,7 @@ def _config(paths: list[str], tests: list[str], skip: list[str]) -> str:
     return ("\n[tool.mutmut]\n"
             f"source_paths = {quoted(paths)}\n"
             f"do_not_mutate = {quoted(skip)}\n"
-            'also_copy = ["service/", "worker/", "tests/", "migrations/", "bench/", "README.md"]\n'
+            'also_copy = ["service/", "worker/", "tests/", "migrations/", "bench/", "README.md", "docs/"]\n'
             f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
             'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
             # mutmut's wall-clock limit is 15x the tests' call time, which leaves out fixture setup: on a loaded

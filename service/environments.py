@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from service.db.models import Environment
 from service.egress import EgressPolicy, EgressRefused, check_url
 from service.secrets.store import check_bindings
-from service.errors import Conflict, InvalidRequest, NotFound
+from service.errors import InUse, InvalidRequest, NotFound
 from service.repositories import environments as env_repo
 from service.schemas.environment_api import EnvironmentCreate
 from service.schemas.environments import EnvironmentSpec, HttpEnvironment
@@ -60,8 +60,7 @@ def get(session: Session, project_id: str, env_id: str) -> Environment:
 def delete(session: Session, project_id: str, env_id: str) -> Environment:
     env = get(session, project_id, env_id)
     if job_id := env_repo.live_job_using(session, project_id, env_id):
-        raise Conflict(f"environment {env_id} is used by job {job_id}, which has not finished; cancel it or wait",
-                       param="environment_id", code="environment_in_use")
+        raise InUse("environment", env_id, job_id, param="environment_id")
     env_repo.delete(session, env)
     return env
 

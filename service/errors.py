@@ -43,6 +43,15 @@ class Conflict(ServiceError):
     code = "conflict"
 
 
+class InUse(Conflict):
+    """A registered object (a file, a reward function, an environment) that a job which has not finished names:
+    deleting it would pull it from under the job."""
+
+    def __init__(self, kind: str, object_id: str, job_id: str, *, param: str):
+        super().__init__(f"{kind} {object_id} is used by job {job_id}, which has not finished; cancel it or wait",
+                         param=param, code=f"{param.removesuffix('_id')}_in_use")
+
+
 class Unprocessable(ServiceError):
     status = 422
     code = "invalid_value"

@@ -27,7 +27,7 @@ from typing import BinaryIO
 from sqlalchemy.orm import Session
 
 from service.db.models import File, new_id
-from service.errors import Conflict, InvalidRequest, NotFound
+from service.errors import InUse, InvalidRequest, NotFound
 from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
 from service.schemas.dataset import row_problem
@@ -190,7 +190,6 @@ def delete(session: Session, project_id: str, file_id: str) -> File:
     """Remove the row (uncommitted); the caller deletes the object after committing."""
     file = get(session, project_id, file_id)
     if job_id := jobs_repo.live_job_uses(session, project_id, file_id=file_id):
-        raise Conflict(f"file {file_id} is used by job {job_id}, which has not finished; cancel it or wait",
-                       param="file_id", code="file_in_use")
+        raise InUse("file", file_id, job_id, param="file_id")
     files_repo.delete(session, file)
     return file

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import stop
+
 BUCKET = "cispo-test"
 
 # Under pytest-xdist (`make test` runs several workers) each worker is a process named gw0, gw1, ...; whatever one
@@ -265,12 +267,7 @@ def moto_endpoint(tmp_path_factory):
                 .create_bucket(Bucket=BUCKET)
             yield endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 10)
         log.close()
 
 

@@ -1,10 +1,11 @@
-"""Which processes a test left behind: every process a test starts carries a tag in its environment,
-which its children, theirs, and daemons that re-parented to init inherit (sandboxed user code, whose
-environment is replaced, lives in a pid namespace its owner kills)."""
+"""The processes tests start: stopping one, and which a test left behind. Every process a test starts carries a
+tag in its environment, which its children, theirs, and daemons that re-parented to init inherit (sandboxed user
+code, whose environment is replaced, lives in a pid namespace its owner kills)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -15,6 +16,16 @@ def tagged(env: dict[str, str]) -> tuple[dict[str, str], str]:
     """A copy of env with a fresh tag, and the tag."""
     tag = uuid.uuid4().hex
     return {**env, TAG_VAR: tag}, tag
+
+
+def stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within grace_s; returns once it is reaped."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def survivors(tag: str) -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.job_spec.spec import TrainingSpec
-from service.repositories import job_outputs, jobs
+from service.repositories import job_lease, job_outputs, job_records, jobs
 from service.settings import Settings
 from service.storage import ObjectStore, StorageError
 from worker.artifacts import upload_checkpoint
@@ -86,7 +86,7 @@ class JobReporter:
 
     def heartbeat(self) -> None:
         with self.sessions.begin() as s:
-            control = jobs.heartbeat(s, self.job_id, self.epoch, self.settings.lease_ttl_s)
+            control = job_lease.heartbeat(s, self.job_id, self.epoch, self.settings.lease_ttl_s)
         if control is None:
             self.lost = True
         else:
@@ -106,9 +106,9 @@ class JobReporter:
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         finite = _finite(metrics)
         with self.sessions.begin() as s:
-            ok = jobs.record_step(s, self.job_id, self.epoch, step, finite,
-                                  trained_tokens=int(metrics.get("trained_tokens", 0)),
-                                  ttl_s=self.settings.lease_ttl_s)
+            ok = job_records.record_step(s, self.job_id, self.epoch, step, finite,
+                                         trained_tokens=int(metrics.get("trained_tokens", 0)),
+                                         ttl_s=self.settings.lease_ttl_s)
             if not ok:
                 self.lost = True
                 return
@@ -129,8 +129,8 @@ class JobReporter:
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         metrics = _finite(metrics)
         with self.sessions.begin() as s:
-            if not jobs.record_step(s, self.job_id, self.epoch, step, metrics, trained_tokens=0,
-                                    ttl_s=self.settings.lease_ttl_s):
+            if not job_records.record_step(s, self.job_id, self.epoch, step, metrics, trained_tokens=0,
+                                           ttl_s=self.settings.lease_ttl_s):
                 self.lost = True
                 return
             jobs.add_event(s, self.job_id, f"Evaluation at step {step}: reward {metrics.get('eval_reward_mean', float('nan')):.4f}",
@@ -143,8 +143,8 @@ class JobReporter:
         """The pre-flight's baseline: metrics at step 0 and an event (a warning when no group has a signal)."""
         metrics = _finite(metrics)
         with self.sessions.begin() as s:
-            if not jobs.record_step(s, self.job_id, self.epoch, 0, metrics, trained_tokens=0,
-                                    ttl_s=self.settings.lease_ttl_s):
+            if not job_records.record_step(s, self.job_id, self.epoch, 0, metrics, trained_tokens=0,
+                                           ttl_s=self.settings.lease_ttl_s):
                 self.lost = True
                 return
             none = metrics.get("preflight_zero_variance_fraction", 0.0) >= 1.0
@@ -174,14 +174,14 @@ class JobReporter:
         with self.sessions.begin() as s:
             metrics = {m.name: m.value for m in jobs.metrics(s, self.job_id, names=None, step_min=step,
                                                              step_max=step, limit=1000)}
-            ckpt = jobs.add_checkpoint(s, self.job_id, self.epoch, step=step, storage_prefix=prefix,
-                                       files=files, metrics=metrics, ttl_s=self.settings.lease_ttl_s)
+            ckpt = job_records.add_checkpoint(s, self.job_id, self.epoch, step=step, storage_prefix=prefix,
+                                              files=files, metrics=metrics, ttl_s=self.settings.lease_ttl_s)
             if ckpt is None:
                 self.lost = True
                 return
             jobs.add_event(s, self.job_id, f"Checkpoint saved at step {step}", data={"checkpoint": ckpt.id, "step": step})
-            dropped = jobs.prune_checkpoints(s, self.job_id, self.epoch, self.keep_checkpoints,
-                                             spare=self.evidence.spared_checkpoint(s))
+            dropped = job_records.prune_checkpoints(s, self.job_id, self.epoch, self.keep_checkpoints,
+                                                    spare=self.evidence.spared_checkpoint(s))
             self.evidence.name_best(s)
         for old in dropped:  # after commit: no row points at them any more
             try:

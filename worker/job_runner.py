@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db.session import session_factory
 from service.models.engine_check import EngineUnsupported
-from service.repositories import job_messages, jobs
+from service.repositories import job_lease, job_messages, job_records, job_recovery, jobs
 from service.repositories import secrets as secrets_repo
 from service.job_spec.spec import JobSpec
 from service.schemas.rewards import secret_names
@@ -93,11 +93,11 @@ def _claim(sessions: sessionmaker[Session], job_id: str, owner: str, settings: S
         if job is None:
             log.warning("job %s does not exist; message dropped", job_id)
             return None
-        epoch = jobs.claim(s, job_id, owner, settings.lease_ttl_s, max_attempts=settings.max_attempts)
+        epoch = job_lease.claim(s, job_id, owner, settings.lease_ttl_s, max_attempts=settings.max_attempts)
         if epoch is None:
             # Someone else holds it, it is waiting out a backoff, it is no longer runnable, or it
             # used up its attempts (then it fails now; a live lease is never touched).
-            return "failed" if jobs.fail_exhausted(s, job_id, settings.max_attempts) else None
+            return "failed" if job_recovery.fail_exhausted(s, job_id, settings.max_attempts) else None
         s.refresh(job)  # the claim changed the row behind the session's back
         spec = JobSpec.model_validate(job.spec)
         latest = jobs.latest_checkpoint(s, job_id)
@@ -187,12 +187,12 @@ def _wait_out_outage(s: Session, job_id: str, claimed: Claimed, settings: Settin
                      what: str = "The object store is unavailable") -> float | None:
     """Queue the job again after a backoff, giving its attempt back, while the outage is younger than
     settings.outage_deadline_s; returns the delay, or None when the run should count as a failed attempt."""
-    since = jobs.note_outage(s, job_id, claimed.epoch)
+    since = job_records.note_outage(s, job_id, claimed.epoch)
     waited = time.time() - since if since is not None else None
     if waited is None or waited >= settings.outage_deadline_s:
         return None
-    delay = jobs.outage_delay(waited, base_s=settings.retry_backoff_s)
-    if not jobs.requeue(s, job_id, claimed.epoch, delay_s=delay, failed=False):
+    delay = job_recovery.outage_delay(waited, base_s=settings.retry_backoff_s)
+    if not job_lease.requeue(s, job_id, claimed.epoch, delay_s=delay, failed=False):
         return None
     jobs.add_event(s, job_id, f"{what} ({message[:300]}); the job runs again in "
                    f"{delay:.0f} s from its newest checkpoint, using no attempt (the outage has lasted "
@@ -338,8 +338,8 @@ def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claim
             return "queued", outage_delay
     with sessions.begin() as s:
         if error and error[2] and claimed.attempt < settings.max_attempts:
-            delay = jobs.retry_delay(claimed.attempt, base_s=settings.retry_backoff_s)
-            if not jobs.requeue(s, job_id, epoch, delay_s=delay):
+            delay = job_recovery.retry_delay(claimed.attempt, base_s=settings.retry_backoff_s)
+            if not job_lease.requeue(s, job_id, epoch, delay_s=delay):
                 return None, 0.0  # the lease was lost meanwhile: the job is another worker's now
             jobs.add_event(s, job_id, f"Attempt {claimed.attempt} of {settings.max_attempts} failed "
                            f"({error[0]}: {error[1][:500]}); the job runs again in {delay:.0f} s from its "
@@ -352,13 +352,13 @@ def _end(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claim
             except Exception:  # the job's outcome matters more than its CSV
                 log.exception("job %s: could not publish the result file", job_id)
         if error:
-            ended = jobs.finish(s, job_id, epoch, "failed", error_code=error[0], error_message=error[1][:2000])
+            ended = job_lease.finish(s, job_id, epoch, "failed", error_code=error[0], error_message=error[1][:2000])
             message, status = f"Job failed: {error[1][:500]}", "failed"
         elif status == "queued":
-            ended = jobs.requeue(s, job_id, epoch, failed=False)
+            ended = job_lease.requeue(s, job_id, epoch, failed=False)
             message = "The worker is shutting down; the job is queued again from its newest checkpoint"
         else:
-            ended = jobs.finish(s, job_id, epoch, status)
+            ended = job_lease.finish(s, job_id, epoch, status)
             message = {"succeeded": "Job succeeded", "cancelled": "Job cancelled", "paused": "Job paused"}[status]
         data = _reward_trend(s, job_id, claimed.spec) if status == "succeeded" and claimed.spec.method == "cispo" \
             else None

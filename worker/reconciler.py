@@ -19,7 +19,7 @@ import time
 
 from service.db.session import session_factory
 from service.queue import enqueue_eval, enqueue_job
-from service.repositories import evals, job_messages, jobs
+from service.repositories import evals, job_messages, job_recovery, jobs
 from service.settings import Settings
 from worker import scratch
 
@@ -32,9 +32,10 @@ def reconcile_once(settings: Settings, *, resend_after_s: float = 300.0, sent: d
     t = time.time()
     sessions = session_factory(settings.resolved_database_url())
     with sessions.begin() as s:
-        requeued = jobs.requeue_expired(s, max_attempts=settings.max_attempts, backoff_s=settings.retry_backoff_s)
+        requeued = job_recovery.requeue_expired(s, max_attempts=settings.max_attempts,
+                                                backoff_s=settings.retry_backoff_s)
         owed = dict(job_messages.unsent(s))
-        waiting = jobs.queued_before(s, int(t - resend_after_s))
+        waiting = job_recovery.queued_before(s, int(t - resend_after_s))
         due = {**{j: nb for j, nb in owed.items() if nb}, **{j: jobs.get_for_worker(s, j).not_before for j in requeued}}
         waiting_evals = evals.queued_before(s, int(t - resend_after_s))
     for job_id in requeued:

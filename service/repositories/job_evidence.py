@@ -1,6 +1,6 @@
 """What a job's evidence needs from SQL: its reward curve so far, and where its forecast and best checkpoint go.
 
-Worker writes are fenced by the lease epoch like every other (service/repositories/jobs.py). The curve is
+Worker writes are fenced by the lease epoch like every other (service/repositories/job_lease.py). The curve is
 read back from the recorded metrics rather than kept in the worker's memory, so a resumed run (another
 worker, after a crash) forecasts and stops on the same history (job_history.rewind keeps it one run).
 """
@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Checkpoint, Job, JobMetric
 from service.repositories.job_history import TOKENS
-from service.repositories.jobs import _fenced
+from service.repositories.job_lease import fenced
 
 CURVE_METRICS = ("reward_mean", "eval_reward_mean", "eval_reward_ci_low", "eval_reward_ci_high", TOKENS)
 
@@ -28,7 +28,7 @@ def curve(session: Session, job_id: str) -> dict[int, dict[str, float]]:
 
 
 def set_forecast(session: Session, job_id: str, epoch: int, forecast: dict) -> bool:
-    result = session.execute(update(Job).where(_fenced(job_id, epoch)).values(forecast=forecast)
+    result = session.execute(update(Job).where(fenced(job_id, epoch)).values(forecast=forecast)
                              .execution_options(synchronize_session=False))
     return result.rowcount == 1
 
@@ -55,6 +55,6 @@ def best_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
 
 
 def set_best_checkpoint(session: Session, job_id: str, epoch: int, checkpoint_id: str | None) -> bool:
-    result = session.execute(update(Job).where(_fenced(job_id, epoch)).values(best_checkpoint_id=checkpoint_id)
+    result = session.execute(update(Job).where(fenced(job_id, epoch)).values(best_checkpoint_id=checkpoint_id)
                              .execution_options(synchronize_session=False))
     return result.rowcount == 1

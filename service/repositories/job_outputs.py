@@ -1,6 +1,6 @@
 """What a running job leaves for people to read: sample completions, its estimated finish, its result file.
 
-Worker writes are fenced by the lease epoch like metrics (service/repositories/jobs.py), and a repeated
+Worker writes are fenced by the lease epoch like metrics (service/repositories/job_lease.py), and a repeated
 write (a step re-run after a resume) replaces the earlier one, so the samples are those of the run that
 counts (service/repositories/job_history.py).
 """
@@ -11,12 +11,13 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from service.db.models import File, Job, JobEvent, JobSample
-from service.repositories.jobs import _fenced, _insert_ignoring_duplicates
+from service.repositories.inserts import insert_ignoring_duplicates
+from service.repositories.job_lease import fenced
 from service.repositories.pagination import Page
 
 
 def _owned(session: Session, job_id: str, epoch: int) -> bool:
-    return session.scalar(select(Job.id).where(_fenced(job_id, epoch))) is not None
+    return session.scalar(select(Job.id).where(fenced(job_id, epoch))) is not None
 
 
 # -- worker side -----------------------------------------------------------
@@ -29,13 +30,13 @@ def add_samples(session: Session, job_id: str, epoch: int, step: int, samples: l
         return False
     session.execute(delete(JobSample).where(JobSample.job_id == job_id, JobSample.step == step)
                     .execution_options(synchronize_session=False))
-    _insert_ignoring_duplicates(session, JobSample, [
+    insert_ignoring_duplicates(session, JobSample, [
         {"job_id": job_id, "step": step, "slot": slot, **sample} for slot, sample in enumerate(samples)])
     return True
 
 
 def set_estimated_finish(session: Session, job_id: str, epoch: int, when: int) -> bool:
-    result = session.execute(update(Job).where(_fenced(job_id, epoch)).values(estimated_finish=when)
+    result = session.execute(update(Job).where(fenced(job_id, epoch)).values(estimated_finish=when)
                              .execution_options(synchronize_session=False))
     return result.rowcount == 1
 

@@ -8,7 +8,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, WebhookDelivery, WebhookEndpoint, new_id, now
-from service.repositories.jobs import TERMINAL, _insert_ignoring_duplicates
+from service.repositories.inserts import insert_ignoring_duplicates
+from service.repositories.jobs import TERMINAL
 from service.repositories.pagination import Page, paginate
 
 
@@ -73,7 +74,7 @@ def enqueue_outcomes(session: Session, event_type: dict[str, str], *, limit: int
              "created_at": job.finished_at, "attempts": 0, "next_attempt_at": time.time()}
             for job in ended for endpoint in endpoints.get(job.project_id, ())
             if job.finished_at >= endpoint.created_at and event_type[job.status] in endpoint.events]
-    _insert_ignoring_duplicates(session, WebhookDelivery, rows)
+    insert_ignoring_duplicates(session, WebhookDelivery, rows)
     settled = [job.id for job in ended if job.finished_at <= now() - SETTLE_S]
     if settled:
         session.execute(update(Job).where(Job.id.in_(settled)).values(webhooks_enqueued_at=now())

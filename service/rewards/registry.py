@@ -10,7 +10,7 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from service.db.models import RewardFunction
-from service.errors import Conflict, NotFound
+from service.errors import InUse, NotFound
 from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
 from service.rewards.references import check_reward_references
@@ -35,7 +35,6 @@ def get(session: Session, project_id: str, fn_id: str) -> RewardFunction:
 def delete(session: Session, project_id: str, fn_id: str) -> RewardFunction:
     fn = get(session, project_id, fn_id)
     if job_id := jobs_repo.live_job_uses(session, project_id, reward_function_id=fn_id):
-        raise Conflict(f"reward function {fn_id} is used by job {job_id}, which has not finished; "
-                       "cancel it or wait", param="reward_function_id", code="reward_function_in_use")
+        raise InUse("reward function", fn_id, job_id, param="reward_function_id")
     rf_repo.delete(session, fn)
     return fn

@@ -17,6 +17,7 @@ from service.repositories import projects
 from service.storage import open_store
 from worker.toy.demo import wait_healthy
 from tests.conftest import REDIS_TEST_URL, free_port, make_database
+from tests.processes import stop
 
 
 @dataclass
@@ -51,11 +52,6 @@ def live_api(root: Path, app: str = "service.api.app:create_app", **env):
         wait_healthy(base, proc, log)
         yield LiveApi(base, key, database_url, open_store(str(storage)), env, log)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 15)
         session_factory(database_url).kw["bind"].dispose()
         drop()

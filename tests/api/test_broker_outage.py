@@ -61,7 +61,7 @@ def _failing(job_id: str) -> None:
 
 
 def test_a_job_whose_message_failed_is_sent_on_the_reconcilers_next_pass(api, monkeypatch):
-    from service.repositories import jobs as jobs_repo
+    from service.repositories import job_lease, jobs as jobs_repo
     from tests.api.conftest import created_job
     from worker import reconciler
 
@@ -88,5 +88,5 @@ def test_a_job_whose_message_failed_is_sent_on_the_reconcilers_next_pass(api, mo
     monkeypatch.setattr(reconciler, "enqueue_job", lambda job_id, delay_s=0.0, settings=None: sent.append(job_id))
     assert reconciler.reconcile_once(settings) == [third["id"]]
     with api.session() as s:  # a job that runs owes nothing, whoever sent it
-        assert jobs_repo.claim(s, third["id"], "w", ttl_s=60)
+        assert job_lease.claim(s, third["id"], "w", ttl_s=60)
         assert jobs_repo.get_for_worker(s, third["id"]).enqueue_failed_at is None

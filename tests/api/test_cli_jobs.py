@@ -169,7 +169,7 @@ def test_follow_prints_the_last_events_of_a_job_that_ends_between_two_polls(api,
     from fastapi.testclient import TestClient
 
     from service.cli import jobs as cli
-    from service.repositories import jobs as jobs_repo
+    from service.repositories import job_lease, jobs as jobs_repo
     from tests.api.conftest import created_job
 
     cache = api.app.state.poll_cache
@@ -177,7 +177,7 @@ def test_follow_prints_the_last_events_of_a_job_that_ends_between_two_polls(api,
     now = [1000.0]
     job = created_job(api)
     with api.session() as s:
-        epoch = jobs_repo.claim(s, job["id"], "w", ttl_s=60)
+        epoch = job_lease.claim(s, job["id"], "w", ttl_s=60)
         jobs_repo.add_event(s, job["id"], "Step 1/2: loss=1")
         s.commit()
 
@@ -189,7 +189,7 @@ def test_follow_prints_the_last_events_of_a_job_that_ends_between_two_polls(api,
             if len(polls) == 2:
                 with api.session() as s:
                     jobs_repo.add_event(s, job["id"], "Step 2/2: loss=0.5")
-                    assert jobs_repo.finish(s, job["id"], epoch, "succeeded")
+                    assert job_lease.finish(s, job["id"], epoch, "succeeded")
                     jobs_repo.add_event(s, job["id"], "Job succeeded")
                     s.commit()
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from service.db.models import JobMetric
-from service.repositories import jobs as jobs_repo
+from service.repositories import job_records, jobs as jobs_repo
 from service.db.session import session_factory
 from tests.api.browser import Browser, chromium_path
 from tests.api.conftest import TRAIN_ROWS, cispo_body, jsonl
@@ -152,7 +152,7 @@ def test_dashboard_renders_a_jobs_curves_samples_events_and_checkpoints(populate
         # While the job runs the page refreshes itself: a step the worker records shows up without a reload.
         assert browser.evaluate("document.querySelector('#charts path').dataset.points") == "2"
         with session_factory(live.database_url).begin() as s:
-            assert jobs_repo.record_step(s, running, epoch, 3, {"reward_mean": 0.9}, trained_tokens=1, ttl_s=600)
+            assert job_records.record_step(s, running, epoch, 3, {"reward_mean": 0.9}, trained_tokens=1, ttl_s=600)
         browser.wait_for("document.querySelector('#charts path').dataset.points === '3' && "
                          "document.getElementById('job-summary').textContent.includes('step 3 of 3')", timeout=15)
     finally:

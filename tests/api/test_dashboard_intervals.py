@@ -13,7 +13,7 @@ from urllib.parse import unquote
 import pytest
 
 from service.db.session import session_factory
-from service.repositories import jobs as jobs_repo
+from service.repositories import job_lease, job_records
 from tests.api.conftest import created_job
 
 SCRIPT = Path(__file__).parent / "js" / "dashboard_charts.js"
@@ -33,14 +33,14 @@ def test_the_eval_chart_draws_each_evals_interval(api, tmp_path):
         pytest.skip("node is not installed")
     job_id = created_job(api)["id"]
     with session_factory(api.database_url).begin() as s:
-        epoch = jobs_repo.claim(s, job_id, "test-worker", ttl_s=600)
+        epoch = job_lease.claim(s, job_id, "test-worker", ttl_s=600)
     for step in range(0, 5):
         values = {"reward_mean": 0.1 * step} if step else {}
         if step in EVALS:
             mean, low, high = EVALS[step]
             values |= {"eval_reward_mean": mean, "eval_reward_ci_low": low, "eval_reward_ci_high": high}
         with session_factory(api.database_url).begin() as s:
-            assert jobs_repo.record_step(s, job_id, epoch, step, values, trained_tokens=10 if step else 0, ttl_s=600)
+            assert job_records.record_step(s, job_id, epoch, step, values, trained_tokens=10 if step else 0, ttl_s=600)
 
     # The page's own query (asked of a fetch that knows no answer yet), answered by the real API.
     [url] = _draw(tmp_path, {})["asked"]

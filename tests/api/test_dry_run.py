@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from service.db.models import JobMetric
 from tests.api.conftest import assert_error, cispo_body, running_api, uploaded
 from tests.conftest import free_port
+from tests.loopback_http import QuietHandler, base_url, serving
 
 JOBS = "/v1/fine_tuning/jobs"
 ROWS = [{"prompt": "abc=", "answer": "c"}, {"prompt": "xy=", "answer": "y"}]
@@ -79,29 +78,18 @@ def test_a_hub_id_without_a_hub_is_format_checked_and_says_so(api):
     assert "estimated at 3 characters per token" in found["prompt_lengths"][0]["message"]
 
 
-class _Hub(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
+class _Hub(QuietHandler):
     def do_GET(self):
         configs = {"/org/good/resolve/main/config.json": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
                    "/org/encoder/resolve/main/config.json": {"model_type": "bert", "architectures": ["BertModel"]}}
         body = json.dumps(configs[self.path]).encode() if self.path in configs else b"{}"
-        self.send_response(200 if self.path in configs else 404)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.answer(200 if self.path in configs else 404, body, content_type=None)
 
 
 @contextmanager
 def hub():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(_Hub) as server:
+        yield base_url(server)
 
 
 def test_a_reachable_hub_is_asked_for_the_config(database_url, tmp_path):

@@ -147,7 +147,7 @@ def test_delete_is_refused_while_a_live_job_uses_it(api):
     env = _register(api.client)
     job = api.client.post(JOBS, json=env_job_body(uploaded(api.client), env["id"])).json()
     r = api.client.delete(f"{ENVS}/{env['id']}")
-    assert_error(r, 409, env["id"], job["id"])
+    assert assert_error(r, 409, env["id"], job["id"])["code"] == "environment_in_use"
     assert r.headers["x-should-retry"] == "false"
     api.client.post(f"{JOBS}/{job['id']}/cancel")
     assert api.client.delete(f"{ENVS}/{env['id']}").status_code == 200

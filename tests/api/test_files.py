@@ -189,7 +189,7 @@ def test_delete_is_refused_while_a_live_job_uses_the_file(api):
     file_id = uploaded(api.client)
     job = api.client.post("/v1/fine_tuning/jobs", json=cispo_body(file_id)).json()
     r = api.client.delete(f"/v1/files/{file_id}")
-    assert_error(r, 409, file_id, job["id"])
+    assert assert_error(r, 409, file_id, job["id"])["code"] == "file_in_use"
     assert r.headers["x-should-retry"] == "false"
     assert api.store.exists(f"files/{file_id}")
     api.client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")

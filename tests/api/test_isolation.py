@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from service.repositories import job_outputs as outputs_repo
-from service.repositories import jobs as jobs_repo
+from service.repositories import job_lease, job_records
 from tests.api.conftest import assert_error, cispo_body, uploaded
 
 JOBS = "/v1/fine_tuning/jobs"
@@ -17,12 +17,12 @@ def test_every_resource_of_another_project_is_404(api):
     body["method"]["cispo"] = {"reward_function": fn["id"]}
     job = owner.post(JOBS, json=body).json()
     with api.session() as s:
-        epoch = jobs_repo.claim(s, job["id"], "w", ttl_s=60)
-        jobs_repo.record_step(s, job["id"], epoch, 1, {"loss": 1.0}, trained_tokens=1, ttl_s=60)
+        epoch = job_lease.claim(s, job["id"], "w", ttl_s=60)
+        job_records.record_step(s, job["id"], epoch, 1, {"loss": 1.0}, trained_tokens=1, ttl_s=60)
         sha = api.store.put_bytes(f"jobs/{job['id']}/ck/adapter.tar", b"tar")
-        ckpt = jobs_repo.add_checkpoint(s, job["id"], epoch, step=1, storage_prefix=f"jobs/{job['id']}/ck",
-                                        files={"adapter.tar": {"sha256": sha, "bytes": 3},
-                                               "manifest.json": {"sha256": sha, "bytes": 3}}, metrics={})
+        ckpt = job_records.add_checkpoint(s, job["id"], epoch, step=1, storage_prefix=f"jobs/{job['id']}/ck",
+                                          files={"adapter.tar": {"sha256": sha, "bytes": 3},
+                                                 "manifest.json": {"sha256": sha, "bytes": 3}}, metrics={})
         s.commit()
     j, c = job["id"], ckpt.id
 
@@ -63,14 +63,14 @@ def test_own_job_id_with_another_projects_nested_ids(api):
     owner_job = owner.post(JOBS, json=cispo_body(uploaded(owner))).json()["id"]
     own_job = stranger.post(JOBS, json=cispo_body(uploaded(stranger))).json()["id"]
     with api.session() as s:
-        epoch = jobs_repo.claim(s, owner_job, "w", ttl_s=60)
-        jobs_repo.record_step(s, owner_job, epoch, 1, {"loss": 1.0}, trained_tokens=1, ttl_s=60)
+        epoch = job_lease.claim(s, owner_job, "w", ttl_s=60)
+        job_records.record_step(s, owner_job, epoch, 1, {"loss": 1.0}, trained_tokens=1, ttl_s=60)
         outputs_repo.add_samples(s, owner_job, epoch, 1, [{"prompt": "secret prompt", "completion": "secret",
                                                            "reward": 1.0, "advantage": 0.0, "rewards": {}}])
         sha = api.store.put_bytes(f"jobs/{owner_job}/ck/adapter.tar", b"tar")
-        ckpt = jobs_repo.add_checkpoint(s, owner_job, epoch, step=1, storage_prefix=f"jobs/{owner_job}/ck",
-                                        files={"adapter.tar": {"sha256": sha, "bytes": 3},
-                                               "manifest.json": {"sha256": sha, "bytes": 3}}, metrics={})
+        ckpt = job_records.add_checkpoint(s, owner_job, epoch, step=1, storage_prefix=f"jobs/{owner_job}/ck",
+                                          files={"adapter.tar": {"sha256": sha, "bytes": 3},
+                                                 "manifest.json": {"sha256": sha, "bytes": 3}}, metrics={})
         s.commit()
         c = ckpt.id
     owner_events = owner.get(f"{JOBS}/{owner_job}/events").json()["data"]

@@ -6,21 +6,20 @@ worker uses (claim, record_step, add_checkpoint, finish).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hashlib
 
 import pytest
 
-from service.repositories import jobs as jobs_repo
+from service.repositories import job_lease, job_records, jobs as jobs_repo
 from tests.api.conftest import assert_error, cispo_body, created_job, running_api, uploaded
+from tests.project_docs import docs_text
 
 JOBS = "/v1/fine_tuning/jobs"
 
 
 def _claim(api, job_id: str) -> int:
     with api.session() as s:
-        epoch = jobs_repo.claim(s, job_id, "worker-1", ttl_s=60)
+        epoch = job_lease.claim(s, job_id, "worker-1", ttl_s=60)
         s.commit()
     assert epoch is not None
     return epoch
@@ -32,8 +31,8 @@ def _checkpoint(api, job_id: str, epoch: int, step: int, files: dict[str, bytes]
     for rel, data in files.items():
         meta[rel] = {"sha256": api.store.put_bytes(f"{prefix}/{rel}", data), "bytes": len(data)}
     with api.session() as s:
-        ckpt = jobs_repo.add_checkpoint(s, job_id, epoch, step=step, storage_prefix=prefix, files=meta,
-                                        metrics=metrics or {"reward_mean": 0.5})
+        ckpt = job_records.add_checkpoint(s, job_id, epoch, step=step, storage_prefix=prefix, files=meta,
+                                          metrics=metrics or {"reward_mean": 0.5})
         s.commit()
         return ckpt.id
 
@@ -71,7 +70,7 @@ def test_cancel_and_pause_of_a_running_job_are_requests_the_worker_honours(api):
     assert _control(api, job["id"], "pause").json()["status"] == "running"
     assert _control(api, job["id"], "cancel").json()["status"] == "running"
     with api.session() as s:
-        control = jobs_repo.heartbeat(s, job["id"], epoch, ttl_s=60)
+        control = job_lease.heartbeat(s, job["id"], epoch, ttl_s=60)
         s.commit()
     assert (control.cancel, control.pause) == (True, True)
 
@@ -94,9 +93,9 @@ def test_a_finished_job_reports_progress_metrics_and_its_model_name(api):
     epoch = _claim(api, job["id"])
     with api.session() as s:
         for step in (1, 2, 3):
-            assert jobs_repo.record_step(s, job["id"], epoch, step, {"loss": 1.0 / step, "reward_mean": step / 10},
-                                         trained_tokens=100, ttl_s=60)
-        assert jobs_repo.finish(s, job["id"], epoch, "succeeded")
+            assert job_records.record_step(s, job["id"], epoch, step, {"loss": 1.0 / step, "reward_mean": step / 10},
+                                           trained_tokens=100, ttl_s=60)
+        assert job_lease.finish(s, job["id"], epoch, "succeeded")
         s.commit()
     got = api.client.get(f"{JOBS}/{job['id']}").json()
     assert (got["status"], got["steps_done"], got["trained_tokens"]) == ("succeeded", 3, 300)
@@ -115,14 +114,13 @@ def test_a_finished_job_reports_progress_metrics_and_its_model_name(api):
 
 
 def test_the_documented_orders_are_the_served_ones(api):
-    """Metrics are a time series, oldest first; events, checkpoints and samples newest first. The README and the
-    OpenAPI descriptions say so (the README used to say newest first for metrics too)."""
+    """Metrics are a time series, oldest first; events, checkpoints and samples newest first. The docs (README.md,
+    docs/) and the OpenAPI descriptions say so (the README used to say newest first for metrics too)."""
     paths = api.client.get("/openapi.json").json()["paths"]
     prefix = "/v1/fine_tuning/jobs/{fine_tuning_job_id}"
     assert "oldest step first" in paths[f"{prefix}/metrics"]["get"]["description"]
     assert "newest step first" in paths[f"{prefix}/samples"]["get"]["description"]
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    [metrics_row] = [line for line in readme.splitlines() if line.startswith("| `GET .../{id}/metrics`")]
+    [metrics_row] = [line for line in docs_text().splitlines() if line.startswith("| `GET .../{id}/metrics`")]
     assert "oldest step first" in metrics_row and "newest" not in metrics_row
 
 
@@ -130,7 +128,7 @@ def test_failed_job_shows_its_error(api):
     job = created_job(api)
     epoch = _claim(api, job["id"])
     with api.session() as s:
-        jobs_repo.finish(s, job["id"], epoch, "failed", error_code="invalid_training_file",
+        job_lease.finish(s, job["id"], epoch, "failed", error_code="invalid_training_file",
                          error_message="line 3: bad row", error_param="training_file")
         s.commit()
     got = api.client.get(f"{JOBS}/{job['id']}").json()
@@ -237,7 +235,7 @@ def _job_in(api, status: str) -> str:
         epoch = _claim(api, job_id)
         if status != "running":
             with api.session() as s:
-                assert jobs_repo.finish(s, job_id, epoch, status)
+                assert job_lease.finish(s, job_id, epoch, status)
                 s.commit()
     elif status in ("paused", "cancelled"):
         assert _control(api, job_id, {"paused": "pause", "cancelled": "cancel"}[status]).status_code == 200

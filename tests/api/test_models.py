@@ -55,13 +55,13 @@ def test_deleting_a_model_unnames_its_best_checkpoint(api):
     checkpoint that no longer existed)."""
     from service.db.session import session_factory
     from service.repositories import job_evidence
-    from service.repositories import jobs as jobs_repo
+    from service.repositories import job_lease
 
     job = created_job(api)
     out = train(api.database_url, api.store, job["id"], status=None)
     with session_factory(api.database_url).begin() as s:
         assert job_evidence.set_best_checkpoint(s, job["id"], out["epoch"], out["checkpoint"])
-        assert jobs_repo.finish(s, job["id"], out["epoch"], "succeeded")
+        assert job_lease.finish(s, job["id"], out["epoch"], "succeeded")
     url = f"/v1/fine_tuning/jobs/{job['id']}"
     done = api.client.get(url).json()
     assert done["best_checkpoint"] == out["checkpoint"]

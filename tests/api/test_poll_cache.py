@@ -8,7 +8,7 @@ import anyio
 from anyio import from_thread
 
 from service.api.poll_cache import PollCache
-from service.repositories import jobs as jobs_repo
+from service.repositories import job_lease, job_records, jobs as jobs_repo
 from service.repositories import projects
 from tests.api.conftest import assert_error, created_job
 
@@ -51,8 +51,8 @@ def test_pollers_see_changes_within_the_ttl_and_their_own_cancel_at_once(api):
     assert api.client.get(path).json()["status"] == "queued"
     before = api.client.get(f"{path}/events").json()["data"]
     with api.session() as s:
-        epoch = jobs_repo.claim(s, job["id"], "w", ttl_s=60)
-        jobs_repo.record_step(s, job["id"], epoch, 1, {"loss": 1.0}, trained_tokens=1, ttl_s=60)
+        epoch = job_lease.claim(s, job["id"], "w", ttl_s=60)
+        job_records.record_step(s, job["id"], epoch, 1, {"loss": 1.0}, trained_tokens=1, ttl_s=60)
         jobs_repo.add_event(s, job["id"], "a worker's news")
         s.commit()
 
@@ -114,14 +114,14 @@ def test_a_job_seen_ending_is_never_followed_by_an_older_events_page(api):
     job = created_job(api)
     path = f"{JOBS}/{job['id']}"
     with api.session() as s:
-        epoch = jobs_repo.claim(s, job["id"], "w", ttl_s=60)
+        epoch = job_lease.claim(s, job["id"], "w", ttl_s=60)
         s.commit()
     assert api.client.get(path).json()["status"] == "running"  # the job's entry, loaded at t
     clock.t += ttl / 2
     assert api.client.get(f"{path}/events").status_code == 200  # the events page's, loaded at t + ttl/2
     with api.session() as s:  # the worker's last step and its end, in one commit as the job runner writes them
         jobs_repo.add_event(s, job["id"], "Step 1/1: loss=1")
-        assert jobs_repo.finish(s, job["id"], epoch, "succeeded")
+        assert job_lease.finish(s, job["id"], epoch, "succeeded")
         jobs_repo.add_event(s, job["id"], "Job succeeded")
         s.commit()
     clock.t += ttl / 2 + 0.01  # the job's entry has expired; the events page's has not

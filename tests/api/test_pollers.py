@@ -15,7 +15,7 @@ import time
 import httpx
 
 from service.db.session import session_factory
-from service.repositories import jobs as jobs_repo
+from service.repositories import job_lease, job_records, jobs as jobs_repo
 from tests.api.conftest import LiveServer, created_job, running_api
 
 
@@ -53,7 +53,7 @@ def test_pollers_get_no_errors_while_a_job_keeps_writing(database_url, tmp_path)
         job = created_job(api)
         key = api.client.headers["authorization"]
         with api.session() as s:
-            epoch = jobs_repo.claim(s, job["id"], "bench-worker", ttl_s=60)
+            epoch = job_lease.claim(s, job["id"], "bench-worker", ttl_s=60)
             s.commit()
         stop = threading.Event()
         write_times: list[float] = []
@@ -66,8 +66,8 @@ def test_pollers_get_no_errors_while_a_job_keeps_writing(database_url, tmp_path)
                 step += 1
                 t = time.monotonic()
                 with api.session() as s:
-                    jobs_repo.record_step(s, job["id"], epoch, step, {"loss": 1.0 / step}, trained_tokens=10,
-                                          ttl_s=60)
+                    job_records.record_step(s, job["id"], epoch, step, {"loss": 1.0 / step}, trained_tokens=10,
+                                            ttl_s=60)
                     jobs_repo.add_event(s, job["id"], f"step {step}")
                     s.commit()
                 write_times.append(time.monotonic() - t)

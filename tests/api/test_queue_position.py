@@ -6,7 +6,7 @@ from __future__ import annotations
 from sqlalchemy import update
 
 from service.db.models import Job
-from service.repositories import jobs as jobs_repo
+from service.repositories import job_lease
 from tests.api.conftest import cispo_body, running_api, uploaded
 
 
@@ -41,7 +41,7 @@ def test_shared_workers_take_turns_between_projects(database_url, tmp_path):
         assert listed == {created["id"]: 1, alpha_2: 3}
         # Once alpha's first job runs, alpha holds a slot: beta's job is next, then alpha's second.
         with api.session() as s:
-            assert jobs_repo.claim(s, created["id"], "worker-1", ttl_s=60) is not None
+            assert job_lease.claim(s, created["id"], "worker-1", ttl_s=60) is not None
             s.commit()
         assert _position(api.client, created["id"]) is None  # running: no place in the queue
         assert [_position(api.other, beta_1), _position(api.client, alpha_2)] == [1, 2]

@@ -65,7 +65,7 @@ def test_delete_is_refused_while_a_live_job_references_it(api):
     job = api.client.post("/v1/fine_tuning/jobs", json=body).json()
     assert job["reward_function"] == fn["id"]
     r = api.client.delete(f"/v1/reward_functions/{fn['id']}")
-    assert_error(r, 409, fn["id"], job["id"])
+    assert assert_error(r, 409, fn["id"], job["id"])["code"] == "reward_function_in_use"
     assert r.headers["x-should-retry"] == "false"
     api.client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")
     assert api.client.delete(f"/v1/reward_functions/{fn['id']}").status_code == 200

@@ -6,11 +6,11 @@ import json
 import threading
 import time
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
 from tests.api.conftest import LiveServer, assert_error, running_api
+from tests.loopback_http import QuietHandler, base_url, serving
 
 
 @contextmanager
@@ -18,30 +18,19 @@ def held_reward_server():
     """A remote reward that answers only once `release` is set (at most 30 s): (url, arrived, release)."""
     arrived, release = threading.Semaphore(0), threading.Event()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
+    class Handler(QuietHandler):
         def do_POST(self):
             samples = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["samples"]
             arrived.release()
             release.wait(timeout=30)
             body = json.dumps({"scores": [1.0] * len(samples)}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.answer(200, body)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/score", arrived, release
-    finally:
-        release.set()
-        server.shutdown()
-        server.server_close()
+    with serving(Handler) as server:
+        try:
+            yield f"{base_url(server)}/score", arrived, release
+        finally:
+            release.set()  # before the server closes: it waits for the handler threads
 
 
 def _test_body(url: str) -> dict:

@@ -23,7 +23,7 @@ from sqlalchemy.pool import NullPool
 from service import webhooks
 from service.db.models import Job, WebhookDelivery, WebhookEndpoint
 from service.egress import EgressPolicy
-from service.repositories import jobs as jobs_repo
+from service.repositories import job_lease
 from service.repositories import webhooks as webhooks_repo
 from tests.api.conftest import assert_error, created_job, running_api
 from tests.conftest import free_port
@@ -115,10 +115,10 @@ def end_three_jobs(api) -> dict[str, str]:
     ended[cancelled] = "fine_tuning.job.cancelled"
     failed, succeeded = created_job(api)["id"], created_job(api)["id"]
     with api.session() as s:
-        failing = jobs_repo.claim(s, failed, "worker-1", 30)
-        assert jobs_repo.finish(s, failed, failing, "failed", error_code="training_error", error_message="gave up")
-        epoch = jobs_repo.claim(s, succeeded, "worker-1", 30)
-        assert jobs_repo.finish(s, succeeded, epoch, "succeeded")
+        failing = job_lease.claim(s, failed, "worker-1", 30)
+        assert job_lease.finish(s, failed, failing, "failed", error_code="training_error", error_message="gave up")
+        epoch = job_lease.claim(s, succeeded, "worker-1", 30)
+        assert job_lease.finish(s, succeeded, epoch, "succeeded")
         s.commit()
     ended[failed], ended[succeeded] = "fine_tuning.job.failed", "fine_tuning.job.succeeded"
     return ended

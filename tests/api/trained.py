@@ -8,7 +8,7 @@ import tarfile
 
 from service.db.session import session_factory
 from service.repositories import job_outputs
-from service.repositories import jobs as jobs_repo
+from service.repositories import job_lease, job_records, jobs as jobs_repo
 
 # Per step: the curves the dashboard draws (names as worker/trainer/loop.py and metrics.py write them).
 CURVES = {
@@ -34,13 +34,13 @@ def train(database_url: str, store, job_id: str, *, status: str | None = "succee
     epoch and the checkpoint's id, sha256, tar bytes and storage prefix."""
     sessions = session_factory(database_url)
     with sessions.begin() as s:
-        epoch = jobs_repo.claim(s, job_id, "test-worker", ttl_s=600)
+        epoch = job_lease.claim(s, job_id, "test-worker", ttl_s=600)
         assert epoch is not None
         jobs_repo.add_event(s, job_id, "Training started")
     for step in range(1, steps + 1):
         with sessions.begin() as s:
             values = {name: series[(step - 1) % len(series)] for name, series in CURVES.items()}
-            assert jobs_repo.record_step(s, job_id, epoch, step, values, trained_tokens=10, ttl_s=600)
+            assert job_records.record_step(s, job_id, epoch, step, values, trained_tokens=10, ttl_s=600)
             jobs_repo.add_event(s, job_id, f"Step {step}: reward {values['reward_mean']}", type="metrics",
                                 data={"step": step, **values})
             if samples and step in samples:
@@ -51,13 +51,13 @@ def train(database_url: str, store, job_id: str, *, status: str | None = "succee
         prefix = f"jobs/{job_id}/checkpoints/step-{checkpoint_step}"
         sha = store.put_bytes(f"{prefix}/adapter.tar", tar)
         with sessions.begin() as s:
-            ckpt = jobs_repo.add_checkpoint(s, job_id, epoch, step=checkpoint_step, storage_prefix=prefix,
-                                            files={"adapter.tar": {"sha256": sha, "bytes": len(tar)}},
-                                            metrics={"reward_mean": CURVES["reward_mean"][-1]})
+            ckpt = job_records.add_checkpoint(s, job_id, epoch, step=checkpoint_step, storage_prefix=prefix,
+                                              files={"adapter.tar": {"sha256": sha, "bytes": len(tar)}},
+                                              metrics={"reward_mean": CURVES["reward_mean"][-1]})
             jobs_repo.add_event(s, job_id, f"Checkpoint saved at step {checkpoint_step}")
             out.update(checkpoint=ckpt.id, sha256=sha, tar=tar, prefix=prefix)
     if status:
         with sessions.begin() as s:
-            assert jobs_repo.finish(s, job_id, epoch, status)
+            assert job_lease.finish(s, job_id, epoch, status)
             jobs_repo.add_event(s, job_id, f"Job {status}")
     return out

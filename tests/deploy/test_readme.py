@@ -1,5 +1,5 @@
-"""The README's examples against the code: the job-spec YAML validates and shows the real defaults, and the
-Deploy section's commands are ones the CLI and the compose file have."""
+"""The documentation's examples (README.md and docs/) against the code: the job-spec YAML validates and shows the
+real defaults, and the Deploy section's commands are ones the CLI and the compose file have."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ from pathlib import Path
 import yaml
 
 from service.job_spec.spec import JobSpec, LoraSpec
-
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+from tests.project_docs import docs_text, section
 
 
 def _spec_block() -> dict:
-    blocks = re.findall(r"```yaml\n(.*?)```", README, flags=re.S)
+    blocks = re.findall(r"```yaml\n(.*?)```", docs_text(), flags=re.S)
     [block] = [b for b in blocks if b.startswith("model:")]
     return yaml.safe_load(block)
 
@@ -28,7 +27,7 @@ def test_the_readme_job_spec_validates_and_shows_the_default_target_modules():
 
 
 def test_the_readme_has_a_deploy_section_for_compose_and_the_chart():
-    deploy = README.split("## Deploy\n", 1)[1].split("\n## ", 1)[0]
+    deploy = section("Deploy")
     assert "docker compose up -d --build" in deploy and "docker compose run --rm migrate cispo keys create" in deploy
     assert "helm install cispo helm/cispo" in deploy
     compose = yaml.safe_load((Path(__file__).resolve().parents[2] / "docker-compose.yml").read_text())

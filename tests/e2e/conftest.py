@@ -1,6 +1,6 @@
 """The production-shaped stack, for real: PostgreSQL, Redis, S3 (moto over HTTP),
 a uvicorn API process and a Celery worker process (prefork: a fresh child per job),
-started with the production commands the README lists, and stopped leaving no process."""
+started with the production commands the docs list, and stopped leaving no process."""
 
 from __future__ import annotations
 
@@ -20,14 +20,12 @@ from worker.toy.demo import wait_healthy
 
 from tests.conftest import REDIS_TEST_URL as REDIS_E2E
 from tests.processes import survivors, tagged
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-
+from tests.project_docs import docs_text
 
 def readme_production_commands() -> dict[str, list[str]]:
-    """The README's production commands (the ```sh block after "Production runs"), by subcommand."""
-    block = re.search(r"Production runs.*?```sh\n(.*?)```", README.read_text(), re.S)
-    assert block, "README.md lists no production commands"
+    """The documented production commands (the ```sh block after "Production runs"), by subcommand."""
+    block = re.search(r"Production runs.*?```sh\n(.*?)```", docs_text(), re.S)
+    assert block, "README.md and docs/ list no production commands"
     commands = {}
     for line in block.group(1).splitlines():
         argv = shlex.split(line, comments=True)

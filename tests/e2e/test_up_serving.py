@@ -3,20 +3,16 @@ a request names and answers through the OpenAI SDK; an idle stop still takes abo
 
 from __future__ import annotations
 
-import signal
-
 import openai
 
-from tests.e2e.test_up_stop import Up
-from tests.processes import survivors
+from tests.e2e.up import Up
 from tests.serving.served import local_greedy
 
 
 def test_up_serves_an_allowed_base_over_the_embedded_channel(tmp_path, toy_dir):
-    up = Up(tmp_path, toy_dir)
-    base = str(toy_dir / "model")
-    up.env.update(CISPO_SERVE_BASE_MODELS=base, CISPO_SERVE_ACCEPT_TIMEOUT_S="120")
-    try:
+    with Up(tmp_path, toy_dir) as up:
+        base = str(toy_dir / "model")
+        up.env.update(CISPO_SERVE_BASE_MODELS=base, CISPO_SERVE_ACCEPT_TIMEOUT_S="120")
         up.cli("db", "upgrade")
         key = up.cli("keys", "create", "--project", "alpha")
         up.start()
@@ -26,10 +22,4 @@ def test_up_serves_an_allowed_base_over_the_embedded_channel(tmp_path, toy_dir):
         assert r.choices[0].text == expected["text"] and r.usage.prompt_tokens == expected["prompt_tokens"]
         chunks = sdk.completions.create(model=base, prompt="abc", max_tokens=8, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in chunks) == expected["text"]
-
-        elapsed = up.stop(signal.SIGINT, group=True)
-        assert elapsed < 2.5, f"an idle Ctrl-C took {elapsed:.1f} s"
-        assert not survivors(up.tag), survivors(up.tag)
-    finally:
-        up.kill()
-        print(up.log.read_text()[-3000:])
+        up.stop_idle()

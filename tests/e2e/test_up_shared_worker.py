@@ -3,42 +3,22 @@ on one copy of it, both to success over HTTP."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 from sqlalchemy import select
 
-from service.db.models import Job, JobEvent
-from tests.conftest import free_port
-from tests.e2e.test_up_stop import Up, _submit
-from worker.toy.demo import wait_healthy
-
-
-class SharedUp(Up):
-    def start(self) -> None:
-        self.port = free_port()
-        with self.log.open("a") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--port", str(self.port),
-                                          "--worker-jobs", "2"],
-                                         env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_healthy(f"http://127.0.0.1:{self.port}", self.proc, self.log)
-
-
-def _events(up: Up, job_id: str) -> list[str]:
-    with up.sessions()() as s:
-        return list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id).order_by(JobEvent.seq)))
+from service.db.models import Job
+from tests.e2e.up import Up
 
 
 def test_two_jobs_of_one_base_train_together_in_the_worker_process_to_success(tmp_path, toy_dir):
-    up = SharedUp(tmp_path, toy_dir)
-    try:
+    with Up(tmp_path, toy_dir, "--worker-jobs", "2") as up:
         up.cli("db", "upgrade")
         key = up.cli("keys", "create", "--project", "shared")
         up.start()
         client = up.client(key)
-        longer = _submit(up, client, toy_dir, steps=8)
-        shorter = _submit(up, client, toy_dir, steps=2)
+        longer = up.submit(client, toy_dir, steps=8)
+        shorter = up.submit(client, toy_dir, steps=2)
         deadline = time.time() + 900
         while {client.get(f"/fine_tuning/jobs/{j}").json()["status"] for j in (longer, shorter)} != {"succeeded"}:
             statuses = [client.get(f"/fine_tuning/jobs/{j}").json()["status"] for j in (longer, shorter)]
@@ -51,14 +31,12 @@ def test_two_jobs_of_one_base_train_together_in_the_worker_process_to_success(tm
         assert rows[longer].attempts == rows[shorter].attempts == 1
         owners = set()
         for job_id in (longer, shorter):
-            events = _events(up, job_id)
+            events = up.events(job_id)
             started = [m for m in events if m.startswith("Job started")]
             assert len(started) == 1, events
             owners.add(started[0].rsplit(" on ", 1)[1])
         assert len(owners) == 1, owners  # one worker process ran both
         # One joined the other on its resident base, between two of its cycles.
-        joined = [m for j in (longer, shorter) for m in _events(up, j)
+        joined = [m for j in (longer, shorter) for m in up.events(j)
                   if m.startswith("Training beside the other jobs") and m.endswith("(2 of 2 slots)")]
         assert len(joined) == 1, joined
-    finally:
-        up.kill()

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
 from service.egress import EgressPolicy, EgressRefused, check_url, post_json
+from tests.loopback_http import QuietHandler, serving
 
 
 @pytest.mark.parametrize("url", [
@@ -74,7 +73,7 @@ def test_operators_can_allow_list_hosts_and_networks():
         check_url("http://127.0.0.1:9/x", EgressPolicy.from_setting("10.0.0.0/8"))
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     mode = "echo"
 
     def do_POST(self):
@@ -89,21 +88,13 @@ class _Handler(BaseHTTPRequestHandler):
         payload = {"echo": json.loads(body), "auth": self.headers.get("Authorization")}
         data = {"echo": json.dumps(payload).encode(), "garbage": b"<html>not json", "huge": b"[" + b"1," * 100000 + b"1]",
                 "slow": b"{}"}[self.server.mode]
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.answer(200, data, content_type=None)
 
 
 @pytest.fixture
 def server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv
-    srv.shutdown()
+    with serving(_Handler) as srv:
+        yield srv
 
 
 def _call(server, mode, **policy):

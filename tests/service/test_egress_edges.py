@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -25,6 +23,7 @@ from service.egress import (
     post_bytes,
     post_json,
 )
+from tests.loopback_http import QuietHandler, serving
 
 
 def test_host_patterns_match_whole_labels_only():
@@ -91,27 +90,18 @@ def test_plain_http_needs_every_address_allow_listed(monkeypatch):
 # -- what is sent and accepted --------------------------------------------------------------------------
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.server.seen.append((self.path, dict(self.headers), body))
-        status, data = self.server.answer
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.answer(*self.server.answer, content_type=None)
 
 
 @pytest.fixture
 def server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    srv.seen, srv.answer = [], (200, b"{}")
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv
-    srv.shutdown()
+    with serving(_Handler) as srv:
+        srv.seen, srv.answer = [], (200, b"{}")
+        yield srv
 
 
 def _target(server, path="/score?x=1"):

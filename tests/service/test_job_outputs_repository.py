@@ -9,21 +9,16 @@ from sqlalchemy import select
 
 from service.db.models import File
 from service.db.session import session_factory
-from service.repositories import job_outputs, jobs, projects
-from tests.service.job_rows import queued_job
+from service.repositories import job_lease, job_outputs, jobs
+from tests.service.job_rows import claimed, new_job, queued_job
 
 
 @pytest.fixture
 def running(database_url):
     """(sessions, job id, epoch, project id) of a job a worker holds."""
     sessions = session_factory(database_url)
-    with sessions.begin() as s:
-        project = projects.get_or_create_project(s, "p")
-        job_id = queued_job(s, project.id)
-        project_id = project.id
-    with sessions.begin() as s:
-        epoch = jobs.claim(s, job_id, "w", ttl_s=60)
-    return sessions, job_id, epoch, project_id
+    project_id, job_id = new_job(sessions)
+    return sessions, job_id, claimed(sessions, job_id), project_id
 
 
 def _sample(text: str) -> dict:
@@ -71,7 +66,7 @@ def test_writing_a_steps_samples_leaves_other_jobs_samples_of_that_step(running)
     with sessions.begin() as s:
         other = queued_job(s, project_id)
     with sessions.begin() as s:
-        other_epoch = jobs.claim(s, other, "w2", ttl_s=60)
+        other_epoch = job_lease.claim(s, other, "w2", ttl_s=60)
         assert job_outputs.add_samples(s, other, other_epoch, 1, [_sample("theirs")])
     with sessions.begin() as s:
         assert job_outputs.add_samples(s, job_id, epoch, 1, [_sample("mine")])

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from service.db.models import Job
 from service.db.session import session_factory
-from service.repositories import jobs, projects
+from service.repositories import job_lease, job_records, jobs, projects
+from tests.service.job_rows import queued_job
 
 
 @pytest.fixture
@@ -21,8 +21,7 @@ def two_projects(database_url):
 
 
 def _job(s, project_id: str, status: str = "queued", **columns) -> str:
-    return jobs.add(s, Job(project_id=project_id, status=status, model="m", training_file="file-t", spec={},
-                           method={"type": "cispo"}, seed=1, total_steps=10, **columns)).id
+    return queued_job(s, project_id, status=status, **{"training_file": "file-t", **columns})
 
 
 def test_lookups_by_id_and_idempotency_key_stay_in_the_project(two_projects):
@@ -72,12 +71,12 @@ def test_metrics_filter_by_name_and_step_range_in_step_then_name_order(two_proje
         job_id = _job(s, own)
         other = _job(s, own)
     with sessions.begin() as s:
-        epoch = jobs.claim(s, job_id, "w", ttl_s=60)
+        epoch = job_lease.claim(s, job_id, "w", ttl_s=60)
         for step in (1, 2, 3, 4):
-            jobs.record_step(s, job_id, epoch, step, {"loss": step / 10, "kl": step / 100}, trained_tokens=0,
-                             ttl_s=60)
-        jobs.record_step(s, other, jobs.claim(s, other, "w", ttl_s=60), 1, {"loss": 9.0}, trained_tokens=0,
-                         ttl_s=60)
+            job_records.record_step(s, job_id, epoch, step, {"loss": step / 10, "kl": step / 100}, trained_tokens=0,
+                                    ttl_s=60)
+        job_records.record_step(s, other, job_lease.claim(s, other, "w", ttl_s=60), 1, {"loss": 9.0}, trained_tokens=0,
+                                     ttl_s=60)
 
     def read(**kw):
         kw = {"names": None, "step_min": None, "step_max": None, "limit": 100, **kw}
@@ -97,10 +96,11 @@ def test_checkpoints_are_read_through_their_job_and_project(two_projects):
     with sessions.begin() as s:
         ids = {}
         for job_id in (mine, theirs):
-            epoch = jobs.claim(s, job_id, "w", ttl_s=60)
+            epoch = job_lease.claim(s, job_id, "w", ttl_s=60)
             for step in (2, 1):
-                ids[job_id, step] = jobs.add_checkpoint(s, job_id, epoch, step=step, storage_prefix=f"{job_id}/{step}",
-                                                        files={}, metrics={}).id
+                ids[job_id, step] = job_records.add_checkpoint(s, job_id, epoch, step=step,
+                                                               storage_prefix=f"{job_id}/{step}", files={},
+                                                               metrics={}).id
     with sessions() as s:
         assert jobs.checkpoint(s, mine, ids[mine, 1]).step == 1
         assert jobs.checkpoint(s, mine, ids[theirs, 1]) is None  # a foreign checkpoint under one's own job

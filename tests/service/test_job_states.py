@@ -1,6 +1,6 @@
-"""The job state machine's worker side, through service/repositories/jobs.py itself: which jobs a worker may claim,
-what a claim, heartbeat, finish or requeue leaves on the row, and the reconciler's sweeps (expired leases,
-exhausted attempts, lost broker messages). The API side's transitions are tested through the routes in
+"""The job state machine's worker side, through the repositories themselves (service/repositories/job_lease.py,
+job_records.py, job_recovery.py): which jobs a worker may claim, what a claim, heartbeat, finish or requeue
+leaves on the row, and the reconciler's sweeps (expired leases, exhausted attempts, lost broker messages). The API side's transitions are tested through the routes in
 tests/api/test_jobs_lifecycle.py; the lease-epoch fence in tests/service/test_lease_fence.py."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from sqlalchemy import select, update
 
 from service.db.models import Job, JobEvent
 from service.db.session import session_factory
-from service.repositories import jobs, projects
+from service.repositories import job_lease, job_records, job_recovery, jobs
+from tests.service.job_rows import new_job
 
 
 @pytest.fixture
@@ -21,11 +22,7 @@ def sessions(database_url):
 
 
 def _new_job(sessions, **columns) -> str:
-    with sessions.begin() as s:
-        project = projects.get_or_create_project(s, "p")
-        job = Job(project_id=project.id, model="m", training_file="file-x", spec={}, method={"type": "cispo"},
-                  seed=1, total_steps=10, **{"status": "queued", **columns})
-        return jobs.add(s, job).id
+    return new_job(sessions, **columns)[1]
 
 
 def _set(sessions, job_id: str, **values) -> None:
@@ -40,7 +37,7 @@ def _job(sessions, job_id: str) -> Job:
 
 def _claim(sessions, job_id: str, owner: str = "w", ttl_s: float = 60, **kw) -> int | None:
     with sessions.begin() as s:
-        return jobs.claim(s, job_id, owner, ttl_s, **kw)
+        return job_lease.claim(s, job_id, owner, ttl_s, **kw)
 
 
 def _events(sessions, job_id: str) -> list[tuple[str, str]]:
@@ -95,12 +92,12 @@ def test_a_heartbeat_renews_the_lease_and_passes_on_what_the_api_asked(sessions)
     job_id = _new_job(sessions)
     epoch = _claim(sessions, job_id, ttl_s=1)
     with sessions.begin() as s:
-        assert jobs.heartbeat(s, job_id, epoch, ttl_s=300) == jobs.Control(cancel=False, pause=False)
+        assert job_lease.heartbeat(s, job_id, epoch, ttl_s=300) == job_lease.Control(cancel=False, pause=False)
     assert _job(sessions, job_id).lease_expires_at >= time.time() + 290
     for cancel, pause in ((True, False), (False, True)):
         _set(sessions, job_id, cancel_requested=cancel, pause_requested=pause)
         with sessions.begin() as s:
-            assert jobs.heartbeat(s, job_id, epoch, ttl_s=60) == jobs.Control(cancel=cancel, pause=pause)
+            assert job_lease.heartbeat(s, job_id, epoch, ttl_s=60) == job_lease.Control(cancel=cancel, pause=pause)
 
 
 @pytest.mark.parametrize("status", ["succeeded", "failed", "cancelled"])
@@ -109,8 +106,8 @@ def test_finishing_ends_the_lease_and_stamps_the_end(sessions, status):
     epoch = _claim(sessions, job_id)
     _set(sessions, job_id, cancel_requested=True, pause_requested=True)
     with sessions.begin() as s:
-        assert jobs.finish(s, job_id, epoch, status, error_code="boom", error_message="it broke",
-                           error_param="training_file")
+        assert job_lease.finish(s, job_id, epoch, status, error_code="boom", error_message="it broke",
+                                error_param="training_file")
     job = _job(sessions, job_id)
     assert (job.status, job.lease_owner, job.lease_expires_at, job.attempts) == (status, None, None, 1)
     assert (job.cancel_requested, job.pause_requested) == (False, False)
@@ -122,7 +119,7 @@ def test_a_pause_gives_the_attempt_back_and_is_no_end(sessions):
     job_id = _new_job(sessions)
     epoch = _claim(sessions, job_id)
     with sessions.begin() as s:
-        assert jobs.finish(s, job_id, epoch, "paused")
+        assert job_lease.finish(s, job_id, epoch, "paused")
     job = _job(sessions, job_id)
     assert (job.status, job.attempts, job.finished_at, job.error_code) == ("paused", 0, None, None)
 
@@ -131,7 +128,7 @@ def test_a_failed_run_waits_its_backoff_before_it_can_be_claimed_again(sessions)
     job_id = _new_job(sessions)
     epoch = _claim(sessions, job_id)
     with sessions.begin() as s:
-        assert jobs.requeue(s, job_id, epoch, delay_s=300)
+        assert job_lease.requeue(s, job_id, epoch, delay_s=300)
     job = _job(sessions, job_id)
     assert (job.status, job.lease_owner, job.lease_expires_at, job.attempts) == ("queued", None, None, 1)
     assert time.time() + 290 <= job.not_before <= time.time() + 300
@@ -144,22 +141,22 @@ def test_a_requeue_without_a_delay_can_be_claimed_at_once_and_still_counts_the_a
     job_id = _new_job(sessions)
     epoch = _claim(sessions, job_id)
     with sessions.begin() as s:
-        assert jobs.requeue(s, job_id, epoch)
+        assert job_lease.requeue(s, job_id, epoch)
     job = _job(sessions, job_id)
     assert (job.status, job.not_before, job.attempts) == ("queued", None, 1)
     epoch = _claim(sessions, job_id)
     assert (epoch, _job(sessions, job_id).attempts) == (2, 2)
     before = time.time()
     with sessions.begin() as s:
-        assert jobs.requeue(s, job_id, epoch, delay_s=0.5)  # even a short backoff is one
+        assert job_lease.requeue(s, job_id, epoch, delay_s=0.5)  # even a short backoff is one
     assert before + 0.5 <= _job(sessions, job_id).not_before <= time.time() + 0.5
 
 
 def test_retry_and_outage_delays():
-    assert [jobs.retry_delay(a, base_s=5) for a in (0, 1, 2, 3, 4)] == [5, 5, 10, 20, 40]
-    assert jobs.retry_delay(20, base_s=5) == 360 and jobs.retry_delay(20, base_s=5, cap_s=7) == 7
-    assert [jobs.outage_delay(e, base_s=2) for e in (0, 2, 3, 30)] == [2, 2, 3, 30]
-    assert jobs.outage_delay(3600, base_s=2) == 60 and jobs.outage_delay(3600, base_s=2, cap_s=9) == 9
+    assert [job_recovery.retry_delay(a, base_s=5) for a in (0, 1, 2, 3, 4)] == [5, 5, 10, 20, 40]
+    assert job_recovery.retry_delay(20, base_s=5) == 360 and job_recovery.retry_delay(20, base_s=5, cap_s=7) == 7
+    assert [job_recovery.outage_delay(e, base_s=2) for e in (0, 2, 3, 30)] == [2, 2, 3, 30]
+    assert job_recovery.outage_delay(3600, base_s=2) == 60 and job_recovery.outage_delay(3600, base_s=2, cap_s=9) == 9
 
 
 def test_an_outage_is_dated_from_its_first_report_until_a_checkpoint_commits(sessions):
@@ -167,13 +164,13 @@ def test_an_outage_is_dated_from_its_first_report_until_a_checkpoint_commits(ses
     epoch = _claim(sessions, job_id)
     before = time.time()
     with sessions.begin() as s:
-        first = jobs.note_outage(s, job_id, epoch)
+        first = job_records.note_outage(s, job_id, epoch)
     assert before <= first <= time.time()
     with sessions.begin() as s:
-        assert jobs.note_outage(s, job_id, epoch) == first
-        assert jobs.note_outage(s, job_id, epoch + 1) is None
+        assert job_records.note_outage(s, job_id, epoch) == first
+        assert job_records.note_outage(s, job_id, epoch + 1) is None
     with sessions.begin() as s:
-        assert jobs.add_checkpoint(s, job_id, epoch, step=1, storage_prefix="c/1", files={}, metrics={})
+        assert job_records.add_checkpoint(s, job_id, epoch, step=1, storage_prefix="c/1", files={}, metrics={})
     assert _job(sessions, job_id).outage_since is None
 
 
@@ -181,9 +178,9 @@ def test_a_checkpoint_step_recorded_twice_is_the_first_one(sessions):
     job_id = _new_job(sessions)
     epoch = _claim(sessions, job_id, ttl_s=1)
     with sessions.begin() as s:
-        first = jobs.add_checkpoint(s, job_id, epoch, step=2, storage_prefix="c/2", files={}, metrics={"a": 1})
-        again = jobs.add_checkpoint(s, job_id, epoch, step=2, storage_prefix="c/2b", files={}, metrics={},
-                                    ttl_s=300)
+        first = job_records.add_checkpoint(s, job_id, epoch, step=2, storage_prefix="c/2", files={}, metrics={"a": 1})
+        again = job_records.add_checkpoint(s, job_id, epoch, step=2, storage_prefix="c/2b", files={}, metrics={},
+                                           ttl_s=300)
         assert (again.id, again.storage_prefix) == (first.id, "c/2")
     assert _job(sessions, job_id).lease_expires_at >= time.time() + 290  # renewed by the write
 
@@ -192,10 +189,10 @@ def test_pruning_keeps_the_newest_and_the_spared_one(sessions):
     job_id = _new_job(sessions)
     epoch = _claim(sessions, job_id)
     with sessions.begin() as s:
-        ids = {step: jobs.add_checkpoint(s, job_id, epoch, step=step, storage_prefix=f"c/{step}", files={},
-                                         metrics={}).id for step in (1, 2, 3, 4)}
+        ids = {step: job_records.add_checkpoint(s, job_id, epoch, step=step, storage_prefix=f"c/{step}", files={},
+                                                metrics={}).id for step in (1, 2, 3, 4)}
     with sessions.begin() as s:
-        assert sorted(jobs.prune_checkpoints(s, job_id, epoch, keep=2, spare=ids[1])) == ["c/2"]
+        assert sorted(job_records.prune_checkpoints(s, job_id, epoch, keep=2, spare=ids[1])) == ["c/2"]
     with sessions() as s:
         assert {c.step for c in jobs.checkpoints(s, job_id, after=None, limit=10).items} == {1, 3, 4}
         assert jobs.latest_checkpoint(s, job_id).step == 4
@@ -205,8 +202,8 @@ def test_steps_done_never_goes_back(sessions):
     job_id = _new_job(sessions)
     epoch = _claim(sessions, job_id)
     with sessions.begin() as s:
-        assert jobs.record_step(s, job_id, epoch, 5, {"loss": 1.0}, trained_tokens=0, ttl_s=60)
-        assert jobs.record_step(s, job_id, epoch, 3, {"loss": 1.0}, trained_tokens=0, ttl_s=60)
+        assert job_records.record_step(s, job_id, epoch, 5, {"loss": 1.0}, trained_tokens=0, ttl_s=60)
+        assert job_records.record_step(s, job_id, epoch, 3, {"loss": 1.0}, trained_tokens=0, ttl_s=60)
     assert _job(sessions, job_id).steps_done == 5
 
 
@@ -216,7 +213,7 @@ def test_exhausted_jobs_fail_unless_a_live_lease_holds_them(sessions):
     live = _new_job(sessions, status="running", attempts=3, lease_owner="w", lease_expires_at=time.time() + 600)
     left = _new_job(sessions, attempts=2)
     with sessions.begin() as s:
-        assert [jobs.fail_exhausted(s, j, max_attempts=3) for j in (queued, expired, live, left)] == [
+        assert [job_recovery.fail_exhausted(s, j, max_attempts=3) for j in (queued, expired, live, left)] == [
             True, True, False, False]
     for job_id in (queued, expired):
         job = _job(sessions, job_id)
@@ -237,7 +234,7 @@ def test_expired_leases_are_queued_again_after_a_backoff_or_failed_when_exhauste
     live = _new_job(sessions, status="running", attempts=1, lease_owner="w", lease_expires_at=time.time() + 600)
     queued = _new_job(sessions, lease_expires_at=time.time() - 1)
     with sessions.begin() as s:
-        assert jobs.requeue_expired(s, max_attempts=3, backoff_s=10) == [expired]
+        assert job_recovery.requeue_expired(s, max_attempts=3, backoff_s=10) == [expired]
     job = _job(sessions, expired)
     assert (job.status, job.lease_owner, job.lease_expires_at, job.attempts) == ("queued", None, None, 2)
     assert time.time() + 15 <= job.not_before <= time.time() + 20  # retry_delay(2, base 10)
@@ -256,8 +253,8 @@ def test_queued_before_lists_old_queued_jobs_past_their_backoff(sessions):
     _new_job(sessions, created_at=t - 100, status="running")
     _new_job(sessions, created_at=t)  # too new
     with sessions() as s:
-        assert sorted(jobs.queued_before(s, t - 50)) == sorted([old, waited])
-        assert backing_off not in jobs.queued_before(s, t + 1)
+        assert sorted(job_recovery.queued_before(s, t - 50)) == sorted([old, waited])
+        assert backing_off not in job_recovery.queued_before(s, t + 1)
 
 
 def _api_job(sessions, status: str) -> str:
@@ -328,9 +325,9 @@ def test_recording_a_step_or_a_checkpoint_renews_the_lease_only_when_asked(sessi
     job_id = _new_job(sessions)
     epoch = _claim(sessions, job_id, ttl_s=1)
     with sessions.begin() as s:
-        assert jobs.record_step(s, job_id, epoch, 1, {"loss": 1.0}, trained_tokens=0, ttl_s=300)
+        assert job_records.record_step(s, job_id, epoch, 1, {"loss": 1.0}, trained_tokens=0, ttl_s=300)
     renewed = _job(sessions, job_id).lease_expires_at
     assert renewed >= time.time() + 290
     with sessions.begin() as s:
-        assert jobs.add_checkpoint(s, job_id, epoch, step=1, storage_prefix="c/1", files={}, metrics={})
+        assert job_records.add_checkpoint(s, job_id, epoch, step=1, storage_prefix="c/1", files={}, metrics={})
     assert _job(sessions, job_id).lease_expires_at == renewed  # no ttl_s: the lease is left as it is

@@ -14,8 +14,8 @@ from sqlalchemy import func, select
 
 from service.db.models import Checkpoint, File, Job, JobSample
 from service.db.session import session_factory
-from service.repositories import job_outputs, jobs, projects
-from tests.service.job_rows import queued_job
+from service.repositories import job_lease, job_outputs, job_records, jobs
+from tests.service.job_rows import claimed, new_job
 
 FILES = {"adapter.tar": {"sha256": "0" * 64, "bytes": 1}}
 
@@ -24,13 +24,9 @@ FILES = {"adapter.tar": {"sha256": "0" * 64, "bytes": 1}}
 def taken_over(database_url):
     """(sessions, job id, stale epoch, current epoch): w1's lease ran out and w2 holds the job now."""
     sessions = session_factory(database_url)
-    with sessions.begin() as s:
-        project = projects.get_or_create_project(s, "p")
-        job_id = queued_job(s, project.id)
-    with sessions.begin() as s:
-        stale = jobs.claim(s, job_id, "w1", ttl_s=-1)  # expires at once
-    with sessions.begin() as s:
-        current = jobs.claim(s, job_id, "w2", ttl_s=60)
+    _, job_id = new_job(sessions)
+    stale = claimed(sessions, job_id, "w1", ttl_s=-1)  # expires at once
+    current = claimed(sessions, job_id, "w2")
     assert current == stale + 1
     return sessions, job_id, stale, current
 
@@ -48,12 +44,12 @@ def _count(sessions, model, job_id) -> int:
 def test_a_stale_epoch_cannot_add_a_checkpoint(taken_over):
     sessions, job_id, stale, current = taken_over
     with sessions.begin() as s:
-        assert jobs.add_checkpoint(s, job_id, stale, step=1, storage_prefix="stale/1", files=FILES,
-                                   metrics={}, ttl_s=600) is None
+        assert job_records.add_checkpoint(s, job_id, stale, step=1, storage_prefix="stale/1", files=FILES,
+                                          metrics={}, ttl_s=600) is None
     assert _count(sessions, Checkpoint, job_id) == 0
     with sessions.begin() as s:
-        assert jobs.add_checkpoint(s, job_id, current, step=1, storage_prefix="ok/1", files=FILES,
-                                   metrics={}) is not None
+        assert job_records.add_checkpoint(s, job_id, current, step=1, storage_prefix="ok/1", files=FILES,
+                                          metrics={}) is not None
     assert _count(sessions, Checkpoint, job_id) == 1
 
 
@@ -61,12 +57,13 @@ def test_a_stale_epoch_cannot_prune_checkpoints(taken_over):
     sessions, job_id, stale, current = taken_over
     with sessions.begin() as s:
         for step in (1, 2, 3):
-            jobs.add_checkpoint(s, job_id, current, step=step, storage_prefix=f"ok/{step}", files=FILES, metrics={})
+            job_records.add_checkpoint(s, job_id, current, step=step, storage_prefix=f"ok/{step}", files=FILES,
+                                       metrics={})
     with sessions.begin() as s:
-        assert jobs.prune_checkpoints(s, job_id, stale, keep=1) == []
+        assert job_records.prune_checkpoints(s, job_id, stale, keep=1) == []
     assert _count(sessions, Checkpoint, job_id) == 3
     with sessions.begin() as s:
-        assert sorted(jobs.prune_checkpoints(s, job_id, current, keep=1)) == ["ok/1", "ok/2"]
+        assert sorted(job_records.prune_checkpoints(s, job_id, current, keep=1)) == ["ok/1", "ok/2"]
     assert _count(sessions, Checkpoint, job_id) == 1
 
 
@@ -74,12 +71,12 @@ def test_a_stale_epoch_cannot_requeue_the_job(taken_over):
     sessions, job_id, stale, current = taken_over
     for failed in (True, False):
         with sessions.begin() as s:
-            assert not jobs.requeue(s, job_id, stale, delay_s=5, failed=failed)
+            assert not job_lease.requeue(s, job_id, stale, delay_s=5, failed=failed)
         job = _job(sessions, job_id)
         assert (job.status, job.lease_owner, job.lease_epoch, job.attempts) == ("running", "w2", current, 2)
         assert job.not_before is None
     with sessions.begin() as s:
-        assert jobs.requeue(s, job_id, current, failed=False)
+        assert job_lease.requeue(s, job_id, current, failed=False)
     assert (_job(sessions, job_id).status, _job(sessions, job_id).attempts) == ("queued", 1)
 
 
@@ -106,9 +103,9 @@ def test_a_stale_epoch_cannot_record_a_step_renew_the_lease_or_finish(taken_over
     sessions, job_id, stale, current = taken_over
     before = _job(sessions, job_id)
     with sessions.begin() as s:
-        assert not jobs.record_step(s, job_id, stale, 4, {"loss": 1.0}, trained_tokens=5, ttl_s=600)
-        assert jobs.heartbeat(s, job_id, stale, ttl_s=600) is None
-        assert not jobs.finish(s, job_id, stale, "failed", error_code="x", error_message="stale")
+        assert not job_records.record_step(s, job_id, stale, 4, {"loss": 1.0}, trained_tokens=5, ttl_s=600)
+        assert job_lease.heartbeat(s, job_id, stale, ttl_s=600) is None
+        assert not job_lease.finish(s, job_id, stale, "failed", error_code="x", error_message="stale")
     job = _job(sessions, job_id)
     assert (job.status, job.steps_done, job.trained_tokens, job.lease_expires_at, job.error_code) == (
         "running", 0, 0, before.lease_expires_at, None)
@@ -119,14 +116,11 @@ def test_a_stale_epoch_cannot_record_a_step_renew_the_lease_or_finish(taken_over
 def test_the_fence_holds_one_job_only(database_url):
     """Two jobs each at epoch 1: one's worker writing must not touch the other, which has the same epoch."""
     sessions = session_factory(database_url)
-    with sessions.begin() as s:
-        project = projects.get_or_create_project(s, "p")
-        ids = [queued_job(s, project.id) for _ in range(2)]
-    with sessions.begin() as s:
-        mine, other = ((job_id, jobs.claim(s, job_id, "w", ttl_s=60)) for job_id in ids)
+    ids = [new_job(sessions)[1] for _ in range(2)]
+    mine, other = ((job_id, claimed(sessions, job_id)) for job_id in ids)
     assert mine[1] == other[1] == 1
     with sessions.begin() as s:
-        assert jobs.finish(s, mine[0], mine[1], "succeeded")
+        assert job_lease.finish(s, mine[0], mine[1], "succeeded")
     assert (_job(sessions, other[0]).status, _job(sessions, mine[0]).status) == ("running", "succeeded")
 
 
@@ -134,12 +128,12 @@ def test_a_job_that_stopped_running_refuses_its_last_workers_writes(taken_over):
     """Paused (or ended) with the epoch unchanged: a write the worker still had in flight must not land."""
     sessions, job_id, _, current = taken_over
     with sessions.begin() as s:
-        assert jobs.finish(s, job_id, current, "paused")
+        assert job_lease.finish(s, job_id, current, "paused")
     with sessions.begin() as s:
-        assert not jobs.record_step(s, job_id, current, 1, {"loss": 1.0}, trained_tokens=3, ttl_s=60)
-        assert jobs.heartbeat(s, job_id, current, ttl_s=60) is None
-        assert jobs.add_checkpoint(s, job_id, current, step=1, storage_prefix="late/1", files=FILES,
-                                   metrics={}) is None
+        assert not job_records.record_step(s, job_id, current, 1, {"loss": 1.0}, trained_tokens=3, ttl_s=60)
+        assert job_lease.heartbeat(s, job_id, current, ttl_s=60) is None
+        assert job_records.add_checkpoint(s, job_id, current, step=1, storage_prefix="late/1", files=FILES,
+                                          metrics={}) is None
     job = _job(sessions, job_id)
     assert (job.status, job.steps_done, job.lease_expires_at) == ("paused", 0, None)
     assert _count(sessions, Checkpoint, job_id) == 0

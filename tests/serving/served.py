@@ -11,7 +11,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.db.session import session_factory
-from service.repositories import jobs as jobs_repo
+from service.repositories import job_lease, job_records
 from service.job_spec.sampling import SamplingSpec
 from worker.artifacts import upload_checkpoint
 from worker.checkpoint import checkpoint_name, save_checkpoint
@@ -37,17 +37,17 @@ def record_training(database_url: str, store, job_id: str, checkpoints: dict[int
     """Claim the job, upload and record each checkpoint under the lease, then succeed; {step: checkpoint id}."""
     sessions = session_factory(database_url)
     with sessions.begin() as s:
-        epoch = jobs_repo.claim(s, job_id, "test-worker", ttl_s=600)
+        epoch = job_lease.claim(s, job_id, "test-worker", ttl_s=600)
         assert epoch is not None
     ids = {}
     for step, local in sorted(checkpoints.items()):
         prefix, files = upload_checkpoint(store, job_id, epoch, local)
         with sessions.begin() as s:
-            ckpt = jobs_repo.add_checkpoint(s, job_id, epoch, step=step, storage_prefix=prefix, files=files,
-                                            metrics={})
+            ckpt = job_records.add_checkpoint(s, job_id, epoch, step=step, storage_prefix=prefix, files=files,
+                                              metrics={})
             ids[step] = ckpt.id
     with sessions.begin() as s:
-        assert jobs_repo.finish(s, job_id, epoch, "succeeded")
+        assert job_lease.finish(s, job_id, epoch, "succeeded")
     return ids
 
 

@@ -13,6 +13,7 @@ import torch
 from service.job_spec.spec import JobSpec
 from service.sandbox.spawn import sandbox_level
 from tests.rollout.test_multi_turn import Scripted
+from tests.trainer.learning import learning_gains
 from tests.trainer.test_async_rollouts import Recorder, assert_gone, async_spec, sampler_children  # noqa: F401
 from worker.rollout.async_sampler import SamplerProcess
 from worker.rollout.policy_versions import trainable_state
@@ -158,9 +159,9 @@ def test_a_stand_in_environment_is_refused_asynchronously(toy_dir, tmp_path):
 @pytest.mark.slow
 def test_cispo_learns_the_toy_task_with_stale_rollouts(toy_dir, tmp_path):
     """test_trainer.py's learning test at max_staleness 1 (most batches sampled one version behind), with the
-    off-policy sequence mask README recommends under staleness: the same thresholds, over 3 seeds.
+    off-policy sequence mask the docs recommend under staleness: the same thresholds, over 3 seeds.
 
-    Measured (README; bench/async_learning.py): with the mask, seeds 1, 2, 3, 5 gained +0.36..+0.75 eval (mean
+    Measured (the docs' asynchronous rollouts; bench/async_learning.py): with the mask, seeds 1, 2, 3, 5 gained +0.36..+0.75 eval (mean
     +0.65; synchronous seeds 1-5: +0.55..+0.75, mean +0.66). Without it the toy's large steps make stale batches
     unstable: seeds 1-5 gained -0.25..+0.75 (seed 5 collapsed to 0), a mean below this test's threshold."""
     gains, eval_gains = [], []
@@ -175,10 +176,8 @@ def test_cispo_learns_the_toy_task_with_stale_rollouts(toy_dir, tmp_path):
                 assert metrics["policy_lag_max"] <= 1
 
         result = train(spec, tmp_path / str(seed), callbacks=Collect())
-        first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-        before, after = result.first_eval["eval_reward_mean"], result.last_eval["eval_reward_mean"]
-        print(f"seed {seed}: train reward {first:.3f} -> {last:.3f}; eval {before:.3f} -> {after:.3f}")
-        gains.append(last - first)
-        eval_gains.append(after - before)
+        gain, eval_gain = learning_gains(f"seed {seed}", rewards, result)
+        gains.append(gain)
+        eval_gains.append(eval_gain)
     assert sum(gains) / 3 > 0.08
     assert sum(eval_gains) / 3 >= 0.3

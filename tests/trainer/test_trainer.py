@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from service.job_spec.spec import JobSpec
+from tests.trainer.learning import learning_gains
 from worker.checkpoint import CheckpointError, checkpoint_name, latest_checkpoint
 from worker.toy.__main__ import toy_spec
 from worker.trainer.loop import Trainer, train
@@ -238,10 +239,8 @@ def test_cispo_learns_the_toy_task(toy_dir, tmp_path):
                 return False
 
         result = train(spec, tmp_path / str(seed), callbacks=Collect(0))
-        first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-        before, after = result.first_eval["eval_reward_mean"], result.last_eval["eval_reward_mean"]
-        print(f"seed {seed}: train reward {first:.3f} -> {last:.3f}; eval {before:.3f} -> {after:.3f}")
-        gains.append(last - first)
-        eval_gains.append(after - before)
+        gain, eval_gain = learning_gains(f"seed {seed}", rewards, result)
+        gains.append(gain)
+        eval_gains.append(eval_gain)
     assert sum(gains) / 2 > 0.08
     assert sum(eval_gains) / 2 >= 0.3

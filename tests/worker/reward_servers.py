@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tests.loopback_http import QuietHandler, base_url, serving
 
 
 @dataclass
@@ -16,16 +16,7 @@ class Recorded:
     fail_first: int = 0  # /flaky answers 503 this many times, then scores
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):  # keep test output clean
-        pass
-
-    def _send(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+class _Handler(QuietHandler):
 
     def do_POST(self):
         rec: Recorded = self.server.recorded
@@ -39,17 +30,17 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/slow":
             time.sleep(1.5)
         elif self.path == "/garbage":
-            return self._send(200, b"<html>not json</html>")
+            return self.answer(200, b"<html>not json</html>")
         elif self.path == "/wrong-count":
             scores = scores[:-1]
         elif self.path == "/mixed":
             scores = [None if i % 2 else "x" if i % 3 == 2 else 1.0 for i in range(len(samples))]
         elif self.path == "/flaky" and rec.fail_first > 0:
             rec.fail_first -= 1
-            return self._send(503, b'{"error": "busy"}')
+            return self.answer(503, b'{"error": "busy"}')
         elif self.path == "/echo-auth":
-            return self._send(500, json.dumps({"auth": self.headers.get("Authorization")}).encode())
-        self._send(200, json.dumps({"scores": scores}).encode())
+            return self.answer(500, json.dumps({"auth": self.headers.get("Authorization")}).encode())
+        self.answer(200, json.dumps({"scores": scores}).encode())
 
     def _judge(self, body: dict) -> None:
         user = body["messages"][-1]["content"]
@@ -63,18 +54,12 @@ class _Handler(BaseHTTPRequestHandler):
             message = {"role": "assistant", "content": json.dumps({"result": len(user), "steps": []})}
         answer = {"choices": [{"index": 0, "message": message}], "model": body["model"],
                   "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
-        self._send(200, json.dumps(answer).encode())
+        self.answer(200, json.dumps(answer).encode())
 
 
 @contextmanager
 def reward_server():
     """Yields (base_url, Recorded)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.recorded = Recorded()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", server.recorded
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(_Handler) as server:
+        server.recorded = Recorded()
+        yield base_url(server), server.recorded

@@ -3,32 +3,21 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from service.egress import EgressPolicy, EgressRefused
 from service.schemas.environments import HttpEnvironment
+from tests.loopback_http import QuietHandler, base_url, serving
 from worker.envs import make_environment
 
 LOOPBACK = EgressPolicy.from_setting("127.0.0.1")
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     """POST /<mode>/reset and /<mode>/step; mode 'good' counts to 2, the others misbehave as named."""
-
-    def log_message(self, *args):
-        pass
-
-    def _send(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_POST(self):
         server = self.server
@@ -39,39 +28,33 @@ class _Handler(BaseHTTPRequestHandler):
         if op == "reset":
             if mode == "flaky" and server.failures.get(episode, 0) < 2:
                 server.failures[episode] = server.failures.get(episode, 0) + 1
-                return self._send(503, b'{"error": "warming up"}')
+                return self.answer(503, b'{"error": "warming up"}')
             server.turns[episode] = 0
             question = body["row"].get("q", body["row"].get("prompt"))
-            return self._send(200, json.dumps({"observation": f"seed {body['seed']}: {question}"}).encode())
+            return self.answer(200, json.dumps({"observation": f"seed {body['seed']}: {question}"}).encode())
         if mode == "slow":
             time.sleep(1.5)
         if mode == "garbage":
-            return self._send(200, b"<html>not json</html>")
+            return self.answer(200, b"<html>not json</html>")
         if mode == "shape":
-            return self._send(200, json.dumps({"observation": "x", "reward": "lots"}).encode())
+            return self.answer(200, json.dumps({"observation": "x", "reward": "lots"}).encode())
         if mode == "big":
-            return self._send(200, json.dumps({"observation": "x" * 2_000_000, "reward": 1, "terminated": False,
+            return self.answer(200, json.dumps({"observation": "x" * 2_000_000, "reward": 1, "terminated": False,
                                                "truncated": False}).encode())
         if mode == "error":
-            return self._send(500, b'{"error": "boom"}')
+            return self.answer(500, b'{"error": "boom"}')
         server.turns[episode] += 1
         done = server.turns[episode] >= 2
         answer = {"observation": None if done else f"you said {body['action']}", "reward": 0.5,
                   "terminated": done, "truncated": False, "info": {"turn": server.turns[episode]}}
-        self._send(200, json.dumps(answer).encode())
+        self.answer(200, json.dumps(answer).encode())
 
 
 @contextmanager
 def env_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.requests, server.turns, server.failures = [], {}, {}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", server
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(_Handler) as server:
+        server.requests, server.turns, server.failures = [], {}, {}
+        yield base_url(server), server
 
 
 def _env(base: str, mode: str, **kw):

@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 
 from service.db.models import Checkpoint, Job, JobEvent, JobMetric
 from service.db.session import session_factory
-from service.repositories import jobs, projects
+from service.repositories import job_lease, job_records, jobs, projects
 from service.job_spec.spec import JobSpec
 from service.settings import Settings
 from service.storage import open_store
@@ -164,16 +164,17 @@ def test_a_worker_that_lost_its_lease_cannot_write(database_url, toy_dir, tmp_pa
     job_id = submit(settings, toy_dir, steps=3)
     sessions = session_factory(database_url)
     with sessions.begin() as s:
-        first = jobs.claim(s, job_id, "w1", ttl_s=-1)  # expires at once
+        first = job_lease.claim(s, job_id, "w1", ttl_s=-1)  # expires at once
     with sessions.begin() as s:
-        second = jobs.claim(s, job_id, "w2", ttl_s=30)  # takes over the expired lease
+        second = job_lease.claim(s, job_id, "w2", ttl_s=30)  # takes over the expired lease
     assert second == first + 1
     with sessions.begin() as s:
-        assert not jobs.record_step(s, job_id, first, 1, {"loss": 1.0}, trained_tokens=0, ttl_s=30)
-        assert jobs.heartbeat(s, job_id, first, 30) is None
-        assert not jobs.finish(s, job_id, first, "succeeded")
-        assert jobs.record_step(s, job_id, second, 1, {"loss": 1.0}, trained_tokens=0, ttl_s=30)
-        assert jobs.record_step(s, job_id, second, 1, {"loss": 2.0}, trained_tokens=0, ttl_s=30)  # repeat: replaces
+        assert not job_records.record_step(s, job_id, first, 1, {"loss": 1.0}, trained_tokens=0, ttl_s=30)
+        assert job_lease.heartbeat(s, job_id, first, 30) is None
+        assert not job_lease.finish(s, job_id, first, "succeeded")
+        assert job_records.record_step(s, job_id, second, 1, {"loss": 1.0}, trained_tokens=0, ttl_s=30)
+        # a repeat replaces the step's values
+        assert job_records.record_step(s, job_id, second, 1, {"loss": 2.0}, trained_tokens=0, ttl_s=30)
     with sessions.begin() as s:
         assert s.scalar(select(JobMetric.value).where(JobMetric.job_id == job_id)) == 2.0
         assert jobs.get_for_worker(s, job_id).status == "running"
@@ -185,7 +186,7 @@ def test_reconciler_requeues_a_job_whose_worker_died(database_url, toy_dir, tmp_
     settings = make_settings(tmp_path, database_url)
     job_id = submit(settings, toy_dir, steps=2)
     with session_factory(database_url).begin() as s:
-        jobs.claim(s, job_id, "dead-worker", ttl_s=-1)
+        job_lease.claim(s, job_id, "dead-worker", ttl_s=-1)
     sent = []
     monkeypatch.setattr(reconciler, "enqueue_job", lambda job_id, delay_s=0.0, settings=None: sent.append(job_id))
     assert reconciler.reconcile_once(settings) == [job_id]

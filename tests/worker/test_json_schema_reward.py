@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 from service.schemas.reward_checks import JsonSchemaReward
+from tests.worker.fresh_scorer import score_in_a_fresh_process
 from worker.rewards.errors import error_kind
 from worker.rewards.json_checks import JsonSchemaBatchScorer
 
@@ -61,15 +59,5 @@ def test_a_schema_that_fails_on_a_sample_is_that_sample_s_error():
 
 def test_the_trainer_process_never_runs_the_schema_s_patterns():
     """Through the engine as the trainer builds it, in a separate process so that a hang fails, not blocks."""
-    code = ("import json\n"
-            "from service.schemas.reward_checks import JsonSchemaReward\n"
-            "from worker.rewards.engine import build_scorer\n"
-            f"scorer = build_scorer(JsonSchemaReward(json_schema={BY_PATTERN.json_schema!r}))\n"
-            f"out = scorer.score([{json.dumps({'name': HANGS})!r}, '{{\"name\": \"aa\"}}'], [{{}}, {{}}])\n"
-            "scorer.close()\n"
-            "print(json.dumps([out.scores, out.errors]))\n")
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=30)
-    assert run.returncode == 0, run.stderr
-    scores, errors = json.loads(run.stdout)
+    scores, errors = score_in_a_fresh_process(BY_PATTERN, [json.dumps({"name": HANGS}), '{"name": "aa"}'])
     assert scores == [None, 1.0] and error_kind(errors[0]) == "timeout"

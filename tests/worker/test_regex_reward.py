@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,6 +10,7 @@ import pytest
 
 from service.schemas.rewards import RegexReward
 from worker.rewards.engine import build_scorer
+from tests.worker.fresh_scorer import score_in_a_fresh_process
 from worker.rewards.errors import error_kind
 from worker.rewards.regex import RegexBatchScorer
 
@@ -83,17 +81,7 @@ def test_a_batch_of_hanging_samples_is_bounded_by_the_batch_budget():
 
 def test_the_trainer_process_never_runs_the_pattern():
     """Through the engine as the trainer builds it, in a separate process so that a hang fails, not blocks."""
-    code = ("import json, sys\n"
-            "from service.schemas.rewards import RegexReward\n"
-            "from worker.rewards.engine import build_scorer\n"
-            f"scorer = build_scorer(RegexReward(pattern={CATASTROPHIC.pattern!r}))\n"
-            f"out = scorer.score([{HANGS!r}, 'aa'], [{{}}, {{}}])\n"
-            "scorer.close()\n"
-            "print(json.dumps([out.scores, out.errors]))\n")
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=30)
-    assert run.returncode == 0, run.stderr
-    scores, errors = json.loads(run.stdout)
+    scores, errors = score_in_a_fresh_process(CATASTROPHIC, [HANGS, "aa"])
     assert scores == [None, 1.0] and error_kind(errors[0]) == "timeout"
 
 

@@ -4,7 +4,7 @@ run left, but never the directory of a run that holds its job's lease."""
 from __future__ import annotations
 
 from service.db.session import session_factory
-from service.repositories import jobs
+from service.repositories import job_lease, jobs
 from tests.worker.test_job_runner import job_row, make_settings, run_in_thread, submit, wait_for_step
 from worker import scratch
 
@@ -34,10 +34,10 @@ def test_the_sweep_keeps_only_the_runs_that_hold_their_lease(database_url, toy_d
     settings = make_settings(tmp_path, database_url)
     running, finished, queued = (submit(settings, toy_dir, steps=1) for _ in range(3))
     with session_factory(database_url).begin() as s:
-        jobs.claim(s, running, "w1", ttl_s=-1)  # a run that died (its lease ran out) ...
-        live = jobs.claim(s, running, "w2", ttl_s=60)  # ... and the one that took over
-        epoch = jobs.claim(s, finished, "w", ttl_s=60)
-        assert jobs.finish(s, finished, epoch, "cancelled")
+        job_lease.claim(s, running, "w1", ttl_s=-1)  # a run that died (its lease ran out) ...
+        live = job_lease.claim(s, running, "w2", ttl_s=60)  # ... and the one that took over
+        epoch = job_lease.claim(s, finished, "w", ttl_s=60)
+        assert job_lease.finish(s, finished, epoch, "cancelled")
     dirs = [scratch.run_dir(settings, running, live - 1), scratch.run_dir(settings, running, live),
             scratch.run_dir(settings, finished, 1), scratch.run_dir(settings, queued, 1),  # drained or paused
             scratch.run_dir(settings, "ftjob-gone", 3), settings.resolved_work_dir() / "ftjob-empty"]

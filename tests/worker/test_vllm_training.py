@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from tests.trainer.learning import learning_gains
 from tests.worker.vllm_fixtures import vllm_job_spec
 from worker.rollout import make_engine
 from worker.trainer.callbacks import NoCallbacks
@@ -57,11 +58,9 @@ def test_cispo_learns_the_toy_task_with_vllm_rollouts(vllm_toy_dir, vllm_engine,
         seen = Collect()
         result = Trainer(spec, tmp_path / str(seed), engine=vllm_engine).run(seen)
         rewards = [m["reward_mean"] for m in seen.steps]
-        first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
-        before, after = result.first_eval["eval_reward_mean"], result.last_eval["eval_reward_mean"]
-        print(f"vllm rollouts, seed {seed}: train reward {first:.3f} -> {last:.3f}; eval {before:.3f} -> {after:.3f}")
-        train_gains.append(last - first)
-        eval_gains.append(after - before)
+        train_gain, eval_gain = learning_gains(f"vllm rollouts, seed {seed}", rewards, result, window=8)
+        train_gains.append(train_gain)
+        eval_gains.append(eval_gain)
     assert sum(train_gains) / 2 > 0
     assert sum(eval_gains) / 2 >= 0.15
 
