@@ -12,6 +12,7 @@ from service.db.session import session_factory
 from service.repositories import jobs
 from tests.worker.test_job_runner import job_row, make_settings, submit, wait_for_step
 from worker.multi.runner import run_shared
+from worker.toy.two_turn import environment_spec
 
 
 def _count(settings, model, job_id, **where):
@@ -80,3 +81,24 @@ def test_a_job_that_cannot_share_runs_alone_and_says_why(database_url, toy_dir, 
     assert said == [f"Running alone, not beside other jobs of {job_row(settings, alone).model}: "
                     "it uses gradient checkpointing"]
     assert not any("beside the other jobs" in m for m in _events(settings, alone))
+
+
+def test_an_environment_job_trains_beside_a_single_turn_job(database_url, toy_dir, tmp_path):
+    """A multi-turn job with its sandboxed environment (worker/toy/two_turn.py) shares the worker: its episodes
+    take both turns, and both jobs succeed."""
+    settings = make_settings(tmp_path, database_url).model_copy(update={"worker_jobs": 2})
+    single = submit(settings, toy_dir, steps=2, checkpoint_interval=0)
+    episodic = submit(settings, toy_dir, steps=2, checkpoint_interval=0, group_size=2)
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        job = jobs.get_for_worker(s, episodic)
+        job.spec = {**job.spec, "reward": None, "environment": environment_spec(),
+                    "sampling": {**job.spec["sampling"], "max_output_tokens": 3, "max_model_len": 96},
+                    "training": {**job.spec["training"], "max_turns": 2}}
+    assert run_shared(single, settings) == "succeeded"
+    for job_id in (single, episodic):
+        assert job_row(settings, job_id).status == "succeeded"
+        assert any("beside the other jobs" in m for m in _events(settings, job_id))
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        turns = list(s.scalars(select(JobMetric.value).where(JobMetric.job_id == episodic,
+                                                             JobMetric.name == "turns_mean")))
+    assert len(turns) == 2 and max(turns) > 1

@@ -20,12 +20,11 @@ class JobEngine:
 
     def generate(self, policy, rows: list[dict], sampling: SamplingSpec, *, group_size: int, greedy: bool = False,
                  environment=None, max_turns: int = 1, seeds=None, sampling_seeds=None) -> Rollout:
-        if environment is not None:
-            raise ValueError("a resident job has no environment (worker/multi/support.py)")
         if not greedy and sampling_seeds is None:  # as rollout.generate would draw them
             sampling_seeds = torch.randint(0, 2**62, (len(rows),)).tolist()
         out = generate_jobs(self.shared, self.tokenizer, self.device, [
-            RolloutRequest(self.name, rows, sampling, group_size, sampling_seeds=sampling_seeds, greedy=greedy)])[0]
+            RolloutRequest(self.name, rows, sampling, group_size, sampling_seeds=sampling_seeds, greedy=greedy,
+                           environment=environment, max_turns=max_turns, seeds=seeds)])[0]
         if isinstance(out, Exception):
             raise out
         return out
