@@ -14,5 +14,7 @@ def test_single_turn_and_environment_lora_jobs_share_and_others_say_why_not(toy_
     raw.pop("reward")
     raw["environment"] = environment_spec()  # driven once per turn by the shared rollout (worker/multi/rollout.py)
     assert refusal(JobSpec.model_validate(raw)) is None
+    raw["rollout"] = {"engine": "vllm"}  # the worker's one vLLM engine, an adapter slot per job
+    assert refusal(JobSpec.model_validate(raw)) is None
     raw["lora"] = None
     assert refusal(JobSpec.model_validate(raw)) == "it fine-tunes every weight (lora: null)"

@@ -58,6 +58,8 @@ class ResidentJob(Trainer):
         # Trainer.__init__ is not called: it would load a model of the job's own.
         if (problem := refusal(spec)) is not None:
             raise ValueError(f"this job cannot share a base model: {problem}")
+        if spec.rollout.engine == "vllm":
+            _use_vllm(shared, spec)
         self.spec, self.output_dir, self.name, self.shared = spec, Path(output_dir), name, shared
         self.checkpoint_root = self.output_dir / "checkpoints"
         self.callbacks = callbacks or NoCallbacks()
@@ -83,7 +85,7 @@ class ResidentJob(Trainer):
             self.sampler = PromptSampler(self.train_rows, seed=spec.seed, **resumed.state["data"])
             self.step = int(resumed.state["step"])
         self.eval_baseline = resumed.state.get("eval_baseline") if resumed is not None else None
-        self.engine = JobEngine(shared, name, tokenizer, device)
+        self.engine = JobEngine(shared, name, tokenizer, device, kind=spec.rollout.engine)
         self._owns_engine = True
         self.last_checkpoint = resumed.path if resumed is not None else None
         self.watch = ZeroVarianceWatch(spec.training.no_signal_steps)
@@ -133,7 +135,7 @@ class ResidentJob(Trainer):
             if self.environment is not None else []
         self._step_state = SimpleNamespace(lr=lr, started=time.perf_counter())
         return RolloutRequest(self.name, rows, spec.sampling, tc.group_size, sampling_seeds=seeds,
-                              **self._episodes(episode_seeds))
+                              engine=spec.rollout.engine, **self._episodes(episode_seeds))
 
     def take_rollout(self, rollout: Rollout, rollout_s: float) -> JobUpdate:
         """Score the job's rollout and say what it trains on (raises its reward-error failure)."""
@@ -221,4 +223,18 @@ class ResidentJob(Trainer):
     def close(self) -> None:
         """Stop the job's scorer and take its adapter off the shared base."""
         super().close()
+        if self.shared.vllm is not None:
+            self.shared.vllm.forget(self.name)
         self.shared.remove(self.name)
+
+
+def _use_vllm(shared: SharedBase, spec: JobSpec) -> None:
+    """Refuse as a job alone would (no vllm here, a model it cannot run), else make sure the base has its vLLM
+    engine (started at the first rollout)."""
+    from worker.multi.vllm_engine import SharedVLLM
+    from worker.rollout import refuse_unavailable_engine, refuse_unsupported_model
+
+    refuse_unavailable_engine(spec)
+    refuse_unsupported_model(shared.base.config.to_dict(), cuda=torch.cuda.is_available())
+    if shared.vllm is None:
+        shared.vllm = SharedVLLM(spec, shared.slots)

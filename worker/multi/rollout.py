@@ -9,7 +9,9 @@ is sent its part, and so on, turn by turn, until every rollout has returned.
 A single-turn job asks once; a multi-turn (environment) job asks once per
 turn, its environment's reset, step and release running inside its own
 generator, once each, as alone. Jobs with more turns go on decoding together
-after the others are done.
+after the others are done. Jobs with rollout.engine 'vllm' are sampled by
+the worker's one vLLM engine instead (worker/multi/vllm_engine.py), all of
+them in one generate call per turn, each row with its job's LoRA.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class RolloutRequest:
     environment: Environment | None = None
     max_turns: int = 1
     seeds: list[int] | None = None  # each row's environment reset seed
+    engine: str = "hf"  # rollout.engine: our decode loop, or the shared vLLM engine (shared.vllm)
 
 
 def _advance(turns, answer=None) -> TurnRequest | Rollout | Exception:
@@ -60,25 +63,50 @@ def generate_jobs(shared: SharedBase, tokenizer, device: torch.device,
                           environment=req.environment, max_turns=req.max_turns, seeds=req.seeds,
                           sampling_seeds=req.sampling_seeds) for req in requests]
     state: list[TurnRequest | Rollout | Exception] = [_advance(turns) for turns in runs]
-    model = shared.model
-    was_training = model.training
+    on_vllm = [i for i, req in enumerate(requests) if req.engine == "vllm" and isinstance(state[i], TurnRequest)]
     try:
-        while pending := [i for i, s in enumerate(state) if isinstance(s, TurnRequest)]:
-            jobs = [JobRows(requests[i].name, state[i].seqs, max(state[i].budgets), requests[i].sampling,
-                            greedy=state[i].greedy, seeds=state[i].seeds, logprobs=logprobs) for i in pending]
-            model.eval()
+        if on_vllm:
             try:
-                sampled = sample_jobs(model, shared.router, jobs, eos_id=tokenizer.eos_token_id,
-                                      pad_id=tokenizer.pad_token_id, device=device)
-            finally:
-                model.train(was_training)
-            for i, out in zip(pending, sampled):
-                if isinstance(out, Exception):
+                shared.vllm.prepare(shared, [requests[i].name for i in on_vllm],
+                                    max(requests[i].sampling.max_model_len for i in on_vllm))
+            except Exception as e:  # the engine's start or an adapter's load: these jobs' problem
+                for i in on_vllm:
+                    state[i] = e
+        while pending := [i for i, s in enumerate(state) if isinstance(s, TurnRequest)]:
+            answers = dict(_decode_ours(shared, tokenizer, device, requests, state, logprobs,
+                                        [i for i in pending if requests[i].engine != "vllm"]))
+            if vllm := [i for i in pending if requests[i].engine == "vllm"]:
+                try:
+                    answers.update(zip(vllm, shared.vllm.sample(
+                        [(requests[i].name, requests[i].sampling, state[i]) for i in vllm])))
+                except Exception as e:  # noqa: BLE001 - the engine failed these jobs' turn
+                    answers.update((i, e) for i in vllm)
+            for i in pending:
+                if isinstance(answers[i], Exception):
                     runs[i].close()  # as alone, where the sampler's exception ends generate()
-                    state[i] = out
+                    state[i] = answers[i]
                 else:
-                    state[i] = _advance(runs[i], out)
+                    state[i] = _advance(runs[i], answers[i])
     finally:
         for turns in runs:
             turns.close()
+        if on_vllm:
+            shared.vllm.rest()
     return state
+
+
+def _decode_ours(shared: SharedBase, tokenizer, device, requests: list[RolloutRequest], state: list,
+                 logprobs: bool, pending: list[int]) -> list[tuple[int, tuple | Exception]]:
+    """One turn of the jobs sampled by our decode loop (worker/multi/decode.py), in one batch."""
+    if not pending:
+        return []
+    jobs = [JobRows(requests[i].name, state[i].seqs, max(state[i].budgets), requests[i].sampling,
+                    greedy=state[i].greedy, seeds=state[i].seeds, logprobs=logprobs) for i in pending]
+    model = shared.model
+    was_training = model.training
+    model.eval()
+    try:
+        return list(zip(pending, sample_jobs(model, shared.router, jobs, eos_id=tokenizer.eos_token_id,
+                                             pad_id=tokenizer.pad_token_id, device=device)))
+    finally:
+        model.train(was_training)
