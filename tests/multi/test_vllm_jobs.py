@@ -17,6 +17,7 @@ import torch
 from service.job_spec.sampling import SamplingSpec
 from service.job_spec.spec import LoraSpec
 from tests.multi.conftest import alone, shared_with_adapters, toy_base, toy_tokenizer
+from tests.multi.test_environment_jobs import Letters
 from tests.multi.test_resident_jobs import Recorder, _adapter
 from tests.worker.vllm_fixtures import vllm_job_spec, vllm_toy_dir  # noqa: F401  (the fixture)
 from worker.model.policy import Policy
@@ -106,6 +107,35 @@ def test_jobs_sharing_one_vllm_engine_each_sample_what_they_sample_alone(vllm_to
         assert got.token_ids == want[req.name], req.name
     assert set(shared_engine.served) == set(LORAS)
     assert len(list(shared_engine._adapters.iterdir())) == 2  # the previous rollout's adapters are gone
+    for name in LORAS:
+        shared_engine.forget(name)
+
+
+def test_an_environment_job_on_the_shared_vllm_engine_samples_what_it_samples_alone(vllm_toy_dir, alone_engine,
+                                                                                     shared_engine):
+    """A multi-turn job beside a single-turn one, both on vLLM: each turn of its episodes goes to the engine with
+    the single-turn job's rows (the first) or alone (the second); its environment gets the calls it gets alone."""
+    tokenizer = toy_tokenizer(vllm_toy_dir)
+    shared = shared_with_adapters(vllm_toy_dir, LORAS)
+    shared.vllm = shared_engine
+    env = Letters()
+    requests = _requests(vllm_toy_dir)
+    requests[0] = RolloutRequest("job-a", requests[0].rows, SAMPLING["job-a"].model_copy(update={"max_model_len": 64}),
+                                 group_size=2, sampling_seeds=requests[0].sampling_seeds, engine="vllm",
+                                 environment=env, max_turns=2, seeds=[3, 4, 5])
+    together = generate_jobs(shared, tokenizer, CPU, requests)
+    alone_env = Letters()
+    for req, got in zip(requests, together):
+        assert not isinstance(got, Exception), got
+        policy = Policy(alone(vllm_toy_dir, shared, req.name).eval(), tokenizer, CPU)
+        want = alone_engine.generate(policy, req.rows, req.sampling, group_size=req.group_size,
+                                     sampling_seeds=req.sampling_seeds, max_turns=req.max_turns, seeds=req.seeds,
+                                     environment=alone_env if req.environment is not None else None)
+        assert got.token_ids == want.token_ids and got.action_mask == want.action_mask, req.name
+        assert got.turns == want.turns and got.turn_rewards == want.turn_rewards
+    assert max(together[0].turns) == 2
+    assert env.shape() == alone_env.shape()
+    env.assert_each_once()
     for name in LORAS:
         shared_engine.forget(name)
 
