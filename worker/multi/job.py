@@ -221,7 +221,7 @@ class ResidentJob(Trainer):
         return path
 
     def close(self) -> None:
-        """Stop the job's scorer and take its adapter off the shared base."""
+        """Stop the job's scorer or environment; take its adapter off the shared base and the vLLM engine."""
         super().close()
         if self.shared.vllm is not None:
             self.shared.vllm.forget(self.name)
