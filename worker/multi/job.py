@@ -1,7 +1,9 @@
 """One job resident on a shared base: the Trainer of worker/trainer/loop.py, its model being one adapter of many.
 
 A subclass so that the job's pre-flight, evaluations, reward-error checks and
-checkpoint contents are the trainer's own code. What differs: the model is
+checkpoint contents are the trainer's own code; a job with an environment
+runs its episodes in the shared rollout (worker/multi/rollout.py), its
+environment called as alone. What differs: the model is
 the shared base with this job's adapter (`name`), sampling and the update of
 a step run for all resident jobs at once (worker/multi/cycle.py calls
 `begin_step`, `take_rollout` and `end_step` in turn), and a checkpoint saves
@@ -23,6 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from service.job_spec.spec import JobSpec
+from worker.envs import Environment, make_environment
 from worker.checkpoint import capture_rng, checkpoint_name, latest_checkpoint, load_checkpoint, save_checkpoint
 from worker.multi.checkpoints import AdapterView, restore
 from worker.multi.engine import JobEngine
@@ -50,16 +53,17 @@ from worker.model.streams import stream_seed
 class ResidentJob(Trainer):
     def __init__(self, spec: JobSpec, output_dir: Path, shared: SharedBase, tokenizer, device: torch.device, *,
                  name: str, reward_fn: RewardFn | None = None, scoring: ScoringContext | None = None,
-                 resume: bool = True, callbacks: Callbacks | None = None):
+                 environment: Environment | None = None, resume: bool = True, callbacks: Callbacks | None = None):
+        """`reward_fn` / `environment`: trusted in-process stand-ins for the spec's reward or environment."""
         # Trainer.__init__ is not called: it would load a model of the job's own.
         if (problem := refusal(spec)) is not None:
             raise ValueError(f"this job cannot share a base model: {problem}")
+        if spec.rollout.engine == "vllm":
+            _use_vllm(shared, spec)
         self.spec, self.output_dir, self.name, self.shared = spec, Path(output_dir), name, shared
         self.checkpoint_root = self.output_dir / "checkpoints"
         self.callbacks = callbacks or NoCallbacks()
-        self.environment, self.pipeline, self.supervised = None, None, False
-        self.scorer = InProcessScorer.from_callable(reward_fn) if reward_fn is not None \
-            else make_scorer(spec.reward, scoring)
+        self.pipeline, self.supervised = None, False
         self.train_rows, self.val_rows = load_splits(spec.data, seed=spec.seed, use=spec.method)
         found = latest_checkpoint(self.checkpoint_root) if resume else None
         resumed = load_checkpoint(found) if found else None
@@ -81,13 +85,26 @@ class ResidentJob(Trainer):
             self.sampler = PromptSampler(self.train_rows, seed=spec.seed, **resumed.state["data"])
             self.step = int(resumed.state["step"])
         self.eval_baseline = resumed.state.get("eval_baseline") if resumed is not None else None
-        self.engine = JobEngine(shared, name, tokenizer, device)
+        self.engine = JobEngine(shared, name, tokenizer, device, kind=spec.rollout.engine)
         self._owns_engine = True
         self.last_checkpoint = resumed.path if resumed is not None else None
         self.watch = ZeroVarianceWatch(spec.training.no_signal_steps)
         self.first_eval = self.last_eval = None
         self.stopped = False  # callbacks.should_stop() ended the run at the last step boundary
         self._step_state: SimpleNamespace | None = None
+        # As Trainer.__init__: a stand-in first, then the spec's environment, else its reward. Last, so that a
+        # failure above leaves no sandboxed child behind (the runner has no job to close then).
+        self.environment: Environment | None = None
+        self.scorer = None
+        if reward_fn is not None:
+            self.scorer = InProcessScorer.from_callable(reward_fn)
+        elif environment is not None:
+            self.environment = environment
+        elif spec.environment is not None:
+            self.environment = make_environment(spec.environment, egress=scoring.egress if scoring else None,
+                                                secrets=scoring.secrets if scoring else None)
+        else:
+            self.scorer = make_scorer(spec.reward, scoring)
 
     @property
     def done(self) -> bool:
@@ -111,9 +128,14 @@ class ResidentJob(Trainer):
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         rows = self.sampler.next_batch(tc.batch_size)
-        seeds = [stream_seed("sample", spec.seed, self.step, p) for p in range(len(rows))]
+        prompts = range(len(rows))
+        seeds = [stream_seed("sample", spec.seed, self.step, p) for p in prompts]
+        # Trainer.train_step's episode seeds: an environment's reset gets what it gets alone.
+        episode_seeds = [stream_seed("episode", spec.seed, self.step, p) % (2**31 - 1) for p in prompts] \
+            if self.environment is not None else []
         self._step_state = SimpleNamespace(lr=lr, started=time.perf_counter())
-        return RolloutRequest(self.name, rows, spec.sampling, tc.group_size, sampling_seeds=seeds)
+        return RolloutRequest(self.name, rows, spec.sampling, tc.group_size, sampling_seeds=seeds,
+                              engine=spec.rollout.engine, **self._episodes(episode_seeds))
 
     def take_rollout(self, rollout: Rollout, rollout_s: float) -> JobUpdate:
         """Score the job's rollout and say what it trains on (raises its reward-error failure)."""
@@ -127,7 +149,7 @@ class ResidentJob(Trainer):
         indices = [i for i in range(len(rollout)) if keep_P[i // tc.group_size]]
         if (record := getattr(self.callbacks, "on_samples", None)) is not None:
             record(self.step + 1, pick_samples(self.policy.tokenizer, rollout, feedback, advantages.episode_PG,
-                                               tc.group_size, multi_turn=False))
+                                               tc.group_size, multi_turn=self.environment is not None))
         state.rollout, state.feedback, state.advantages, state.rollout_s = rollout, feedback, advantages, rollout_s
         return JobUpdate(self.name, spec, self.optimizer, self.params, rollout, advantages.per_token, indices,
                          self.step)
@@ -199,6 +221,20 @@ class ResidentJob(Trainer):
         return path
 
     def close(self) -> None:
-        """Stop the job's scorer and take its adapter off the shared base."""
+        """Stop the job's scorer or environment; take its adapter off the shared base and the vLLM engine."""
         super().close()
+        if self.shared.vllm is not None:
+            self.shared.vllm.forget(self.name)
         self.shared.remove(self.name)
+
+
+def _use_vllm(shared: SharedBase, spec: JobSpec) -> None:
+    """Refuse as a job alone would (no vllm here, a model it cannot run), else make sure the base has its vLLM
+    engine (started at the first rollout)."""
+    from worker.multi.vllm_engine import SharedVLLM
+    from worker.rollout import refuse_unavailable_engine, refuse_unsupported_model
+
+    refuse_unavailable_engine(spec)
+    refuse_unsupported_model(shared.base.config.to_dict(), cuda=torch.cuda.is_available())
+    if shared.vllm is None:
+        shared.vllm = SharedVLLM(spec, shared.slots)

@@ -154,12 +154,20 @@ class SharedBase:
     job's trainable parameters are its adapter's only.
     """
 
-    def __init__(self, base: torch.nn.Module):
+    def __init__(self, base: torch.nn.Module, *, slots: int = 1):
         base.requires_grad_(False)
         self.base = base
         self.model: PeftModel | None = None
         self.router = SegmentRouter()
         self.specs: dict[str, LoraSpec] = {}
+        self.slots = slots  # how many jobs the worker holds at most
+        self.vllm = None  # the vLLM engine of the jobs that sample with one (worker/multi/vllm_engine.py)
+
+    def close(self) -> None:
+        """Free what outlives the adapters: the vLLM engine, whose state is process-wide."""
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
 
     def add(self, name: str, spec: LoraSpec) -> list[torch.nn.Parameter]:
         """Add job `name`'s adapter (PEFT's initialisation, from torch's global RNG); returns its parameters."""

@@ -1,26 +1,30 @@
-"""Rollouts of several jobs sampled together: worker/rollout/rollout.py's generate() for each job, one decode.
+"""Rollouts of several jobs sampled together: each job's rollout driven once, its turns decoded with the others'.
 
-generate() turns a job's rows into token sequences, calls its sampler once
-(a single-turn job), and turns the new tokens into a Rollout. Each job's
-generate() runs twice here: first with a sampler that only records what it is
-asked (sequences, budgets, streams), then, after one shared decode of every
-job's requests (worker/multi/decode.py), with a sampler that hands back that
-job's part. So each Rollout is built by the very code a job alone uses.
-Single-turn only (support.py refuses environments: their reset and step calls
-must not run twice).
+Each job's rollout is worker/rollout/rollout.py's `rollout_turns`, the very
+code generate() runs for a job alone: a generator that yields what each turn
+asks its sampler for (sequences, budgets, streams) and is sent the answer.
+Here every job's generator is advanced to its next request, all pending
+requests are decoded in one shared decode (worker/multi/decode.py), each job
+is sent its part, and so on, turn by turn, until every rollout has returned.
+A single-turn job asks once; a multi-turn (environment) job asks once per
+turn, its environment's reset, step and release running inside its own
+generator, once each, as alone. Jobs with more turns go on decoding together
+after the others are done. Jobs with rollout.engine 'vllm' are sampled by
+the worker's one vLLM engine instead (worker/multi/vllm_engine.py), all of
+them in one generate call per turn, each row with its job's LoRA.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
 from service.job_spec.sampling import SamplingSpec
+from worker.envs.protocol import Environment
 from worker.multi.decode import JobRows, sample_jobs
 from worker.multi.lora import SharedBase
-from worker.rollout.rollout import Rollout, generate
+from worker.rollout.rollout import Rollout, TurnRequest, rollout_turns
 
 
 @dataclass
@@ -33,51 +37,76 @@ class RolloutRequest:
     group_size: int
     sampling_seeds: list[int] | None = None
     greedy: bool = False
+    environment: Environment | None = None
+    max_turns: int = 1
+    seeds: list[int] | None = None  # each row's environment reset seed
+    engine: str = "hf"  # rollout.engine: our decode loop, or the shared vLLM engine (shared.vllm)
 
 
-class _Asked(Exception):
-    def __init__(self, seqs, budgets, greedy, seeds):
-        self.seqs, self.budgets, self.greedy, self.seeds = seqs, budgets, greedy, seeds
-
-
-def _recorder(seqs, budgets, *, greedy, seeds=None):
-    raise _Asked(seqs, budgets, greedy, seeds)
+def _advance(turns, answer=None) -> TurnRequest | Rollout | Exception:
+    """Run a job's rollout up to its next request (sending it `answer` to the last one), or to its end."""
+    try:
+        return next(turns) if answer is None else turns.send(answer)
+    except StopIteration as done:
+        return done.value
+    except Exception as e:  # this job's own problem (a prompt longer than its max_model_len, its environment)
+        return e
 
 
 def generate_jobs(shared: SharedBase, tokenizer, device: torch.device,
                   requests: list[RolloutRequest]) -> list[Rollout | Exception]:
-    """Each request's Rollout, in order, or the exception that job's rollout raised (one job's bad prompt or
-    NaN logits never fails the others)."""
-    policy = SimpleNamespace(tokenizer=tokenizer)  # generate() needs only the tokenizer when given a sampler
+    """Each request's Rollout, in order, or the exception that job's rollout raised (one job's bad prompt,
+    environment failure or NaN logits never fails the others)."""
     # The sampler reports log-probs when it rounds: a base held below float32 under float32 adapters.
     logprobs = next(shared.base.parameters()).dtype != torch.float32
-    asked: list[_Asked | Exception] = []
-    for req in requests:
-        try:
-            generate(policy, req.rows, req.sampling, group_size=req.group_size, greedy=req.greedy,
-                     sampler=_recorder, sampling_seeds=req.sampling_seeds)
-            asked.append(RuntimeError("the rollout asked for no tokens"))
-        except _Asked as a:
-            asked.append(a)
-        except Exception as e:  # this job's own problem (a prompt longer than its max_model_len)
-            asked.append(e)
-    live = [i for i, a in enumerate(asked) if isinstance(a, _Asked)]
-    jobs = [JobRows(requests[i].name, asked[i].seqs, max(asked[i].budgets), requests[i].sampling,
-                    greedy=asked[i].greedy, seeds=asked[i].seeds, logprobs=logprobs) for i in live]
+    runs = [rollout_turns(tokenizer, req.rows, req.sampling, group_size=req.group_size, greedy=req.greedy,
+                          environment=req.environment, max_turns=req.max_turns, seeds=req.seeds,
+                          sampling_seeds=req.sampling_seeds) for req in requests]
+    state: list[TurnRequest | Rollout | Exception] = [_advance(turns) for turns in runs]
+    on_vllm = [i for i, req in enumerate(requests) if req.engine == "vllm" and isinstance(state[i], TurnRequest)]
+    try:
+        if on_vllm:
+            try:
+                shared.vllm.prepare(shared, [requests[i].name for i in on_vllm],
+                                    max(requests[i].sampling.max_model_len for i in on_vllm))
+            except Exception as e:  # the engine's start or an adapter's load: these jobs' problem
+                for i in on_vllm:
+                    state[i] = e
+        while pending := [i for i, s in enumerate(state) if isinstance(s, TurnRequest)]:
+            answers = dict(_decode_ours(shared, tokenizer, device, requests, state, logprobs,
+                                        [i for i in pending if requests[i].engine != "vllm"]))
+            if vllm := [i for i in pending if requests[i].engine == "vllm"]:
+                try:
+                    answers.update(zip(vllm, shared.vllm.sample(
+                        [(requests[i].name, requests[i].sampling, state[i]) for i in vllm])))
+                except Exception as e:  # noqa: BLE001 - the engine failed these jobs' turn
+                    answers.update((i, e) for i in vllm)
+            for i in pending:
+                if isinstance(answers[i], Exception):
+                    runs[i].close()  # as alone, where the sampler's exception ends generate()
+                    state[i] = answers[i]
+                else:
+                    state[i] = _advance(runs[i], answers[i])
+    finally:
+        for turns in runs:
+            turns.close()
+        if on_vllm:
+            shared.vllm.rest()
+    return state
+
+
+def _decode_ours(shared: SharedBase, tokenizer, device, requests: list[RolloutRequest], state: list,
+                 logprobs: bool, pending: list[int]) -> list[tuple[int, tuple | Exception]]:
+    """One turn of the jobs sampled by our decode loop (worker/multi/decode.py), in one batch."""
+    if not pending:
+        return []
+    jobs = [JobRows(requests[i].name, state[i].seqs, max(state[i].budgets), requests[i].sampling,
+                    greedy=state[i].greedy, seeds=state[i].seeds, logprobs=logprobs) for i in pending]
     model = shared.model
     was_training = model.training
     model.eval()
     try:
-        sampled = sample_jobs(model, shared.router, jobs, eos_id=tokenizer.eos_token_id,
-                              pad_id=tokenizer.pad_token_id, device=device)
+        return list(zip(pending, sample_jobs(model, shared.router, jobs, eos_id=tokenizer.eos_token_id,
+                                             pad_id=tokenizer.pad_token_id, device=device)))
     finally:
         model.train(was_training)
-    results: list[Rollout | Exception] = list(asked)
-    for i, out in zip(live, sampled):
-        if isinstance(out, Exception):
-            results[i] = out
-            continue
-        req = requests[i]
-        results[i] = generate(policy, req.rows, req.sampling, group_size=req.group_size, greedy=req.greedy,
-                              sampler=lambda *_a, _out=out, **_k: _out, sampling_seeds=req.sampling_seeds)
-    return results

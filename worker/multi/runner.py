@@ -113,7 +113,7 @@ class SharedWorker:
         self.shape, self.base_bytes = memory.BaseShape.of(base), memory.model_bytes(base)
         gib = self.settings.worker_memory_gib
         self.budget = int(gib * 2**30) if gib is not None else memory.default_budget(self.device)
-        self.shared, self.tokenizer = SharedBase(base), tokenizer
+        self.shared, self.tokenizer = SharedBase(base, slots=self.slots), tokenizer
         self.autocast = lambda: precision.autocast(self.device, dtype)
         torch.set_grad_enabled(True)
 
@@ -235,18 +235,23 @@ class SharedWorker:
     def run(self) -> None:
         from worker.multi.cycle import run_cycle
 
-        while self.residents:
-            self.fill()
-            live = [r for r in self.residents.values() if r.job is not None]
-            if not live:
-                break
-            failures = run_cycle(self.shared, [r.job for r in live], device=self.device, autocast=self.autocast)
-            INTERRUPT.clear()
-            for resident in live:
-                if resident.job_id in failures:
-                    self._fail(resident, failures[resident.job_id])
-                elif resident.reporter.lost or resident.job.done or resident.job.stopped:
-                    self._finish(resident)
+        try:
+            while self.residents:
+                self.fill()
+                live = [r for r in self.residents.values() if r.job is not None]
+                if not live:
+                    break
+                failures = run_cycle(self.shared, [r.job for r in live], device=self.device,
+                                     autocast=self.autocast)
+                INTERRUPT.clear()
+                for resident in live:
+                    if resident.job_id in failures:
+                        self._fail(resident, failures[resident.job_id])
+                    elif resident.reporter.lost or resident.job.done or resident.job.stopped:
+                        self._finish(resident)
+        finally:
+            if self.shared is not None:
+                self.shared.close()  # a vLLM engine: a later job in this process may start its own
 
 
 def run_shared(job_id: str, settings: Settings, *, owner: str | None = None, slots: int | None = None) -> str | None:

@@ -15,10 +15,6 @@ def refusal(spec: JobSpec) -> str | None:
         reasons.append("it fine-tunes every weight (lora: null)")
     elif spec.lora.base_quantization != "none":
         reasons.append("its base is quantised")
-    if spec.environment is not None:
-        reasons.append("it has a multi-turn environment")
-    if spec.rollout.engine != "hf":
-        reasons.append(f"its rollout engine is {spec.rollout.engine!r}")
     if spec.rollout.dtype != "auto":
         reasons.append("it samples in its own rollout.dtype")
     if spec.rollout.max_staleness:

@@ -39,6 +39,7 @@ through the chat template; with one, every observation is a chat turn.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,7 +54,8 @@ from worker.model.policy import Policy
 from worker.model.streams import stream_seed
 from worker.model.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
 
-__all__ = ["Rollout", "TokenSampler", "generate", "transformers_sampler", "encode_prompt"]
+__all__ = ["Rollout", "TokenSampler", "TurnRequest", "generate", "rollout_turns", "transformers_sampler",
+           "encode_prompt"]
 
 
 class TokenSampler(Protocol):
@@ -138,6 +140,16 @@ def transformers_sampler(policy: Policy, sampling: SamplingSpec, *, dtype: torch
     return sample
 
 
+@dataclass
+class TurnRequest:
+    """What one turn of a rollout asks its sampler for (a TokenSampler's arguments)."""
+
+    seqs: list[list[int]]
+    budgets: list[int]
+    greedy: bool
+    seeds: list[int] | None
+
+
 def generate(
     policy: Policy,
     rows: list[dict],
@@ -153,8 +165,32 @@ def generate(
 ) -> Rollout:
     """`seeds`: each row's environment reset seed; `sampling_seeds`: each row's sampling seed (see the module
     docstring; None: drawn from torch's global RNG)."""
-    tok = policy.tokenizer
     sampler = sampler or transformers_sampler(policy, sampling, dtype=policy.compute_dtype)
+    turns = rollout_turns(policy.tokenizer, rows, sampling, group_size=group_size, greedy=greedy,
+                          environment=environment, max_turns=max_turns, seeds=seeds, sampling_seeds=sampling_seeds)
+    try:
+        request = next(turns)
+        while True:
+            request = turns.send(sampler(request.seqs, request.budgets, greedy=request.greedy, seeds=request.seeds))
+    except StopIteration as done:
+        return done.value
+
+
+def rollout_turns(
+    tok,
+    rows: list[dict],
+    sampling: SamplingSpec,
+    *,
+    group_size: int,
+    greedy: bool = False,
+    environment: Environment | None = None,
+    max_turns: int = 1,
+    seeds: list[int] | None = None,
+    sampling_seeds: list[int] | None = None,
+) -> Generator[TurnRequest, tuple[list[list[int]], list[list[float]] | None], Rollout]:
+    """generate() as a generator driven by its caller: it yields each turn's TurnRequest, is sent the sampler's
+    answer, and returns the Rollout. The environment's reset, step and release calls run inside it, once each,
+    so a caller may sample several rollouts' turns together (worker/multi/rollout.py)."""
     copies = 1 if greedy else group_size
     if not greedy and sampling_seeds is None:
         sampling_seeds = torch.randint(0, 2**62, (len(rows),)).tolist()
@@ -193,7 +229,7 @@ def generate(
             break
         budgets = [min(sampling.max_output_tokens, sampling.max_model_len - len(ep.ids)) for ep in active]
         streams = None if greedy else [stream_seed("sample", sampling_seeds[ep.prompt], ep.copy, turn) for ep in active]
-        generated, logprobs = sampler([ep.ids for ep in active], budgets, greedy=greedy, seeds=streams)
+        generated, logprobs = yield TurnRequest([ep.ids for ep in active], budgets, greedy, streams)
         reported = logprobs is not None
         for j, (ep, new, budget) in enumerate(zip(active, generated, budgets)):
             ended = tok.eos_token_id in new[:budget]

@@ -74,35 +74,67 @@ def sleep_level(*, lora: bool) -> int:
     return 1 if lora else 2
 
 
+def start_llm(spec: JobSpec, *, max_model_len: int, sleep: bool, loras: int = 0, lora_rank: int = 0):
+    """A vLLM engine for `spec`'s model, with room for `loras` adapters of rank up to `lora_rank` (0: none)."""
+    _configure_vllm_process()
+    from vllm import LLM
+
+    cuda = torch.cuda.is_available()
+    kwargs: dict = dict(
+        model=spec.model,
+        dtype=_engine_dtype(spec, cuda),
+        max_model_len=max_model_len,
+        seed=spec.seed,
+        logprobs_mode="processed_logprobs",
+        enable_sleep_mode=sleep,
+        enforce_eager=not cuda,  # on CPU, compiling costs more than it saves for rollouts this size
+    )
+    if cuda:
+        kwargs["gpu_memory_utilization"] = spec.rollout.gpu_memory_utilization
+    if loras:
+        kwargs.update(enable_lora=True, max_loras=loras, max_lora_rank=vllm_lora_rank(lora_rank))
+    threads = torch.get_num_threads()
+    try:
+        llm = LLM(**kwargs)
+    except (ValueError, NotImplementedError) as e:  # vLLM's refusals of a configuration: they would repeat
+        raise EngineUnsupported(f"rollout.engine 'vllm' refused this job's model or settings: "
+                                f"{type(e).__name__}: {e}") from e
+    torch.set_num_threads(threads)  # vLLM drops the process to one thread for serving; the trainer needs them
+    return llm
+
+
+def sampling_params(s: SamplingSpec, budgets: list[int], *, greedy: bool, seeds: list[int]) -> list:
+    """One SamplingParams per sequence: the job's knobs, its budget, its stream seed as the request seed."""
+    from vllm import SamplingParams
+
+    knobs = dict(temperature=0.0) if greedy else dict(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
+    return [
+        SamplingParams(**knobs, repetition_penalty=s.repetition_penalty, max_tokens=budget, logprobs=0,
+                       min_tokens=min(s.min_output_tokens, budget),
+                       seed=None if greedy else seed % 2**31, detokenize=False)
+        for budget, seed in zip(budgets, seeds, strict=True)
+    ]
+
+
+def sampled(outputs) -> tuple[list[list[int]], list[list[float]]]:
+    """Each request's new ids and their sampling log-probs, in request order."""
+    ids, logprobs = [], []
+    for out in outputs:
+        sample = out.outputs[0]
+        ids.append(list(sample.token_ids))
+        logprobs.append([step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs, strict=True)])
+    return ids, logprobs
+
+
 class VLLMEngine:
     def __init__(self, spec: JobSpec, *, lora: bool):
-        _configure_vllm_process()
-        from vllm import LLM
-
         cuda = torch.cuda.is_available()
         self.sampling_spec = spec.sampling
         self.sleep_enabled = cuda and spec.rollout.sleep_mode
         self.sleep_level = sleep_level(lora=lora)
-        kwargs: dict = dict(
-            model=spec.model,
-            dtype=_engine_dtype(spec, cuda),
-            max_model_len=spec.sampling.max_model_len,
-            seed=spec.seed,
-            logprobs_mode="processed_logprobs",
-            enable_sleep_mode=self.sleep_enabled,
-            enforce_eager=not cuda,  # on CPU, compiling costs more than it saves for rollouts this size
-        )
-        if cuda:
-            kwargs["gpu_memory_utilization"] = spec.rollout.gpu_memory_utilization
-        if lora:
-            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(spec.lora.r))
-        threads = torch.get_num_threads()
-        try:
-            self.llm = LLM(**kwargs)
-        except (ValueError, NotImplementedError) as e:  # vLLM's refusals of a configuration: they would repeat
-            raise EngineUnsupported(f"rollout.engine 'vllm' refused this job's model or settings: "
-                                    f"{type(e).__name__}: {e}") from e
-        torch.set_num_threads(threads)  # vLLM drops the process to one thread for serving; the trainer needs them
+        self.llm = start_llm(spec, max_model_len=spec.sampling.max_model_len, sleep=self.sleep_enabled,
+                             loras=1 if lora else 0, lora_rank=spec.lora.r if lora else 0)
         self._adapters = Path(tempfile.mkdtemp(prefix="cispo-vllm-adapters-"))
         self._lora = None  # the LoRARequest now served
         self._next_lora_id = 1
@@ -160,30 +192,14 @@ class VLLMEngine:
         """One turn: new ids for each sequence (EOS included when it ended) and each id's sampling log-prob.
 
         `seeds`: each sequence's stream seed (worker/model/streams.py), used as its request seed."""
-        from vllm import SamplingParams
-
-        s = self.sampling_spec
-        knobs = dict(temperature=0.0) if greedy else dict(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
         # Per-sequence streams, as in our decode loop: a resumed run samples alike. Without them (a direct
         # call), request seeds come from the job's RNG (saved in checkpoints).
         if seeds is None:
             first = int(torch.randint(0, 2**31 - 1 - len(seqs), ()))
             seeds = [first + i for i in range(len(seqs))]
-        params = [
-            SamplingParams(**knobs, repetition_penalty=s.repetition_penalty, max_tokens=budget, logprobs=0,
-                           min_tokens=min(s.min_output_tokens, budget),
-                           seed=None if greedy else seed % 2**31, detokenize=False)
-            for budget, seed in zip(budgets, seeds, strict=True)
-        ]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in seqs], params,
-                                    lora_request=self._lora, use_tqdm=False)
-        ids, logprobs = [], []
-        for out in outputs:
-            sample = out.outputs[0]
-            ids.append(list(sample.token_ids))
-            logprobs.append([step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs, strict=True)])
-        return ids, logprobs
+        params = sampling_params(self.sampling_spec, budgets, greedy=greedy, seeds=seeds)
+        return sampled(self.llm.generate([{"prompt_token_ids": ids} for ids in seqs], params,
+                                         lora_request=self._lora, use_tqdm=False))
 
     # -- memory -----------------------------------------------------------------
 
