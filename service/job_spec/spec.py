@@ -309,13 +309,3 @@ class JobSpec(Strict):
                              "or rollout.engine to 'hf'")
         return self
 
-    @model_validator(mode="after")
-    def _asynchronous_scope(self) -> JobSpec:
-        # The sampler process (our decode loop or a vLLM engine, and an environment's episodes) runs beside the
-        # trainer, or beside rank 0 under FSDP (worker/trainer/rank_pipeline.py); the Ray driver's ranks have none.
-        if self.rollout.max_staleness > 0 and self.resources.on_ray:
-            raise ValueError(f"rollout.max_staleness ({self.rollout.max_staleness}) > 0 is not supported when the "
-                             f"job runs on Ray (resources.backend {self.resources.backend!r}, resources.nodes "
-                             f"{self.resources.nodes}; needs backend 'local' and nodes 1): set rollout.max_staleness "
-                             "to 0")
-        return self

@@ -221,6 +221,13 @@ class SamplerProcess:
     def pid(self) -> int | None:
         return self.process.pid
 
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def death(self) -> str:
+        """Why it is gone (once alive() is False)."""
+        return f"the sampler process exited with code {self.process.exitcode}"
+
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
         self.inbox.put(("version", version, state))
 

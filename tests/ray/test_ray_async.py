@@ -1,0 +1,107 @@
+"""Asynchronous rollouts (rollout.max_staleness 1) on a real two-node Ray cluster (no mocks): the sampler runs as
+a Ray actor of its own, fed each policy version through the object store; the job trains within the staleness
+bound and samples and ends as one process does; a cancel leaves no rank, sampler actor or sampler child running."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from service.settings import Settings
+from tests.ray.test_ray_driver import _gone, _rank_pids
+from tests.trainer.test_distributed import Recorder, async_job_spec
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+
+def _spec(toy_dir: Path, nodes: int = 2, **training):
+    spec = async_job_spec(toy_dir, "lora", **training)
+    return spec.model_copy(update={"resources": spec.resources.model_copy(update={"nodes": nodes})})
+
+
+def _sampler_pids() -> list[int]:
+    """This machine's sampler actors (Ray titles them ray::SamplerActor...) and the sampler children they host."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0]
+        except (OSError, ValueError):
+            continue
+        if title.startswith(b"ray::SamplerActor"):
+            pids.append(int(proc.name))
+            try:
+                pids += [c.pid for c in psutil.Process(int(proc.name)).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+    return pids
+
+
+class Watched(Recorder):
+    """Records the job's processes mid-job (ranks, queues, the sampler actor and its child)."""
+
+    pids: list[int] = []
+    samplers: list[int] = []
+
+    def on_step(self, step, metrics):
+        super().on_step(step, metrics)
+        self.pids, self.samplers = _rank_pids(), _sampler_pids()
+
+
+def test_an_async_two_node_job_trains_within_the_bound_as_one_process_does(toy_dir, tmp_path, two_roomy_nodes):
+    """2 ranks on 2 nodes and the sampler actor: every step's lag is within max_staleness 1 (batch j sampled by
+    version max(0, j - 1): 0, 1, 1), and the job samples what the one-process asynchronous job samples (equal
+    rewards and lengths each step: a version not relayed, or relayed late, would sample other completions from
+    step 3 on) and ends with its adapter (the bound of the FSDP tests)."""
+    from worker.ray_driver.driver import run_on_ray
+    from worker.trainer.loop import Trainer
+
+    calls = Watched()
+    result = run_on_ray(_spec(toy_dir), tmp_path / "ray", calls, settings=Settings(ray_address=two_roomy_nodes.address))
+    assert result.steps_done == 3 and not result.stopped
+    assert any(e.startswith("Started the sampler actor on Ray node") for e in calls.events)
+    metrics = [m for _, m in calls.steps]
+    assert [m["policy_lag_max"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert all(0 <= m["policy_lag_mean"] <= m["policy_lag_max"] <= 1 and m["stale_dropped"] == 0 for m in metrics)
+
+    one = Recorder()
+    single = Trainer(_spec(toy_dir, nodes=1), tmp_path / "one").run(one)
+    assert len(one.steps) == len(calls.steps) == 3
+    for (_, m2), (_, m1) in zip(calls.steps, one.steps):
+        assert (m2["reward_mean"], m2["completion_length_mean"]) == (m1["reward_mean"], m1["completion_length_mean"])
+        assert m2["policy_lag_max"] == m1["policy_lag_max"]
+        assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-6)
+    assert 0 < sum(m["reward_mean"] for _, m in one.steps) < 3  # rewards that vary: equal ones mean equal samples
+    ray_adapter = load_file(str(result.last_checkpoint / "adapter" / "adapter_model.safetensors"))
+    expected = load_file(str(single.last_checkpoint / "adapter" / "adapter_model.safetensors"))
+    assert ray_adapter.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(ray_adapter[name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+    assert len(calls.samplers) >= 2  # the actor and its child ran, and went with the job
+    assert _gone(calls.pids + calls.samplers)
+    assert ray.available_resources().get("CPU") == 4  # both placement groups removed
+
+
+def test_a_cancelled_async_job_leaves_no_actor_or_process(toy_dir, tmp_path, two_roomy_nodes):
+    """Cancel (or pause, drain) after step 1 of 4 with the next batches in flight: the job stops at the step
+    boundary with its checkpoint, and no rank, queue, sampler actor or sampler child is left."""
+    from worker.ray_driver.driver import run_on_ray
+
+    class CancelAfterFirstStep(Watched):
+        def should_stop(self):
+            return bool(self.steps)
+
+    calls = CancelAfterFirstStep()
+    result = run_on_ray(_spec(toy_dir, steps=4), tmp_path, calls,
+                        settings=Settings(ray_address=two_roomy_nodes.address))
+    assert result.stopped and result.steps_done == 1
+    assert [s for s, _ in calls.checkpoints] == [1]
+    assert len(calls.pids) >= 2 and len(calls.samplers) >= 2
+    assert _gone(calls.pids + calls.samplers)
+    assert ray.available_resources().get("CPU") == 4
+    assert _rank_pids() == [] and _sampler_pids() == []  # nor any started after the mid-job look
