@@ -42,6 +42,12 @@ def test_a_deployment_with_a_ray_cluster_takes_the_job(database_url, tmp_path):
         assert api.enqueued.ids == [r.json()["id"]]
         spec = api.client.post(JOBS, params={"dry_run": "true"}, json=_body(api, nodes=2)).json()["spec"]
         assert spec["resources"] == {"gpus": 1, "nodes": 2, "backend": "local"}
+        # asynchronous rollouts too: the sampler runs as a Ray actor of its own (worker/ray_driver/sampler_actor.py)
+        body = _body(api, nodes=2)
+        body["method"]["cispo"]["hyperparameters"]["rollout"] = {"max_staleness": 1}
+        r = api.client.post(JOBS, params={"dry_run": "true"}, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["spec"]["rollout"]["max_staleness"] == 1
 
 
 def test_a_worker_without_the_ray_package_refuses_the_job_naming_the_package():
