@@ -1,7 +1,8 @@
 """run_on_ray: the claiming worker drives a job's ranks on the Ray cluster and relays rank 0's callbacks.
 
-Order: reserve the gang (all nodes' GPUs at once, or GangUnavailable), start
-one actor per rank in it, read where they landed (layout.py), hand each its
+Order: reserve the gang (all nodes' GPUs at once, with an asynchronous job's
+sampler's own GPU, or GangUnavailable), start one actor per rank in it (and
+the sampler actor, whose handle rank 0 gets), read where they landed (layout.py), hand each its
 files and environment, then answer rank 0's requests as the torchrun
 launcher does (worker/torchrun/launch.py, same dispatch), writing each
 checkpoint rank 0 sends into run_dir before the callbacks upload it (fenced).
