@@ -98,24 +98,34 @@ def test_an_async_two_node_job_trains_within_the_bound_as_one_process_does(toy_d
     assert ray.available_resources().get("CPU") == 4  # both placement groups removed
 
 
-def test_a_cancelled_async_job_leaves_no_actor_or_process(toy_dir, tmp_path, two_roomy_nodes):
-    """Cancel (or pause, drain) after step 1 of 4 with the next batches in flight: the job stops at the step
-    boundary with its checkpoint, and no rank, queue, sampler actor or sampler child is left."""
-    from worker.ray_driver.driver import run_on_ray
+def test_a_cancelled_async_job_leaves_no_actor_or_process(postgres_url, toy_dir, tmp_path, two_roomy_nodes):
+    """Through the job runner (real PostgreSQL, the spec validated as at create): an asynchronous 2-node job is
+    cancelled after step 1 of 4 with the next batches in flight; it stops at the step boundary, its step records
+    the lag within the bound, and no rank, queue, sampler actor or sampler child is left, nor a placement group."""
+    from service.db.models import JobMetric
+    from service.db.session import session_factory
+    from service.repositories import jobs
+    from sqlalchemy import select
+    from tests.worker.test_job_runner import job_row, make_settings, run_in_thread, submit, wait_for_step
 
-    class CancelAfterFirstStep(Watched):
-        def should_stop(self):
-            return bool(self.steps)
-
-    calls = CancelAfterFirstStep()
-    result = run_on_ray(_spec(toy_dir, steps=4), tmp_path, calls,
-                        settings=Settings(ray_address=two_roomy_nodes.address))
-    assert result.stopped and result.steps_done == 1
-    assert [s for s, _ in calls.checkpoints] == [1]
-    assert len(calls.pids) >= 2 and len(calls.samplers) >= 2
-    assert _gone(calls.pids + calls.samplers)
-    assert ray.available_resources().get("CPU") == 4
-    assert _rank_pids() == [] and _sampler_pids() == []  # nor any started after the mid-job look
+    settings = make_settings(tmp_path, postgres_url).model_copy(update={"ray_address": two_roomy_nodes.address})
+    job_id = submit(settings, toy_dir, steps=4, resources={"nodes": 2}, rollout={"max_staleness": 1},
+                    batch_size=4, group_size=4, micro_batch_size=4, mini_batches=1, eval_max_rows=2)
+    thread, out = run_in_thread(settings, job_id)
+    wait_for_step(settings, job_id, 1, timeout=300)
+    pids, samplers = _rank_pids(), _sampler_pids()  # mid-job, the next batches in flight
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        jobs.request_cancel(s, jobs.get_for_worker(s, job_id))
+    thread.join(timeout=300)
+    assert out["status"] == "cancelled" and job_row(settings, job_id).steps_done < 4
+    assert len(pids) >= 2 and len(samplers) >= 2  # the ranks (and queues), the sampler actor and its child ran
+    assert _gone(pids + samplers)
+    assert _rank_pids() == [] and _sampler_pids() == []  # nor any started after the look
+    assert ray.available_resources().get("CPU") == 4  # both placement groups removed
+    with session_factory(settings.resolved_database_url())() as s:
+        lags = list(s.scalars(select(JobMetric.value).where(JobMetric.job_id == job_id,
+                                                            JobMetric.name == "policy_lag_max")))
+    assert lags and all(0 <= lag <= 1 for lag in lags)
 
 
 def test_an_async_vllm_job_samples_with_vllm_in_the_sampler_actor(vllm_toy_dir, tmp_path, two_roomy_nodes):
