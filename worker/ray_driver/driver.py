@@ -70,7 +70,7 @@ def run_on_ray(spec: JobSpec, run_dir: Path, callbacks, *, settings: Settings, s
         _event(callbacks, f"Started {len(actors)} rank(s) on {len({p['node'] for p in places})} Ray node(s)")
         watched = places  # a node that held one of them lost: NodeLost
         if sampler is not None:
-            watched = places + [ray.get(sampler.where.remote(), timeout=startup_timeout_s)]
+            watched = places + [{**ray.get(sampler.where.remote(), timeout=startup_timeout_s), "role": "the sampler"}]
             _event(callbacks, f"Started the sampler actor on Ray node {watched[-1]['node'][:12]}")
         # On rank 0's node: they live and die with it (and take no CPU from the gang).
         beside_rank0 = {"num_cpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, 0)}
@@ -177,7 +177,8 @@ def _death(places: list[dict], otherwise: Exception) -> Exception:
     while True:
         lost = [p for p in places if p["node"] not in cluster.alive_nodes()]
         if lost:
-            return NodeLost(f"the Ray node {lost[0]['node'][:12]} ({lost[0]['ip']}) that held a rank left the cluster")
+            return NodeLost(f"the Ray node {lost[0]['node'][:12]} ({lost[0]['ip']}) that held "
+                            f"{lost[0].get('role', 'a rank')} left the cluster")
         if time.monotonic() >= deadline:
             return otherwise
         time.sleep(1.0)
