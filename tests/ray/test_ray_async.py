@@ -4,6 +4,7 @@ bound and samples and ends as one process does; a cancel leaves no rank, sampler
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import psutil
@@ -126,6 +127,23 @@ def test_a_cancelled_async_job_leaves_no_actor_or_process(postgres_url, toy_dir,
         lags = list(s.scalars(select(JobMetric.value).where(JobMetric.job_id == job_id,
                                                             JobMetric.name == "policy_lag_max")))
     assert lags and all(0 <= lag <= 1 for lag in lags)
+
+
+def test_the_sampler_is_part_of_the_gang(toy_dir, tmp_path, two_roomy_nodes):
+    """2 nodes x 2 ranks take all four CPUs: the ranks' group alone would be granted, but not the sampler's, so
+    the job is GangUnavailable (the job runner waits it out using no attempt) and neither group is held."""
+    from worker.ray_driver.driver import run_on_ray
+    from worker.ray_driver.errors import GangUnavailable
+
+    spec = _spec(toy_dir)
+    spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"gpus": 2})})
+    with pytest.raises(GangUnavailable, match=r"2 node\(s\) x 2 CPU\(s\) and 1 CPU for the sampler"):
+        run_on_ray(spec, tmp_path, Recorder(), settings=Settings(ray_address=two_roomy_nodes.address,
+                                                                  ray_gang_timeout_s=5))
+    deadline = time.monotonic() + 30  # the ranks' group was granted: its removal takes the cluster a moment
+    while ray.available_resources().get("CPU") != 4:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.5)
 
 
 def test_an_async_vllm_job_samples_with_vllm_in_the_sampler_actor(vllm_toy_dir, tmp_path, two_roomy_nodes):
