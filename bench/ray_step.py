@@ -2,9 +2,13 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/ray_step.py [--steps 4] [--batch-size 4]
 
-Starts a real ray.cluster_utils.Cluster (one CPU per node), then runs the same
-LoRA job through the service's Ray driver (worker/ray_driver/) twice: nodes 1
-(one rank) and nodes 2 (two ranks, gloo between "machines"). Prints, per run,
+Starts a real ray.cluster_utils.Cluster (two CPUs per node), then runs the same
+LoRA job through the service's Ray driver (worker/ray_driver/) three times: nodes 1
+(one rank), nodes 2 (two ranks, gloo between "machines"), and nodes 2 with
+rollout.max_staleness 1 (the sampler as a Ray actor of its own, sent each
+version through the object store; its rollout wait is the trainer's time
+waiting for a batch, 0 when sampling hides behind the update; its version send
+is rank 0's ray.put of the adapter and the actor's enqueue, per step). Prints, per run,
 the median step time (rank 0's wall time between consecutive steps, so the
 first, with the model's load and sharding, is left out), the time rank 0
 spent blocked in torch.distributed collectives in those steps (FSDP2's
@@ -61,25 +65,37 @@ class _StepMarks:
 
     def request(self, kind, **fields):
         if kind == "step":
-            self.marks.append((time.perf_counter(), self.clock["s"], self.clock["calls"]))
+            self.marks.append((time.perf_counter(), self.clock["s"], self.clock["calls"], self.clock["publish_s"]))
         return self.channel.request(kind, **fields)
 
 
 class TimedRankActor(RankActor):
     """A rank that times its torch.distributed collectives; rank 0 reports them per step as an event."""
 
-    def _train(self, spec, resume, context, channel):
+    def _train(self, spec, resume, context, channel, sampler=None):
         import torch.distributed as dist
 
-        clock = {"s": 0.0, "calls": 0}
+        from worker.ray_driver import sampler_actor
+
+        clock = {"s": 0.0, "calls": 0, "publish_s": 0.0}
+        publish = sampler_actor.RaySampler.publish
+
+        def timed_publish(sampler, version, state):  # a version into the object store and the actor's inbox
+            start = time.perf_counter()
+            try:
+                return publish(sampler, version, state)
+            finally:
+                clock["publish_s"] += time.perf_counter() - start
+
+        sampler_actor.RaySampler.publish = timed_publish
         for name in [n for n in dir(dist) if any(w in n for w in COLLECTIVE_WORDS) and not n.startswith("_")]:
             original = getattr(dist, name)
             if callable(original) and not isinstance(original, type):
                 setattr(dist, name, _timed(original, clock))
         marks = _StepMarks(channel, clock) if channel is not None else None
-        result = super()._train(spec, resume, context, marks)
-        if marks is not None:  # between consecutive steps: the step's wall time, its collectives, their number
-            steps = [(b[0] - a[0], b[1] - a[1], b[2] - a[2]) for a, b in zip(marks.marks, marks.marks[1:])]
+        result = super()._train(spec, resume, context, marks, sampler)
+        if marks is not None:  # between consecutive steps: wall time, collectives, their number, version sends
+            steps = [(b[0] - a[0], b[1] - a[1], b[2] - a[2], b[3] - a[3]) for a, b in zip(marks.marks, marks.marks[1:])]
             channel.request("event", message=MARK + json.dumps(steps))
         return result
 
@@ -107,7 +123,7 @@ class Recorder:
     def should_stop(self): return False
 
 
-def run(cluster, toy_dir: Path, nodes: int, steps: int, batch_size: int) -> dict:
+def run(cluster, toy_dir: Path, nodes: int, steps: int, batch_size: int, max_staleness: int = 0) -> dict:
     from service.job_spec.spec import JobSpec
     from service.settings import Settings
     from worker.ray_driver import driver
@@ -116,6 +132,7 @@ def run(cluster, toy_dir: Path, nodes: int, steps: int, batch_size: int) -> dict
 
     raw = toy_spec(toy_dir)
     raw["resources"] = {"nodes": nodes, "gpus": 1, "backend": "ray"}
+    raw["rollout"] = {"max_staleness": max_staleness}
     raw["training"].update({"steps": steps, "batch_size": batch_size, "group_size": 4, "mini_batches": 1,
                             "micro_batch_size": 4, "eval_interval": 0, "checkpoint_interval": steps})
     spec = JobSpec.model_validate(raw)
@@ -135,8 +152,13 @@ def run(cluster, toy_dir: Path, nodes: int, steps: int, batch_size: int) -> dict
                           rank_actor=TimedRankActor)
     wall = time.perf_counter() - start
     steps = next(json.loads(e[len(MARK):]) for e in calls.events if e.startswith(MARK))  # steps 2.. (warm)
-    return {"nodes": nodes, "wall_s": wall, "step_s": statistics.median(s[0] for s in steps),
+    warm = calls.steps[1:]
+    return {"nodes": nodes, "max_staleness": max_staleness, "wall_s": wall,
+            "rollout_wait_s": statistics.median(m.get("rollout_wait_s", 0.0) for m in warm),
+            "lag_max": max((m.get("policy_lag_max", 0.0) for m in calls.steps), default=0.0),
+            "step_s": statistics.median(s[0] for s in steps),
             "collective_s": statistics.median(s[1] for s in steps), "calls": statistics.median(s[2] for s in steps),
+            "publish_s": statistics.median(s[3] for s in steps),
             "checkpoint_bytes": calls.checkpoints[-1] if calls.checkpoints else 0,
             "relay_write_s": relay[-1] if relay else 0.0}
 
@@ -156,26 +178,28 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    node = {"num_cpus": 1, "object_store_memory": 80 * 1024**2}
+    node = {"num_cpus": 2, "object_store_memory": 80 * 1024**2}  # a rank each, and room for the sampler actor
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     cluster.add_node(**node)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        rows = [run(cluster, args.toy_dir, nodes, args.steps, args.batch_size) for nodes in (1, 2)]
+        rows = [run(cluster, args.toy_dir, nodes, args.steps, args.batch_size, staleness)
+                for nodes, staleness in ((1, 0), (2, 0), (2, 1))]
     finally:
         ray.shutdown()
         cluster.shutdown()
     one = rows[0]
-    print(f"toy LoRA job, {args.steps} steps, batch {args.batch_size} x group 4, one CPU per node; "
+    print(f"toy LoRA job, {args.steps} steps, batch {args.batch_size} x group 4, one CPU per rank; "
           f"load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print("| nodes | step s (median) | vs 1 node | collectives s/step | share of step | calls/step "
-          "| checkpoint MB | relay write s | wall s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| nodes | max_staleness | step s (median) | vs 1 node | collectives s/step | share of step | calls/step "
+          "| version send s/step | rollout wait s | lag max | checkpoint MB | relay write s | wall s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['nodes']} | {r['step_s']:.2f} | {r['step_s'] / one['step_s']:.2f}x | {r['collective_s']:.3f} | "
-              f"{r['collective_s'] / r['step_s']:.0%} | {r['calls']:.0f} | {r['checkpoint_bytes'] / 1e6:.2f} | "
-              f"{r['relay_write_s']:.3f} | {r['wall_s']:.0f} |")
+        print(f"| {r['nodes']} | {r['max_staleness']} | {r['step_s']:.2f} | {r['step_s'] / one['step_s']:.2f}x | "
+              f"{r['collective_s']:.3f} | {r['collective_s'] / r['step_s']:.0%} | {r['calls']:.0f} | "
+              f"{r['publish_s']:.3f} | {r['rollout_wait_s']:.2f} | {r['lag_max']:.0f} | "
+              f"{r['checkpoint_bytes'] / 1e6:.2f} | {r['relay_write_s']:.3f} | {r['wall_s']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -301,21 +301,19 @@ class JobSpec(Strict):
     @model_validator(mode="after")
     def _vllm_in_one_process(self) -> JobSpec:
         # The in-process vLLM engine would be handed each rank's FSDP shards and meet the trainer's process
-        # group; it needs GPUs of its own (a separate sampler), which the service does not give it yet.
-        if self.rollout.engine == "vllm" and (self.resources.processes > 1 or self.resources.on_ray):
+        # group; it needs a process of its own: on Ray the sampler actor of asynchronous rollouts
+        # (worker/ray_driver/sampler_actor.py), which a synchronous job does not start.
+        if self.rollout.engine != "vllm":
+            return self
+        if self.resources.on_ray:
+            if self.rollout.max_staleness == 0:
+                raise ValueError(f"rollout.engine 'vllm' on Ray (resources.nodes {self.resources.nodes}, backend "
+                                 f"{self.resources.backend!r}) runs in the sampler actor of asynchronous rollouts, "
+                                 "but rollout.max_staleness is 0: set rollout.max_staleness to 1 or more, or "
+                                 "rollout.engine to 'hf'")
+        elif self.resources.processes > 1:
             raise ValueError(f"rollout.engine 'vllm' runs in one training process, but resources.gpus is "
-                             f"{self.resources.gpus} (nodes {self.resources.nodes}, backend "
-                             f"{self.resources.backend!r}): set resources.gpus and nodes to 1 and backend 'local', "
-                             "or rollout.engine to 'hf'")
+                             f"{self.resources.gpus}: set resources.gpus to 1 (or run on Ray with "
+                             "rollout.max_staleness 1 or more), or rollout.engine to 'hf'")
         return self
 
-    @model_validator(mode="after")
-    def _asynchronous_scope(self) -> JobSpec:
-        # The sampler process (our decode loop or a vLLM engine, and an environment's episodes) runs beside the
-        # trainer, or beside rank 0 under FSDP (worker/trainer/rank_pipeline.py); the Ray driver's ranks have none.
-        if self.rollout.max_staleness > 0 and self.resources.on_ray:
-            raise ValueError(f"rollout.max_staleness ({self.rollout.max_staleness}) > 0 is not supported when the "
-                             f"job runs on Ray (resources.backend {self.resources.backend!r}, resources.nodes "
-                             f"{self.resources.nodes}; needs backend 'local' and nodes 1): set rollout.max_staleness "
-                             "to 0")
-        return self

@@ -42,6 +42,12 @@ def test_a_deployment_with_a_ray_cluster_takes_the_job(database_url, tmp_path):
         assert api.enqueued.ids == [r.json()["id"]]
         spec = api.client.post(JOBS, params={"dry_run": "true"}, json=_body(api, nodes=2)).json()["spec"]
         assert spec["resources"] == {"gpus": 1, "nodes": 2, "backend": "local"}
+        # asynchronous rollouts too: the sampler runs as a Ray actor of its own (worker/ray_driver/sampler_actor.py)
+        body = _body(api, nodes=2)
+        body["method"]["cispo"]["hyperparameters"]["rollout"] = {"max_staleness": 1}
+        r = api.client.post(JOBS, params={"dry_run": "true"}, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["spec"]["rollout"]["max_staleness"] == 1
 
 
 def test_a_worker_without_the_ray_package_refuses_the_job_naming_the_package():
@@ -59,8 +65,21 @@ def test_the_world_size_is_nodes_times_gpus():
     assert spec.resources.processes == 4 and spec.resources.on_ray
     with pytest.raises(ValidationError, match=r"resources.nodes x resources.gpus \(4\) must divide"):
         JobSpec.model_validate({**_toy_spec(batch_size=2), "resources": {"nodes": 2, "gpus": 2}})
-    with pytest.raises(ValidationError, match="rollout.engine 'vllm'"):
-        JobSpec.model_validate({**_toy_spec(), "rollout": {"engine": "vllm"}, "resources": {"backend": "ray"}})
+
+
+def test_vllm_on_ray_runs_in_the_sampler_actor_of_asynchronous_rollouts():
+    """vLLM on Ray samples in the sampler actor (worker/ray_driver/sampler_actor.py), which only an asynchronous
+    job starts: a synchronous one is refused naming rollout.max_staleness."""
+    for resources in ({"backend": "ray"}, {"nodes": 2}):
+        with pytest.raises(ValidationError, match="rollout.max_staleness is 0: set rollout.max_staleness to 1"):
+            JobSpec.model_validate({**_toy_spec(), "rollout": {"engine": "vllm"}, "resources": resources})
+        spec = JobSpec.model_validate({**_toy_spec(), "rollout": {"engine": "vllm", "max_staleness": 1},
+                                       "resources": resources})
+        assert spec.rollout.engine == "vllm" and spec.resources.on_ray
+    # On one node, FSDP ranks still have no vLLM of their own (the sampler process is not given it there).
+    with pytest.raises(ValidationError, match="rollout.engine 'vllm' runs in one training process"):
+        JobSpec.model_validate({**_toy_spec(), "rollout": {"engine": "vllm", "max_staleness": 1},
+                                "resources": {"gpus": 2}})
 
 
 def _toy_spec(batch_size: int = 4) -> dict:

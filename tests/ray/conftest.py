@@ -15,14 +15,24 @@ NODE = {"num_cpus": 1, "object_store_memory": 80 * 1024**2}
 @pytest.fixture(scope="module")
 def two_nodes():
     """The cluster (head + one worker node), with this process connected to it as a driver."""
+    yield from _cluster(NODE)
+
+
+@pytest.fixture(scope="module")
+def two_roomy_nodes():
+    """two_nodes with two CPUs each: room for an asynchronous job's sampler actor beside its two ranks."""
+    yield from _cluster({**NODE, "num_cpus": 2})
+
+
+def _cluster(node: dict):
     ray = pytest.importorskip("ray")  # here, not at import: a conftest cannot skip itself
     from ray.cluster_utils import Cluster
 
     # The nodes' worker processes import this checkout, one thread each (the machine is small).
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
-    cluster.add_node(**NODE)
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    cluster.add_node(**node)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="cispo", log_to_driver=False)
     try:

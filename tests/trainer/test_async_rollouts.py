@@ -122,17 +122,15 @@ def test_a_batch_is_shared_out_by_whole_groups_with_its_errors_once():
     assert batch_share(batch, 0, 1) is batch
 
 
-def test_spec_defaults_to_synchronous_and_refuses_async_on_ray(toy_dir):
+def test_spec_defaults_to_synchronous_and_takes_async_on_ray(toy_dir):
     assert JobSpec.model_validate(toy_spec(toy_dir)).rollout.max_staleness == 0
     base = toy_spec(toy_dir)
-    for resources, match in (({"backend": "ray"}, "resources.backend 'ray'"), ({"nodes": 2}, "resources.nodes 2")):
-        with pytest.raises(ValidationError, match="rollout.max_staleness") as info:
-            JobSpec.model_validate({**base, "rollout": {"max_staleness": 1}, "resources": resources})
-        assert match in str(info.value)
-    # FSDP (rank 0 runs the sampler: worker/trainer/rank_pipeline.py) and vLLM (in the sampler process) are taken.
-    for rollout, resources in (({"max_staleness": 1}, {"gpus": 2}), ({"max_staleness": 1, "engine": "vllm"}, {})):
+    # FSDP (rank 0 runs the sampler: worker/trainer/rank_pipeline.py), vLLM (in the sampler process) and Ray (the
+    # sampler as a Ray actor of its own: worker/ray_driver/sampler_actor.py) are taken.
+    for rollout, resources in (({"max_staleness": 1}, {"gpus": 2}), ({"max_staleness": 1, "engine": "vllm"}, {}),
+                               ({"max_staleness": 1}, {"backend": "ray"}), ({"max_staleness": 2}, {"nodes": 2})):
         spec = JobSpec.model_validate({**base, "rollout": rollout, "resources": resources})
-        assert spec.rollout.max_staleness == 1
+        assert spec.rollout.max_staleness == rollout["max_staleness"]
     with pytest.raises(ValidationError):
         JobSpec.model_validate({**base, "rollout": {"max_staleness": -1}})
 

@@ -34,29 +34,33 @@ def bundles(nodes: int, per_node: int, gpus: bool) -> list[dict[str, float]]:
     return [{"CPU": float(per_node), **({"GPU": float(per_node)} if gpus else {})} for _ in range(nodes)]
 
 
-def reserve(nodes: int, per_node: int, gpus: bool, timeout_s: float, name: str, should_stop=lambda: False):
-    """The job's placement group, granted whole (gang) within timeout_s, or GangUnavailable (nothing held);
+def reserve(nodes: int, per_node: int, gpus: bool, timeout_s: float, name: str, should_stop=lambda: False,
+            sampler: bool = False) -> list | None:
+    """The job's placement groups, all granted (gang) within timeout_s, or GangUnavailable (nothing held): the
+    ranks' (one bundle per node), then with `sampler` the sampler actor's own (one GPU, or one CPU, on any node:
+    a group of its own because the ranks' STRICT_SPREAD would want a further node for it).
     None when `should_stop` says so first (a cancel, pause or drain while the job waits for its nodes)."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
 
-    wanted = bundles(nodes, per_node, gpus)
-    group = placement_group(wanted, strategy="STRICT_SPREAD" if nodes > 1 else "STRICT_PACK", name=name)
-    ready, deadline = group.ready(), time.monotonic() + timeout_s
+    groups = [placement_group(bundles(nodes, per_node, gpus), strategy="STRICT_SPREAD" if nodes > 1 else
+                              "STRICT_PACK", name=name)]
+    if sampler:
+        groups.append(placement_group(bundles(1, 1, gpus), strategy="STRICT_PACK", name=f"{name}-sampler"))
+    ready, deadline = [g.ready() for g in groups], time.monotonic() + timeout_s
     while True:
-        try:
-            ray.get(ready, timeout=min(1.0, max(0.01, deadline - time.monotonic())))
-            return group
-        except ray.exceptions.GetTimeoutError:
-            pass
+        done, _ = ray.wait(ready, num_returns=len(ready), timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+        if len(done) == len(ready):
+            return groups
         if should_stop():
-            remove_placement_group(group)
+            release(groups, [])
             return None
         if time.monotonic() >= deadline:
-            remove_placement_group(group)
+            release(groups, [])
             unit = "GPU" if gpus else "CPU"
-            raise GangUnavailable(f"the Ray cluster did not grant {nodes} node(s) x {per_node} {unit}(s) at once "
-                                  f"within {timeout_s:.0f} s (it has {_free()})")
+            also = f" and 1 {unit} for the sampler" if sampler else ""
+            raise GangUnavailable(f"the Ray cluster did not grant {nodes} node(s) x {per_node} {unit}(s){also} at "
+                                  f"once within {timeout_s:.0f} s (it has {_free()})")
 
 
 def _free() -> str:
@@ -72,8 +76,9 @@ def alive_nodes() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
-def release(group, actors: list, others: list = ()) -> None:
-    """Kill every rank actor (and helpers such as the channel's queues), then free the placement group."""
+def release(groups: list, actors: list, others: list = ()) -> None:
+    """Kill every actor (ranks, the sampler, helpers such as the channel's queues), then free the placement
+    groups."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -82,7 +87,7 @@ def release(group, actors: list, others: list = ()) -> None:
             ray.kill(actor, no_restart=True)
         except Exception:  # already dead
             log.debug("actor already gone", exc_info=True)
-    if group is not None:
+    for group in groups:
         try:
             remove_placement_group(group)
         except Exception:

@@ -1,7 +1,8 @@
 """run_on_ray: the claiming worker drives a job's ranks on the Ray cluster and relays rank 0's callbacks.
 
-Order: reserve the gang (all nodes' GPUs at once, or GangUnavailable), start
-one actor per rank in it, read where they landed (layout.py), hand each its
+Order: reserve the gang (all nodes' GPUs at once, with an asynchronous job's
+sampler's own GPU, or GangUnavailable), start one actor per rank in it (and
+the sampler actor, whose handle rank 0 gets), read where they landed (layout.py), hand each its
 files and environment, then answer rank 0's requests as the torchrun
 launcher does (worker/torchrun/launch.py, same dispatch), writing each
 checkpoint rank 0 sends into run_dir before the callbacks upload it (fenced).
@@ -25,6 +26,7 @@ from worker.ray_driver.errors import NodeLost
 from worker.ray_driver.files import pack, unpack_dir
 from worker.ray_driver.layout import rank_envs
 from worker.ray_driver.rank_actor import RUN, QueueChannel, RankActor
+from worker.ray_driver.sampler_actor import SamplerActor
 from worker.rewards.engine import ScoringContext
 
 log = logging.getLogger(__name__)
@@ -46,22 +48,30 @@ def run_on_ray(spec: JobSpec, run_dir: Path, callbacks, *, settings: Settings, s
     res = spec.resources
     cluster.connect(settings.ray_address)
     gpus = cluster.uses_gpus()
-    _event(callbacks, f"Waiting for {res.nodes} Ray node(s) x {res.gpus} {'GPU' if gpus else 'CPU'}(s)")
-    group = cluster.reserve(res.nodes, res.gpus, gpus, settings.ray_gang_timeout_s, name=f"cispo-{job_name}",
-                            should_stop=callbacks.should_stop)
-    if group is None:  # stopped while waiting for its nodes: nothing ran, the job keeps its newest checkpoint
+    asynchronous = spec.rollout.max_staleness > 0  # the sampler runs as an actor of its own (sampler_actor.py)
+    _event(callbacks, f"Waiting for {res.nodes} Ray node(s) x {res.gpus} {'GPU' if gpus else 'CPU'}(s)"
+           + (" and the sampler's" if asynchronous else ""))
+    groups = cluster.reserve(res.nodes, res.gpus, gpus, settings.ray_gang_timeout_s, name=f"cispo-{job_name}",
+                             should_stop=callbacks.should_stop, sampler=asynchronous)
+    if groups is None:  # stopped while waiting for its nodes: nothing ran, the job keeps its newest checkpoint
         return TrainResult(0, True, None, None, None)
-    actors, queues = [], []
+    group = groups[0]
+    actors, queues, sampler = [], [], None
     try:
         remote = ray.remote(rank_actor)
         for node in range(res.nodes):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=node)
             actors += [remote.options(num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy=strategy,
                                       max_restarts=0).remote() for _ in range(res.gpus)]
+        sampler = _start_sampler(groups[1], gpus) if asynchronous else None
         places = ray.get([a.where.remote() for a in actors], timeout=startup_timeout_s)
         port = ray.get(actors[0].free_port.remote(), timeout=startup_timeout_s)
         envs = rank_envs(places, port)
         _event(callbacks, f"Started {len(actors)} rank(s) on {len({p['node'] for p in places})} Ray node(s)")
+        watched = places  # a node that held one of them lost: NodeLost
+        if sampler is not None:
+            watched = places + [{**ray.get(sampler.where.remote(), timeout=startup_timeout_s), "role": "the sampler"}]
+            _event(callbacks, f"Started the sampler actor on Ray node {watched[-1]['node'][:12]}")
         # On rank 0's node: they live and die with it (and take no CPU from the gang).
         beside_rank0 = {"num_cpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, 0)}
         queues = [Queue(actor_options=beside_rank0), Queue(actor_options=beside_rank0)]
@@ -69,12 +79,24 @@ def run_on_ray(spec: JobSpec, run_dir: Path, callbacks, *, settings: Settings, s
         files = ray.put(pack(_shipped(spec, run_dir, resume)))
         shipped = _relative(spec).model_dump_json()
         runs = [a.run.remote(shipped, files, env, resume, _context(scoring) if i == 0 else None,
-                             channel if i == 0 else None) for i, (a, env) in enumerate(zip(actors, envs))]
-        result = _serve(runs, places, queues, callbacks, run_dir, stop_grace_s)
+                             channel if i == 0 else None, sampler if i == 0 else None)
+                for i, (a, env) in enumerate(zip(actors, envs))]
+        result = _serve(runs, watched, queues, callbacks, run_dir, stop_grace_s)
         last = run_dir / "checkpoints" / result["last_checkpoint"] if result["last_checkpoint"] else None
         return TrainResult(result["steps_done"], result["stopped"], last, result["first_eval"], result["last_eval"])
     finally:
-        cluster.release(group, actors, [q.actor for q in queues])
+        cluster.release(groups, actors, [q.actor for q in queues] + ([sampler] if sampler is not None else []))
+
+
+def _start_sampler(group, gpus: bool):
+    """The sampler actor in its own placement group: one GPU (or one CPU), its child decoding on that CPU."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    # Threaded: rank 0's scoring thread blocks in receive while its trainer thread publishes versions.
+    return ray.remote(SamplerActor).options(
+        num_cpus=1, num_gpus=1 if gpus else 0, max_restarts=0, max_concurrency=4,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)).remote(threads=1)
 
 
 def _shipped(spec: JobSpec, run_dir: Path, resume: bool) -> dict[str, Path]:
@@ -155,7 +177,8 @@ def _death(places: list[dict], otherwise: Exception) -> Exception:
     while True:
         lost = [p for p in places if p["node"] not in cluster.alive_nodes()]
         if lost:
-            return NodeLost(f"the Ray node {lost[0]['node'][:12]} ({lost[0]['ip']}) that held a rank left the cluster")
+            return NodeLost(f"the Ray node {lost[0]['node'][:12]} ({lost[0]['ip']}) that held "
+                            f"{lost[0].get('role', 'a rank')} left the cluster")
         if time.monotonic() >= deadline:
             return otherwise
         time.sleep(1.0)

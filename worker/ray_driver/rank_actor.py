@@ -15,10 +15,12 @@ import shutil
 import socket
 import tempfile
 import traceback
+from functools import partial
 from pathlib import Path
 
 from worker.torchrun.rank import RankCallbacks
 from worker.ray_driver.files import pack, unpack
+from worker.ray_driver.sampler_actor import RaySampler
 
 RUN = "run"  # the rank's run directory, under its root
 
@@ -64,18 +66,19 @@ class RankActor:
             return s.getsockname()[1]
 
     def run(self, spec_json: str, files: dict[str, bytes], env: dict[str, str], resume: bool,
-            context: dict | None, channel: QueueChannel | None) -> dict:
-        """Train as this rank; returns rank 0's result (others: {}) or the error, as data ({"error": ...})."""
+            context: dict | None, channel: QueueChannel | None, sampler=None) -> dict:
+        """Train as this rank; returns rank 0's result (others: {}) or the error, as data ({"error": ...}).
+        `sampler`: rank 0's, the handle of the job's sampler actor (asynchronous rollouts: sampler_actor.py)."""
         os.environ.update(env)
         try:
             unpack(files, self.root)
-            return self._train(localize(spec_json, self.root), resume, context, channel)
+            return self._train(localize(spec_json, self.root), resume, context, channel, sampler)
         except Exception as e:
             return {"error": type(e).__name__, "message": str(e), "trace": traceback.format_exc()[-3000:]}
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def _train(self, spec, resume: bool, context: dict | None, channel: QueueChannel | None) -> dict:
+    def _train(self, spec, resume: bool, context: dict | None, channel: QueueChannel | None, sampler) -> dict:
         import torch.distributed as dist
 
         from worker.distributed import group
@@ -88,7 +91,11 @@ class RankActor:
             from worker.trainer.loop import Trainer  # after the group exists: the Trainer shards the model
 
             callbacks = RayRankCallbacks(channel if group.rank() == 0 else None)
-            trainer = Trainer(spec, self.root / RUN, scoring=scoring, resume=resume, progress=callbacks.event)
+            host = partial(RaySampler, sampler) if sampler is not None and group.rank() == 0 else None
+            # vLLM samples the training batches in the sampler actor only: an engine in the ranks would be handed
+            # FSDP shards and meet their process group, so their evaluations and pre-flight use our decode loop.
+            trainer = Trainer(spec, self.root / RUN, scoring=scoring, resume=resume, progress=callbacks.event,
+                              sampler_host=host, own_engine="hf" if spec.rollout.engine == "vllm" else None)
             if trainer.step:
                 callbacks.event(f"Resumed from the checkpoint at step {trainer.step} with {group.world_size()} "
                                 "processes on Ray")

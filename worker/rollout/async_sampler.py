@@ -22,6 +22,9 @@ the child holds version j - max_staleness or newer (the wait is
 update_wait_s: the sampler idle for want of weights), so no batch is ever
 produced more than max_staleness versions behind the step that trains it.
 
+On the Ray backend the same child is started by the job's sampler actor
+(worker/ray_driver/sampler_actor.py) rather than by the trainer's rank 0.
+
 The child exits on "stop", when its parent process is gone (checked every
 second while idle), or after reporting an error. `SamplerProcess.close()`
 stops and joins it on every exit path of the trainer, killing it if it does
@@ -220,6 +223,13 @@ class SamplerProcess:
     @property
     def pid(self) -> int | None:
         return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def death(self) -> str:
+        """Why it is gone (once alive() is False)."""
+        return f"the sampler process exited with code {self.process.exitcode}"
 
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
         self.inbox.put(("version", version, state))

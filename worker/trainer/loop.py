@@ -99,16 +99,23 @@ class Trainer:
 
     def __init__(self, spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None, resume: bool = True,
                  scoring: ScoringContext | None = None, environment: Environment | None = None,
-                 engine: RolloutEngine | None = None, progress=None):
+                 engine: RolloutEngine | None = None, progress=None, sampler_host=None,
+                 own_engine: str | None = None):
         """`reward_fn` / `environment`: trusted in-process stand-ins for the spec's reward or environment.
 
         `engine`: a rollout engine to use instead of the spec's own (tests share one vLLM engine); the caller
         keeps ownership of it. `progress(message)`: told what the slow parts of starting are doing (loading the
-        model, starting the engine), so a job shows more than 0% before its first step."""
+        model, starting the engine), so a job shows more than 0% before its first step. `sampler_host`: where
+        rank 0 runs the asynchronous sampler (worker/trainer/pipeline.py; the Ray driver's actor), None: a child.
+        `own_engine`: the engine of this trainer's own rollouts (evaluations, pre-flight) when not the job's: 'hf'
+        on the Ray ranks of a vLLM job, whose training batches the sampler actor's vLLM makes."""
         say = progress or (lambda message: None)
+        own = spec if own_engine is None else \
+            spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": own_engine})})
         if engine is None:
-            refuse_unavailable_engine(spec)  # before any sandboxed child starts
+            refuse_unavailable_engine(own)  # before any sandboxed child starts
         self.spec, self.output_dir, self.scoring = spec, Path(output_dir), scoring
+        self.sampler_host = sampler_host
         self.checkpoint_root = self.output_dir / "checkpoints"
         seed_everything(spec.seed)
         self.callbacks: Callbacks = NoCallbacks()
@@ -157,8 +164,8 @@ class Trainer:
         self.updater = Updater(self.policy, self.optimizer, spec)
         generates = self.scorer is not None or self.environment is not None  # an SFT job without a reward never samples
         if engine is None and generates:
-            say(f"Starting the rollout engine ({spec.rollout.engine})")
-        self.engine: RolloutEngine | None = engine or (make_engine(spec, self.policy) if generates else None)
+            say(f"Starting the rollout engine ({own.rollout.engine})")
+        self.engine: RolloutEngine | None = engine or (make_engine(own, self.policy) if generates else None)
         self._owns_engine = engine is None
         self.pipeline: RankPipeline | None = None  # rollout.max_staleness > 0, while run() runs
         self.last_checkpoint: Path | None = resumed.path if resumed else None
@@ -430,7 +437,7 @@ class Trainer:
                 if self.scorer is not None:  # the scoring thread and evaluations share it
                     self.scorer = SerialScorer(self.scorer)
                 self.pipeline = RankPipeline(self.spec, self.policy.model, step=self.step, scorer=self.scorer,
-                                             draw=self._draw, scoring=self.scoring)
+                                             draw=self._draw, scoring=self.scoring, sampler_host=self.sampler_host)
             return self._run(callbacks)
         finally:
             self.close()

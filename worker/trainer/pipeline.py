@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -39,6 +39,9 @@ DEAD_GRACE_S = 5.0  # after the sampler died, how long take() leaves the scoring
 
 # draw(step) -> (rows, sampling seeds, the data sampler's state before drawing them)
 Draw = Callable[[int], tuple[list[dict], list[int], dict]]
+# host(spec, version=, state=, egress=, secrets=) -> a sampler with SamplerProcess's methods (publish, request,
+# receive, alive, death, close, pid), running elsewhere on cores of its own (the Ray sampler actor)
+SamplerHost = Callable[..., Any]
 
 
 @dataclass
@@ -68,21 +71,24 @@ class SerialScorer:
 
 class RolloutPipeline:
     def __init__(self, spec: JobSpec, state: dict[str, torch.Tensor], *, step: int, scorer: Scorer | None,
-                 draw: Draw, scoring: ScoringContext | None = None):
+                 draw: Draw, scoring: ScoringContext | None = None, sampler_host: SamplerHost | None = None):
         """`state`: the trainable tensors after `step` steps (worker/rollout/policy_versions.py); `scorer` None:
         an environment job (its episodes' rewards come with the rollout); `scoring`: the egress policy and
-        secrets the sampler's instance of the environment gets."""
+        secrets the sampler's instance of the environment gets; `sampler_host`: where the sampler runs (None: a
+        child process of this one)."""
         self.spec = spec
         self.max_staleness, self.steps = spec.rollout.max_staleness, spec.training.steps
         self.failure_score = spec.training.reward_failure_score
         self.scorer, self.draw = scorer, draw
-        # The trainer and the sampler each on cores of their own; close() gives the trainer all of them back.
         self._threads = torch.get_num_threads()
-        trainer_threads, sampler_threads = split_threads(self._threads)
-        self.sampler = SamplerProcess(spec, version=step, state=state, threads=sampler_threads,
-                                      egress=scoring.egress if scoring else None,
-                                      secrets=scoring.secrets if scoring else None)
-        torch.set_num_threads(trainer_threads)
+        access = {"egress": scoring.egress if scoring else None, "secrets": scoring.secrets if scoring else None}
+        if sampler_host is None:
+            # The trainer and the sampler each on cores of their own; close() gives the trainer all of them back.
+            trainer_threads, sampler_threads = split_threads(self._threads)
+            self.sampler = SamplerProcess(spec, version=step, state=state, threads=sampler_threads, **access)
+            torch.set_num_threads(trainer_threads)
+        else:  # elsewhere, on its own cores: the trainer keeps all of this process's
+            self.sampler = sampler_host(spec, version=step, state=state, **access)
         self._next_request = step
         self._data_states: dict[int, dict] = {}  # requested, not yet taken: the data position before each
         self._ready: dict[int, ScoredBatch] = {}
@@ -118,11 +124,11 @@ class RolloutPipeline:
             while step not in self._ready and self._error is None:
                 self._changed.wait(timeout=1.0)
                 # The scoring thread reports a dead sampler; should it hang on a message cut short, this does.
-                if self.sampler.process.is_alive():
+                if self.sampler.alive():
                     continue
                 dead_since = dead_since or time.monotonic()
                 if time.monotonic() - dead_since > DEAD_GRACE_S:
-                    raise SamplerDied(f"the sampler process exited with code {self.sampler.process.exitcode}")
+                    raise SamplerDied(self.sampler.death())
             if step not in self._ready:
                 raise self._error
             batch = self._ready.pop(step)

@@ -28,18 +28,19 @@ from worker.distributed import group
 from worker.rewards.engine import ScoringContext
 from worker.rollout.policy_versions import gathered_trainable_state
 from worker.trainer.feedback import Feedback
-from worker.trainer.pipeline import Draw, RolloutPipeline, ScoredBatch
+from worker.trainer.pipeline import Draw, RolloutPipeline, SamplerHost, ScoredBatch
 from worker.trainer.rewards import Scorer, Scores
 
 
 class RankPipeline:
     def __init__(self, spec: JobSpec, model: torch.nn.Module, *, step: int, scorer: Scorer | None, draw: Draw,
-                 scoring: ScoringContext | None = None):
-        """Every rank constructs it together (the weights are gathered); `draw` and `scorer` serve rank 0 only."""
+                 scoring: ScoringContext | None = None, sampler_host: SamplerHost | None = None):
+        """Every rank constructs it together (the weights are gathered); `draw`, `scorer` and `sampler_host` (where
+        the sampler runs: a Ray actor on that backend, else rank 0's child process) serve rank 0 only."""
         self.rank, self.world = group.rank(), group.world_size()
         state = gathered_trainable_state(model)
-        self.pipeline = RolloutPipeline(spec, state, step=step, scorer=scorer, draw=draw, scoring=scoring) \
-            if self.rank == 0 else None
+        self.pipeline = RolloutPipeline(spec, state, step=step, scorer=scorer, draw=draw, scoring=scoring,
+                                        sampler_host=sampler_host) if self.rank == 0 else None
 
     def take(self, step: int) -> ScoredBatch:
         """This rank's share of step `step`'s scored batch (collective)."""
