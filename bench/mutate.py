@@ -40,13 +40,41 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
                    []),
     # SQLite only (no PostgreSQL, no broker, no training run): the fenced writes, the tenant filters and the state
     # machine, through the repositories themselves and through the API routes that use them.
-    # Not yet configured: the rest of service/repositories/ (webhooks, evals, fleet, projects, ...: 790 mutants).
     "repositories": (["service/repositories/jobs.py", "service/repositories/job_outputs.py",
                       "service/repositories/job_history.py", "service/repositories/pagination.py"],
                      ["tests/service/test_lease_fence.py", "tests/service/test_job_history.py",
                       "tests/service/test_job_states.py", "tests/service/test_job_reads.py",
                       "tests/service/test_job_outputs_repository.py", "tests/service/test_pagination.py",
                       "tests/api/test_isolation.py", "tests/api/test_jobs_lifecycle.py", "-k", "not postgresql"], []),
+    # The rest of service/repositories/, in three groups by the tests that judge them (SQLite only, like the above):
+    # the project-scoped resources and keys, the queue and its broker messages and operator reads, and the registries
+    # and the job's evidence. Each repository's own tests sit in tests/service/test_<name>_repository.py.
+    "repositories-tenant": (["service/repositories/secrets.py", "service/repositories/projects.py",
+                             "service/repositories/fine_tuned_models.py", "service/repositories/files.py",
+                             "service/repositories/webhooks.py"],
+                            ["tests/service/test_secrets_repository.py", "tests/service/test_projects_repository.py",
+                             "tests/service/test_fine_tuned_models_repository.py",
+                             "tests/service/test_files_repository.py", "tests/service/test_webhooks_repository.py",
+                             "tests/service/test_auth.py", "tests/service/test_pagination.py",
+                             "tests/api/test_access.py", "tests/api/test_cli_keys.py", "tests/api/test_secret_storage.py",
+                             "tests/api/test_secrets_and_reward_tests.py", "tests/api/test_models.py",
+                             "tests/api/test_files.py", "tests/api/test_webhooks.py", "tests/api/test_isolation.py",
+                             "-k", "not postgresql"], []),
+    "repositories-queue": (["service/repositories/job_queue.py", "service/repositories/job_messages.py",
+                            "service/repositories/fleet.py", "service/repositories/evals.py"],
+                           ["tests/service/test_job_queue_repository.py", "tests/service/test_job_messages_repository.py",
+                            "tests/service/test_fleet_repository.py", "tests/service/test_evals_repository.py",
+                            "tests/service/test_job_states.py", "tests/api/test_queue_position.py",
+                            "tests/multi/test_fair_share.py", "tests/api/test_broker_outage.py",
+                            "tests/worker/test_eval_reconcile.py", "tests/api/test_prometheus.py",
+                            "-k", "not postgresql"], []),
+    "repositories-registry": (["service/repositories/reward_functions.py", "service/repositories/environments.py",
+                               "service/repositories/job_evidence.py", "service/repositories/health.py"],
+                              ["tests/service/test_registry_repositories.py",
+                               "tests/service/test_job_evidence_repository.py", "tests/api/test_reward_functions.py",
+                               "tests/api/test_environments.py", "tests/api/test_job_evidence.py",
+                               "tests/unit/test_job_evidence_points.py", "tests/api/test_models.py",
+                               "tests/api/test_health.py", "tests/api/test_isolation.py", "-k", "not postgresql"], []),
     # launch.py and child_bootstrap.py run under `python -I -S` (no site-packages, so no mutmut trampoline): not
     # mutated. cgroup.py and uids.py first: the limits and the uid leases (spawn, probe, channel: not measured yet).
     "sandbox": (["service/sandbox/cgroup.py", "service/sandbox/uids.py"],

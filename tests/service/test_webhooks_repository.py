@@ -96,6 +96,18 @@ def test_a_pass_adds_a_delivery_per_ended_job_and_subscribed_endpoint(outbox):
         assert row.delivered_at is None and row.failed_at is None
 
 
+def test_a_job_of_a_project_without_endpoints_ends_on_no_delivery_and_leaves_the_list(outbox):
+    sessions, own, other = outbox
+    with sessions.begin() as s:
+        unwatched = _ended(s, other, "failed", T - 300)  # `other` registered no endpoint
+        watched = _ended(s, own, "failed", T - 200)
+        endpoint = _endpoint(s, own)
+    with sessions.begin() as s:
+        assert repo.enqueue_outcomes(s, EVENT_TYPES) == 1
+        assert [(e, j) for e, j, _ in _deliveries(s)] == [(endpoint, watched)]
+        assert (_enqueued_at(s, unwatched), _enqueued_at(s, watched)) == (T, T)
+
+
 def test_a_job_stays_on_the_work_list_until_settled_and_is_then_taken_off(outbox):
     sessions, own, _ = outbox
     with sessions.begin() as s:
