@@ -17,7 +17,8 @@ def stored(database_url):
     ids = {}
     with sessions.begin() as s:
         own, other = (projects.get_or_create_project(s, name).id for name in ("own", "other"))
-        for label, project_id, purpose, rows in [("train", own, "fine-tune", 5), ("results", own, "fine-tune-results", 7),
+        for label, project_id, purpose, rows in [("train", own, "fine-tune", 5),
+                                                 ("results", own, "fine-tune-results", 7),
                                                  ("evals", own, "evals", 9), ("theirs", other, "fine-tune", 11)]:
             added = files.add(s, File(project_id=project_id, filename=f"{label}.jsonl", purpose=purpose, bytes=1,
                                       sha256="0" * 64, rows=rows, storage_key=label))
