@@ -43,6 +43,16 @@ def test_the_fair_queue_of_a_base_counts_its_own_queued_and_running_jobs(queue):
         assert job_queue.fair_queue(s, "m3", {}) == []
 
 
+def test_the_fair_queue_counts_each_projects_running_jobs_and_takes_creation_time_before_insertion(queue):
+    sessions, add = queue
+    add("a", "running"), add("b", "running"), add("b", "running")  # a holds one slot, b two
+    b1, c1, c2 = add("b", created_at=10), add("c", created_at=25), add("c", created_at=45)
+    a1 = add("a", created_at=20)  # inserted last, created before both of c's (another API process; whole seconds)
+    with sessions() as s:
+        # turns: c1 1, a1 2 and c2 2 (a1 older), b1 3
+        assert job_queue.fair_queue(s, "m", {}) == [c1, a1, c2, b1]
+
+
 def test_fair_places_are_per_base_and_only_for_queued_jobs(queue):
     sessions, add = queue
     add("a", "running")
