@@ -55,6 +55,23 @@ def test_running_jobs_show_their_progress_and_each_gauges_latest_value(sessions)
         ]
 
 
+def test_a_gauge_is_read_at_its_own_jobs_latest_step_not_another_jobs(sessions):
+    with sessions.begin() as s:
+        project = projects.get_or_create_project(s, "own").id
+        # Ids on both sides of the job whose latest step (1) is an earlier step of the others'; each job's later
+        # step written first, so a read that picked by the order of rows would end on the earlier step.
+        first, second, third = (_job(s, project, "running", id=f"ftjob-{c}") for c in "abc")
+        _metrics(s, first, 2, reward_mean=0.2)
+        _metrics(s, third, 3, reward_mean=0.8)
+        s.flush()
+        _metrics(s, first, 1, reward_mean=0.1)
+        _metrics(s, second, 1, reward_mean=0.5)
+        _metrics(s, third, 1, reward_mean=0.7)
+    with sessions() as s:
+        assert {j.id: j.latest for j in fleet.running_jobs(s)} == {
+            first: {"reward_mean": 0.2}, second: {"reward_mean": 0.5}, third: {"reward_mean": 0.8}}
+
+
 def test_no_running_job_is_an_empty_list(sessions):
     with sessions.begin() as s:
         _job(s, projects.get_or_create_project(s, "own").id, "queued")
