@@ -40,7 +40,6 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
                    []),
     # SQLite only (no PostgreSQL, no broker, no training run): the fenced writes, the tenant filters and the state
     # machine, through the repositories themselves and through the API routes that use them.
-    # Not yet configured: the rest of service/repositories/ (webhooks, evals, fleet, projects, ...: 790 mutants).
     "repositories": (["service/repositories/jobs.py", "service/repositories/job_outputs.py",
                       "service/repositories/job_history.py", "service/repositories/pagination.py",
                       "service/repositories/job_lease.py", "service/repositories/job_records.py",
@@ -49,6 +48,37 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
                       "tests/service/test_job_states.py", "tests/service/test_job_reads.py",
                       "tests/service/test_job_outputs_repository.py", "tests/service/test_pagination.py",
                       "tests/api/test_isolation.py", "tests/api/test_jobs_lifecycle.py", "-k", "not postgresql"], []),
+    # The rest of service/repositories/, in three groups by the tests that judge them (SQLite only, like the above):
+    # the project-scoped resources and keys, the queue and its broker messages and operator reads, and the registries
+    # and the job's evidence. Each repository's own tests sit in tests/service/test_<name>_repository.py.
+    "repositories-tenant": (["service/repositories/secrets.py", "service/repositories/projects.py",
+                             "service/repositories/fine_tuned_models.py", "service/repositories/files.py",
+                             "service/repositories/webhooks.py"],
+                            ["tests/service/test_secrets_repository.py", "tests/service/test_projects_repository.py",
+                             "tests/service/test_fine_tuned_models_repository.py",
+                             "tests/service/test_files_repository.py", "tests/service/test_webhooks_repository.py",
+                             "tests/service/test_auth.py", "tests/service/test_pagination.py",
+                             "tests/api/test_access.py", "tests/api/test_cli_keys.py",
+                             "tests/api/test_secret_storage.py",
+                             "tests/api/test_secrets_and_reward_tests.py", "tests/api/test_models.py",
+                             "tests/api/test_files.py", "tests/api/test_webhooks.py", "tests/api/test_isolation.py",
+                             "-k", "not postgresql"], []),
+    "repositories-queue": (["service/repositories/job_queue.py", "service/repositories/job_messages.py",
+                            "service/repositories/fleet.py", "service/repositories/evals.py"],
+                           ["tests/service/test_job_queue_repository.py",
+                            "tests/service/test_job_messages_repository.py",
+                            "tests/service/test_fleet_repository.py", "tests/service/test_evals_repository.py",
+                            "tests/service/test_job_states.py", "tests/api/test_queue_position.py",
+                            "tests/multi/test_fair_share.py", "tests/api/test_broker_outage.py",
+                            "tests/worker/test_eval_reconcile.py", "tests/api/test_prometheus.py",
+                            "-k", "not postgresql"], []),
+    "repositories-registry": (["service/repositories/reward_functions.py", "service/repositories/environments.py",
+                               "service/repositories/job_evidence.py", "service/repositories/health.py"],
+                              ["tests/service/test_registry_repositories.py",
+                               "tests/service/test_job_evidence_repository.py", "tests/api/test_reward_functions.py",
+                               "tests/api/test_environments.py", "tests/api/test_job_evidence.py",
+                               "tests/unit/test_job_evidence_points.py", "tests/api/test_models.py",
+                               "tests/api/test_health.py", "tests/api/test_isolation.py", "-k", "not postgresql"], []),
     # launch.py and child_bootstrap.py run under `python -I -S` (no site-packages, so no mutmut trampoline): not
     # mutated. cgroup.py and uids.py first: the limits and the uid leases (spawn, probe, channel: not measured yet).
     "sandbox": (["service/sandbox/cgroup.py", "service/sandbox/uids.py"],
@@ -107,6 +137,20 @@ def run(name: str, *, survivors: bool) -> dict:
     return stats
 
 
+# mutmut's exit codes that count as killed (the tests failed, timed out or crashed on the mutant)
+KILLED_CODES = {1, 3, 36, 24, -24, 152, 255, -11, -9}
+
+
+def per_file(name: str) -> list[tuple[str, int, int]]:
+    """(file, killed, mutants) of a finished run, from mutmut's per-file records (the README table's breakdown)."""
+    mutants = WORK / name / "mutants"
+    rows = []
+    for meta in sorted(mutants.rglob("*.py.meta")):
+        codes = json.loads(meta.read_text())["exit_code_by_key"].values()
+        rows.append((str(meta.relative_to(mutants))[:-len(".meta")], sum(c in KILLED_CODES for c in codes), len(codes)))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help=f"some of: {', '.join(MODULES)} (default: all)")
@@ -122,6 +166,9 @@ def main() -> None:
         killed = s["killed"] + s["timeout"] + s["segfault"]
         print(f"| {name} | {s['total']} | {killed} | {s['survived']} | {s['no_tests']} | {s['timeout']} | "
               f"{killed / max(s['total'], 1):.0%} |", flush=True)
+        if len(MODULES[name][0]) > 1:
+            print("  " + ", ".join(f"{path} {k}/{n} ({k / max(n, 1):.0%})" for path, k, n in per_file(name)),
+                  flush=True)
 
 
 if __name__ == "__main__":
