@@ -8,7 +8,7 @@ import pytest
 
 from service.db.models import Checkpoint, JobMetric
 from service.db.session import session_factory
-from service.repositories import job_evidence, jobs, projects
+from service.repositories import job_evidence, job_lease, jobs, projects
 from tests.service.job_rows import queued_job
 
 
@@ -20,8 +20,8 @@ def claimed(database_url):
         project = projects.get_or_create_project(s, "own").id
         job_id, other = queued_job(s, project), queued_job(s, project, seed=2)
     with sessions.begin() as s:
-        epoch = jobs.claim(s, job_id, "w", ttl_s=60)
-        assert jobs.claim(s, other, "w", ttl_s=60) == epoch  # the same epoch: only the job id tells them apart
+        epoch = job_lease.claim(s, job_id, "w", ttl_s=60)
+        assert job_lease.claim(s, other, "w", ttl_s=60) == epoch  # the same epoch: only the job id tells them apart
     return sessions, job_id, epoch, other
 
 
