@@ -20,6 +20,7 @@ frees them when they grow large.
 
 from __future__ import annotations
 
+import math
 import weakref
 from contextlib import contextmanager
 
@@ -177,10 +178,22 @@ def _lean_lora_forward(module, adapters: list[str]):
         for drop, a_weight, a_bias, b_weight, b_bias, scaling in paths:
             h = x.to(a_weight.dtype)
             h = torch.nn.functional.linear(h if drop is None else drop(h), a_weight, a_bias)
-            result = result + torch.nn.functional.linear(h, b_weight, b_bias) * scaling
+            if b_bias is None and _exact_scale(scaling) and torch.promote_types(result.dtype, h.dtype) == h.dtype:
+                # PEFT's product, scale and add in one addmm: a power-of-two scale is exact, so the one rounding
+                # of the add is PEFT's (tests/rollout/test_decode.py checks its logits bit for bit)
+                width = b_weight.shape[0]
+                result = torch.addmm(result.to(h.dtype).reshape(-1, width), h.reshape(-1, h.shape[-1]),
+                                     b_weight.t(), alpha=scaling).view(*result.shape[:-1], width)
+            else:
+                result = result + torch.nn.functional.linear(h, b_weight, b_bias) * scaling
         return result.to(result_dtype)
 
     return forward
+
+
+def _exact_scale(scaling: float) -> bool:
+    """Whether multiplying by `scaling` rounds nothing (a power of two: alpha = 2r, r, ... as LoRA configs mostly are)."""
+    return scaling > 0 and math.frexp(scaling)[0] == 0.5
 
 
 def _quantized_base(model, lora_layer) -> bool:
