@@ -117,3 +117,33 @@ def test_a_tied_head_keeps_one_shared_weight_and_runs_packed(toy_dir, monkeypatc
             plain = low(input_ids=ids).logits
     assert torch.equal(packed, plain)
     assert "forward" not in model.get_output_embeddings().__dict__
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_the_prefill_head_gets_a_contiguous_input_in_bfloat16_only(toy_dir, monkeypatch, dtype):
+    """A model loaded in bfloat16 (no rollout copies, so nothing packed): the prefill's head input is made
+    contiguous (no bmm over copies of the head's weight), with the same tokens and log-probs bit for bit; a float32
+    head keeps torch.matmul's route (MKL rounds the two differently)."""
+    from contextlib import nullcontext
+
+    model = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=dtype).eval()
+    rows = [p for p in prompts(3) for _ in range(2)]
+    spec = SamplingSpec(max_output_tokens=6, max_model_len=64)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _m, args, _o: seen.append(args[0].is_contiguous()))
+
+    def run():
+        return decode.sample_tokens(model, rows, max_new=6, sampling=spec, greedy=False, eos_id=EOS, pad_id=PAD,
+                                    device=CPU, logprobs=True, seeds=list(range(len(rows))))
+
+    try:
+        got = run()
+        prefill_contiguous = seen[0]
+        monkeypatch.setattr(decode, "contiguous_head_input", lambda *a, **k: nullcontext())
+        plain = run()
+    finally:
+        hook.remove()
+    assert prefill_contiguous == (dtype is BF16)
+    assert got == plain
+    assert not model.get_output_embeddings()._forward_pre_hooks

@@ -11,7 +11,6 @@ group, the larger share of the work when prompts are long.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ from transformers import DynamicCache
 
 from worker.cispo import token_logprobs
 from worker.model.cache_arg import CACHE_ARG
+from worker.model.head_input import contiguous_head_input
 
 
 @dataclass
@@ -150,7 +150,7 @@ def _hidden_states(model, batch: TokenBatch) -> Tensor:
                             use_cache=False)
     cache = DynamicCache(config=model.config)
     prefix_mask_GP = batch.prefix_mask_GP
-    with _contiguous_head_input(model):
+    with contiguous_head_input(model):
         model(input_ids=batch.prefix_ids_GP, attention_mask=prefix_mask_GP,
               position_ids=(prefix_mask_GP.cumsum(-1) - 1).clamp(min=0), **{CACHE_ARG: cache}, use_cache=True,
               logits_to_keep=1)
@@ -175,24 +175,9 @@ def _last_hidden(model, **inputs) -> Tensor:
     hook = decoder.register_forward_hook(
         lambda _module, _args, out: captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
     try:
-        with _contiguous_head_input(model):
+        with contiguous_head_input(model):
             model(**inputs, logits_to_keep=1)
     finally:
         hook.remove()
     return captured[-1]
 
-
-@contextmanager
-def _contiguous_head_input(model):
-    """Within the block the LM head's input is made contiguous.
-
-    With logits_to_keep=1 the head's (discarded) input is a non-contiguous [B, 1, H] slice, which torch.matmul
-    turns into a bmm over the weight expanded B times: a copy of B x the head's weight (4 x 58 MB, 2.3 s a
-    forward in bf16 at Qwen2.5-0.5B's shape on a CPU). Contiguous, it is one [B, H] x [H, V] matmul."""
-    head = model.get_output_embeddings()
-    hook = head.register_forward_pre_hook(lambda _m, args: (args[0].contiguous(), *args[1:])) if head else None
-    try:
-        yield
-    finally:
-        if hook is not None:
-            hook.remove()
