@@ -17,6 +17,7 @@ before and after in the same conditions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -36,10 +37,11 @@ from bench.trl_compare import (Workload, add_workload_args, build_model, measure
 
 def time_decode(trainer, w: Workload, *, repeats: int, profile_rows: int = 0) -> list[float]:
     """Seconds of each of `repeats` sampler calls (one warm-up call first) on the workload's first prompts."""
+    from worker.rollout import _sampling_dtype
     from worker.rollout.rollout import transformers_sampler
 
     policy = trainer.policy
-    sampler = transformers_sampler(policy, trainer.spec.sampling, dtype=policy.compute_dtype)
+    sampler = transformers_sampler(policy, trainer.spec.sampling, dtype=_sampling_dtype(trainer.spec, policy))
     prompts = [policy.tokenizer(line)["input_ids"] for line in _prompt_lines(trainer, w)]
     rows = [p for p in prompts for _ in range(w.group)]
     seeds = list(range(len(rows)))
@@ -73,8 +75,10 @@ def main() -> None:
     add_workload_args(parser)
     parser.add_argument("--repeats", type=int, default=3, help="timed decode calls (after one warm-up)")
     parser.add_argument("--profile", type=int, default=0, help="profile one more call; list this many operators")
+    parser.add_argument("--rollout-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="rollout.dtype (the floor is taken in it: bfloat16 reads half the bytes)")
     args = parser.parse_args()
-    w = workload_from(args)
+    w = workload_from(args, rollout_dtype=args.rollout_dtype)
     from bench.floors import decode_bytes, decode_flops, floor_seconds
 
     print(f"torch threads {torch.get_num_threads()}; load average at start {os.getloadavg()[0]:.1f}", flush=True)
@@ -86,12 +90,14 @@ def main() -> None:
         trainer = our_trainer(work / "model", work / "train.jsonl", work / "ours", w)
         times = time_decode(trainer, w, repeats=args.repeats, profile_rows=args.profile)
     shape, step = w.shape(), w.step()
+    dtype = w.dtype if w.rollout_dtype == "auto" else w.rollout_dtype
+    step = dataclasses.replace(step, dtype_bytes=getattr(torch, dtype).itemsize)
     floor = floor_seconds(decode_bytes(shape, step), decode_flops(shape, step), machine["bandwidth"],
-                          machine[w.dtype])
+                          machine[dtype])
     median = statistics.median(times)
     print(f"{w.describe(sum(p.numel() for p in trainer.policy.model.parameters()))}")
-    print(f"machine: read bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s, {w.dtype} matmul "
-          f"{machine[w.dtype] / 1e9:.0f} GFLOP/s (load {machine['load']:.1f})")
+    print(f"machine: read bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s, {dtype} matmul "
+          f"{machine[dtype] / 1e9:.0f} GFLOP/s (load {machine['load']:.1f})")
     print(f"decode: median {median:.2f} s of {['%.2f' % t for t in times]} = {median / floor:.2f}x its "
           f"{floor:.2f} s floor ({1000 * median / w.max_tokens:.0f} ms/step); load average "
           f"{os.getloadavg()[0]:.1f}")

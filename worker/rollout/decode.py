@@ -27,6 +27,7 @@ from torch import Tensor
 
 from service.job_spec.sampling import SamplingSpec
 from worker.model.cache_arg import CACHE_ARG
+from worker.model.head_input import contiguous_head_input
 from worker.rollout import static_decode
 from worker.rollout.growing_cache import growing_cache
 from worker.rollout.token_picking import FiniteGuard, Picker
@@ -109,8 +110,10 @@ def eager_loop(model, ids, mask, positions, P, max_new, pick: Picker, eos_id, *,
     unique, row_of = torch.unique(ids[:, :P], dim=0, return_inverse=True)
     firsts = torch.full((unique.shape[0],), B, dtype=torch.long, device=ids.device).scatter_reduce(
         0, row_of, live, reduce="amin")
-    logits = model(input_ids=ids[firsts, :P], attention_mask=mask[firsts, :P], position_ids=positions[firsts, :P],
-                   **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
+    with contiguous_head_input(model, float32=False):  # no copy of the head per prompt (float32: PEFT's rounding)
+        logits = model(input_ids=ids[firsts, :P], attention_mask=mask[firsts, :P],
+                       position_ids=positions[firsts, :P], **{CACHE_ARG: cache}, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
     cache.batch_select_indices(row_of)  # (prefilled in torch.unique's order, not the rows')
     logits = logits[row_of]
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)

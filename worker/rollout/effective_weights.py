@@ -20,6 +20,7 @@ frees them when they grow large.
 
 from __future__ import annotations
 
+import math
 import weakref
 from contextlib import contextmanager
 
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from worker.model.lora_forward import vanilla_adapters
+from worker.rollout.packed_linears import packable, packed_forward, packed_weight
 
 __all__ = ["rollout_weights", "kept_copies"]
 
@@ -65,7 +67,7 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
         if copy is None:  # else a tied weight: it shares the copy made for its twin
             kept = kept_copies.setdefault(module, {})
             copy, target = kept.get(name), dtype or original.dtype
-            if copy is None or copy.shape != original.shape or copy.dtype != target:
+            if copy is None or copy.is_mkldnn or copy.shape != original.shape or copy.dtype != target:
                 copy = kept[name] = torch.nn.Parameter(torch.empty_like(original, dtype=target), requires_grad=False)
             copies[id(original)] = copy.copy_(value)
         module._parameters[name] = copy
@@ -76,6 +78,7 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
         yield model  # the adapters run unmerged, the base in its own 4-bit kernels
         return
     lean: list[torch.nn.Module] = []  # LoRA linears running _lean_lora_forward
+    packed: list[torch.nn.Module] = []  # Linears running on a prepacked weight (worker/rollout/packed_linears.py)
     try:
         with torch.no_grad():
             for module in model.modules() if peft else ():
@@ -93,14 +96,27 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
                 for adapter in adapters:
                     merged = merged + module.get_delta_weight(adapter).to(merged.dtype)
                 swap(base, "weight", merged)
+            head = model.get_output_embeddings()
             if dtype is not None:
+                shared = _shared_weights(model)
                 for name, module in model.named_modules():
                     if peft and ".lora_" in f".{name}":  # adapters: in their own dtype (PEFT's), or unused
                         continue
                     for pname, p in list(module._parameters.items()):
-                        if p is not None and p.is_floating_point() and p.dtype != dtype:
+                        if p is None or not p.is_floating_point() or p.dtype == dtype:
+                            continue
+                        if pname != "weight" or not packable(module, p, dtype) or (head_float32 and module is head):
                             swap(module, pname, p)
-            head = model.get_output_embeddings()
+                            continue
+                        kept = kept_copies.setdefault(module, {})
+                        if id(p) in shared:  # a tied head: the plain copy stays its weight, shared with its twin
+                            swap(module, pname, p)
+                            weight = packed_weight(module, p, kept, dtype, key="weight.packed")
+                        else:  # the packed copy is the only one
+                            weight = module._parameters[pname] = packed_weight(module, p, kept, dtype)
+                            swapped.append((module, pname, p))
+                        module.forward = packed_forward(module, weight)
+                        packed.append(module)
             if head_float32 and head.weight.dtype != torch.float32:
                 current = head._parameters["weight"]  # maybe already a copy in `dtype`; a tied twin keeps it
                 kept = kept_copies.setdefault(head, {})
@@ -123,8 +139,19 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
             hook.remove()
         for module, name, original in reversed(swapped):
             module._parameters[name] = original
-        for module in lean:
-            del module.forward  # the class's (PEFT's) forward again
+        for module in lean + packed:
+            del module.forward  # the class's (PEFT's, torch's) forward again
+
+
+def _shared_weights(model) -> set[int]:
+    """ids of parameters held by more than one module (tied embeddings): those keep one plain copy for all."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                (shared if id(p) in seen else seen).add(id(p))
+    return shared
 
 
 def _lean_applies(module, adapters: list[str]) -> bool:
@@ -151,10 +178,22 @@ def _lean_lora_forward(module, adapters: list[str]):
         for drop, a_weight, a_bias, b_weight, b_bias, scaling in paths:
             h = x.to(a_weight.dtype)
             h = torch.nn.functional.linear(h if drop is None else drop(h), a_weight, a_bias)
-            result = result + torch.nn.functional.linear(h, b_weight, b_bias) * scaling
+            if b_bias is None and _exact_scale(scaling) and torch.promote_types(result.dtype, h.dtype) == h.dtype:
+                # PEFT's product, scale and add in one addmm: a power-of-two scale is exact, so the one rounding
+                # of the add is PEFT's (tests/rollout/test_decode.py checks its logits bit for bit)
+                width = b_weight.shape[0]
+                result = torch.addmm(result.to(h.dtype).reshape(-1, width), h.reshape(-1, h.shape[-1]),
+                                     b_weight.t(), alpha=scaling).view(*result.shape[:-1], width)
+            else:
+                result = result + torch.nn.functional.linear(h, b_weight, b_bias) * scaling
         return result.to(result_dtype)
 
     return forward
+
+
+def _exact_scale(scaling: float) -> bool:
+    """Whether multiplying by `scaling` rounds nothing (a power of two: alpha = 2r, r, ... as LoRA configs mostly are)."""
+    return scaling > 0 and math.frexp(scaling)[0] == 0.5
 
 
 def _quantized_base(model, lora_layer) -> bool:

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from worker.cispo import token_logprobs
 from worker.model.cache_arg import CACHE_ARG
+from worker.model.head_input import contiguous_head_input
 
 
 @dataclass
@@ -149,9 +150,10 @@ def _hidden_states(model, batch: TokenBatch) -> Tensor:
                             use_cache=False)
     cache = DynamicCache(config=model.config)
     prefix_mask_GP = batch.prefix_mask_GP
-    model(input_ids=batch.prefix_ids_GP, attention_mask=prefix_mask_GP,
-          position_ids=(prefix_mask_GP.cumsum(-1) - 1).clamp(min=0), **{CACHE_ARG: cache}, use_cache=True,
-          logits_to_keep=1)
+    with contiguous_head_input(model):
+        model(input_ids=batch.prefix_ids_GP, attention_mask=prefix_mask_GP,
+              position_ids=(prefix_mask_GP.cumsum(-1) - 1).clamp(min=0), **{CACHE_ARG: cache}, use_cache=True,
+              logits_to_keep=1)
     cache.batch_select_indices(batch.prefix_of_B)  # each row gets its prefix's keys and values (differentiably)
     start_B1 = prefix_mask_GP.sum(-1)[batch.prefix_of_B][:, None]
     T = batch.input_ids_BT.shape[1]
@@ -173,7 +175,9 @@ def _last_hidden(model, **inputs) -> Tensor:
     hook = decoder.register_forward_hook(
         lambda _module, _args, out: captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
     try:
-        model(**inputs, logits_to_keep=1)
+        with contiguous_head_input(model):
+            model(**inputs, logits_to_keep=1)
     finally:
         hook.remove()
     return captured[-1]
+

@@ -1,0 +1,47 @@
+"""The rollout's lean LoRA forward: PEFT's outputs bit for bit at decode's and prefill's row counts, with the adapter's
+product, scale and add in one addmm when the scale is a power of two (exact) and PEFT's three steps otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.rollout import effective_weights
+from worker.rollout.effective_weights import _lean_lora_forward
+
+
+def _layer(lora_model):
+    return lora_model.get_base_model().model.layers[0].mlp.up_proj
+
+
+@pytest.mark.parametrize("scaling", [2.0, 0.5, 1.0, 1.7])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+def test_the_lean_forward_gives_peft_outputs_bit_for_bit(lora_model, scaling, rows):
+    layer = _layer(lora_model)
+    saved = layer.scaling["default"]
+    layer.scaling["default"] = scaling
+    try:
+        x = torch.randn(rows, 1, layer.in_features, generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            expected = layer(x)  # PEFT's own forward
+            assert torch.equal(_lean_lora_forward(layer, ["default"])(x), expected)
+    finally:
+        layer.scaling["default"] = saved
+
+
+@pytest.mark.parametrize("scaling, fused", [(2.0, True), (1.7, False)])
+def test_a_power_of_two_scale_runs_one_addmm(lora_model, monkeypatch, scaling, fused):
+    layer = _layer(lora_model)
+    saved = layer.scaling["default"]
+    layer.scaling["default"] = scaling
+    calls = []
+    addmm = torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: calls.append(k.get("alpha")) or addmm(*a, **k))
+    try:
+        with torch.no_grad():
+            _lean_lora_forward(layer, ["default"])(torch.randn(16, 1, layer.in_features))
+    finally:
+        layer.scaling["default"] = saved
+    assert calls == ([scaling] if fused else [])
+    assert effective_weights._exact_scale(2.0) and effective_weights._exact_scale(0.25)
+    assert not effective_weights._exact_scale(1.7) and not effective_weights._exact_scale(0.0)

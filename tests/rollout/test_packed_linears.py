@@ -1,0 +1,149 @@
+"""bfloat16 CPU rollouts on prepacked oneDNN weights: the same tokens, log-probs and logits as unpacked, bit for bit;
+one packed copy per weight, reused while the weight is unchanged and refreshed when it changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from service.job_spec.sampling import SamplingSpec
+from worker.rollout import decode, packed_linears
+from worker.rollout.effective_weights import rollout_weights
+from worker.rollout.rollout_state import release_rollout_state
+
+EOS, PAD = 2, 0
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+
+pytestmark = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
+                                     and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                                reason="no oneDNN bfloat16 on this CPU")
+
+
+def prompts(n: int = 6) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(3, 10, (n,), generator=g).tolist()
+    return [[1] + torch.randint(4, 40, (k,), generator=g).tolist() for k in lengths]
+
+
+def _sample(model, rows):
+    spec = SamplingSpec(max_output_tokens=10, max_model_len=64, temperature=0.9)
+    with rollout_weights(model, BF16) as low:
+        tokens, logprobs = decode.sample_tokens(low, rows, max_new=10, sampling=spec, greedy=False, eos_id=EOS,
+                                                pad_id=PAD, device=CPU, logprobs=True, seeds=list(range(len(rows))))
+        logits = low(input_ids=torch.tensor(rows[0])[None]).logits
+    return tokens, logprobs, logits
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 64, 100])
+def test_the_packed_kernel_equals_f_linear_in_bfloat16(rows):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 80).to(BF16), torch.randn(96).to(BF16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, packed_linears.PACK_ROWS)
+    layer = torch.nn.Linear(80, 96).to(BF16)
+    forward = packed_linears.packed_forward(layer, packed)
+    inputs = [torch.randn(rows, 80).to(BF16), torch.randn(rows, 1, 80).to(BF16),
+              torch.randn(rows, 3, 80).to(BF16)[:, -1:],  # a non-contiguous slice, as the LM head gets at prefill
+              torch.randn(2, rows, 1, 80).to(BF16), torch.randn(2, rows, 3, 80).to(BF16)[:, :, 1:2],
+              torch.randn(80, rows).to(BF16).t()]
+    for x in inputs:
+        layer.bias = None
+        assert torch.equal(forward(x), F.linear(x, weight))
+        layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+        assert torch.equal(forward(x), F.linear(x, weight, bias))
+
+
+def test_a_packed_rollout_gives_the_unpacked_tokens_logprobs_and_logits(lora_model, monkeypatch):
+    rows = [p for p in prompts(3) for _ in range(3)]
+    release_rollout_state(lora_model, above_bytes=0)
+    packed = _sample(lora_model, rows)
+    import worker.rollout.effective_weights as effective_weights
+
+    monkeypatch.setattr(effective_weights, "packable", lambda *a: False)
+    release_rollout_state(lora_model, above_bytes=0)
+    plain = _sample(lora_model, rows)
+    assert packed[0] == plain[0] and packed[1] == plain[1]
+    assert torch.equal(packed[2], plain[2])
+    release_rollout_state(lora_model, above_bytes=0)
+
+
+def test_linears_run_packed_inside_and_as_they_were_after(lora_model):
+    before = {n: p for n, p in lora_model.named_parameters()}
+    base = lora_model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
+    with rollout_weights(lora_model, BF16):
+        assert base.weight.is_mkldnn and base.weight.dtype == BF16 and "forward" in base.__dict__
+    assert "forward" not in base.__dict__ and not base.weight.is_mkldnn
+    for name, p in lora_model.named_parameters():
+        assert p is before[name] and p.dtype == torch.float32, name
+    with rollout_weights(lora_model):  # float32 rollouts stay on the model's own weights (PEFT's logits exactly)
+        assert not base.weight.is_mkldnn and "forward" not in base.__dict__
+
+
+def test_a_frozen_weight_is_packed_once_and_repacked_when_it_changes(lora_model):
+    base = lora_model.get_base_model().model.layers[0].mlp.down_proj.base_layer
+    ids = torch.tensor(prompts(2)[0])[None]
+    with torch.no_grad(), rollout_weights(lora_model, BF16):
+        first, logits = base.weight, lora_model(input_ids=ids).logits
+    with torch.no_grad(), rollout_weights(lora_model, BF16):
+        assert base.weight is first  # not cast and reordered again
+    saved = base.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            base.weight.mul_(1.5)  # an in-place write (an optimizer step, a checkpoint load) bumps its version
+            with rollout_weights(lora_model, BF16):
+                assert base.weight is not first
+                assert not torch.equal(lora_model(input_ids=ids).logits, logits)
+    finally:
+        with torch.no_grad():
+            base.weight.copy_(saved)
+
+
+def test_a_tied_head_keeps_one_shared_weight_and_runs_packed(toy_dir, monkeypatch):
+    import worker.rollout.effective_weights as effective_weights
+
+    model = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32)
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight  # as a tied checkpoint loads
+    ids = torch.tensor(prompts(2)[0])[None]
+    with torch.no_grad():
+        with rollout_weights(model, BF16) as low:
+            head = low.get_output_embeddings()
+            assert low.get_input_embeddings().weight is head.weight and not head.weight.is_mkldnn
+            assert "forward" in head.__dict__
+            packed = low(input_ids=ids).logits
+        monkeypatch.setattr(effective_weights, "packable", lambda *a: False)
+        with rollout_weights(model, BF16) as low:
+            plain = low(input_ids=ids).logits
+    assert torch.equal(packed, plain)
+    assert "forward" not in model.get_output_embeddings().__dict__
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_the_prefill_head_gets_a_contiguous_input_in_bfloat16_only(toy_dir, monkeypatch, dtype):
+    """A model loaded in bfloat16 (no rollout copies, so nothing packed): the prefill's head input is made
+    contiguous (no bmm over copies of the head's weight), with the same tokens and log-probs bit for bit; a float32
+    head keeps torch.matmul's route (MKL rounds the two differently)."""
+    from contextlib import nullcontext
+
+    model = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=dtype).eval()
+    rows = [p for p in prompts(3) for _ in range(2)]
+    spec = SamplingSpec(max_output_tokens=6, max_model_len=64)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _m, args, _o: seen.append(args[0].is_contiguous()))
+
+    def run():
+        return decode.sample_tokens(model, rows, max_new=6, sampling=spec, greedy=False, eos_id=EOS, pad_id=PAD,
+                                    device=CPU, logprobs=True, seeds=list(range(len(rows))))
+
+    try:
+        got = run()
+        prefill_contiguous = seen[0]
+        monkeypatch.setattr(decode, "contiguous_head_input", lambda *a, **k: nullcontext())
+        plain = run()
+    finally:
+        hook.remove()
+    assert prefill_contiguous == (dtype is BF16)
+    assert got == plain
+    assert not model.get_output_embeddings()._forward_pre_hooks
