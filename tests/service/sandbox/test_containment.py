@@ -375,3 +375,12 @@ def test_a_refused_sandbox_fails_the_job_with_that_message(monkeypatch, fresh_se
 def test_exit_status_maps_the_launchers_signal_codes():
     assert sandbox.exit_status(128 + signal.SIGSEGV) == -signal.SIGSEGV
     assert sandbox.exit_status(3) == 3 and sandbox.exit_status(-9) == -9 and sandbox.exit_status(None) is None
+
+
+def test_a_dead_child_is_described_by_its_signal_or_its_exit_code():
+    from service.sandbox.channel import describe_death
+
+    assert describe_death(-signal.SIGSEGV, "reward process") == "reward process died (signal 11)"
+    assert describe_death(0, "environment process") == "environment process died (exit code 0)"  # ended early
+    assert describe_death(1, "reward process") == "reward process died (exit code 1)"
+    assert describe_death(None, "reward process") == "reward process died (exit code None)"

@@ -244,3 +244,97 @@ def test_seccomp_program_jumps_stay_inside_the_program():
         assert code[-1][0] == launcher.RET and code[-1][3] == launcher.RET_ERRNO | errno.ENOSYS
     with pytest.raises(launcher.SetupError, match="no syscall table"):
         launcher.seccomp_program("sparc")
+
+
+# -- the probe itself, run for real (probe() caches; these call _probe, the trial sandbox, directly) -----------
+
+# A uid range of one, outside the settings' (other tests' sandboxes and leases never touch it).
+PROBE_UID = 3_000_000 + os.getpid() % 100_000
+
+
+def _check_then(edit: str) -> str:
+    """The probe's in-sandbox check with `edit` run on its findings just before it prints them."""
+    last = "print(json.dumps(found))"
+    assert sandbox_probe._CHECK.rstrip().endswith(last)
+    return sandbox_probe._CHECK.rstrip().removesuffix(last) + edit + "\n" + last + "\n"
+
+
+@needs_sandbox
+def test_the_probe_runs_a_contained_trial_sandbox_and_leaves_nothing_behind(monkeypatch, trainer):
+    made = {}
+    mkdtemp, new_cgroup = sandbox_probe.tempfile.mkdtemp, sandbox_probe.new_cgroup
+    monkeypatch.setattr(sandbox_probe.tempfile, "mkdtemp", lambda **kw: made.setdefault("workdir", mkdtemp(**kw)))
+    monkeypatch.setattr(sandbox_probe, "new_cgroup", lambda *a: made.setdefault("cgroup", new_cgroup(*a)))
+
+    assert sandbox_probe._probe(PROBE_UID, 1) == Probe("namespaces", "")
+
+    assert Path(made["workdir"]).name.startswith("cispo-probe-") and not Path(made["workdir"]).exists()
+    assert made["cgroup"].paths and not any(p.exists() for p in made["cgroup"].paths)
+    lease_uid(PROBE_UID, 1).release()  # its uid is free again
+
+
+@needs_sandbox
+@pytest.mark.parametrize("edit, wrong", [
+    ("found['uid'] = os.getuid() + 1", "uid"), ("found['gid'] = os.getgid() + 1", "gid"), ("found['pid'] = 3", "pid"),
+    ("found['loopback'] = 'open'", "loopback"), ("found['write_outside'] = 'ok'", "write_outside"),
+    ("found['unshare'] = 'ok'", "unshare"), ("found['cgroup'] = False", "cgroup"), ("del found['cgroup']", "cgroup"),
+    ("found['workdir_bytes'] = 0", "workdir_bytes"), ("del found['workdir_bytes']", "workdir_bytes"),
+    (f"found['workdir_bytes'] = {sandbox_probe.PROBE_WORKDIR_BYTES + 4096}", "workdir_bytes"),
+])
+def test_the_probe_refuses_a_trial_sandbox_that_is_not_contained(monkeypatch, edit, wrong):
+    monkeypatch.setattr(sandbox_probe, "_CHECK", _check_then(edit))
+    found = sandbox_probe._probe(PROBE_UID, 1)
+    assert found.level == "none"
+    assert found.reason.startswith(f"the trial sandbox is not contained: {{{wrong!r}: "), found.reason
+    assert found.reason.count(": ") == 2  # that one finding alone
+
+
+@needs_sandbox
+@pytest.mark.parametrize("edit", ["found['write_outside'] = errno.EACCES",  # a read-only bind or no permission
+                                  f"found['workdir_bytes'] = {sandbox_probe.PROBE_WORKDIR_BYTES}"])
+def test_the_probe_accepts_each_contained_answer(monkeypatch, edit):
+    monkeypatch.setattr(sandbox_probe, "_CHECK", _check_then(edit))
+    assert sandbox_probe._probe(PROBE_UID, 1) == Probe("namespaces", "")
+
+
+@needs_sandbox
+@pytest.mark.parametrize("check, reason", [
+    ("import sys\nsys.stderr.write('first\\nlast words\\n')\nsys.exit(3)", "the trial sandbox failed (exit 3): last words"),
+    ("raise SystemExit(4)", "the trial sandbox failed (exit 4): "),
+    ("print('not json')", "the trial sandbox failed: JSONDecodeError: Expecting value: line 1 column 1 (char 0)"),
+])
+def test_a_trial_sandbox_that_fails_says_how(monkeypatch, check, reason):
+    monkeypatch.setattr(sandbox_probe, "_CHECK", check)
+    assert sandbox_probe._probe(PROBE_UID, 1) == Probe("none", reason)
+
+
+@needs_sandbox
+def test_a_trial_sandbox_past_its_deadline_is_a_failure(monkeypatch, trainer):
+    monkeypatch.setattr(sandbox_probe, "_CHECK", "import time\ntime.sleep(60)")
+    monkeypatch.setattr(sandbox_probe, "PROBE_TIMEOUT_S", 1.0)
+    started = time.monotonic()
+    found = sandbox_probe._probe(PROBE_UID, 1)
+    assert found.level == "none" and found.reason.startswith("the trial sandbox failed: TimeoutExpired: ")
+    assert time.monotonic() - started < 10
+
+
+def test_the_probe_says_why_a_host_cannot_sandbox(monkeypatch):
+    held = lease_uid(PROBE_UID, 1)
+    try:
+        if os.geteuid() == 0 and sandbox_probe.shutil.which("unshare", path=sandbox_probe.SYSTEM_SEARCH):
+            assert sandbox_probe._probe(PROBE_UID, 1) == Probe(
+                "none", f"all 1 sandbox uids ({PROBE_UID}-{PROBE_UID}) are in use by live sandboxes")
+    finally:
+        held.release()
+    assert sandbox_probe._probe(0, 5) == Probe("none", "the sandbox uids must not include 0")
+    monkeypatch.setattr(sandbox_probe.os, "geteuid", lambda: 1000)
+    assert sandbox_probe._probe(1, 5).reason.startswith("the worker is not root")  # uid 1 may start a range
+    monkeypatch.setattr(sandbox_probe.os, "geteuid", lambda: 0)
+    asked = []
+    monkeypatch.setattr(sandbox_probe.shutil, "which", lambda *a, **kw: asked.append((a, kw)))
+    assert sandbox_probe._probe(PROBE_UID, 1) == Probe("none", "unshare (util-linux) is not installed")
+    assert asked == [(("unshare",), {"path": sandbox_probe.SYSTEM_SEARCH})]
+    with pytest.raises(FileNotFoundError, match="unshare"):
+        sandbox_probe.launch_argv({}, ["true"])
+    monkeypatch.setattr(sandbox_probe.sys, "platform", "darwin")
+    assert sandbox_probe._probe(PROBE_UID, 1) == Probe("none", "not Linux")
