@@ -384,3 +384,20 @@ def test_a_dead_child_is_described_by_its_signal_or_its_exit_code():
     assert describe_death(0, "environment process") == "environment process died (exit code 0)"  # ended early
     assert describe_death(1, "reward process") == "reward process died (exit code 1)"
     assert describe_death(None, "reward process") == "reward process died (exit code None)"
+
+
+@needs_sandbox
+def test_the_channel_takes_an_answer_of_exactly_its_cap_and_not_one_byte_more(tmp_path, trainer):
+    from service.sandbox.channel import ChildFailed, JsonLinesChild
+
+    script = tmp_path / "echo.py"  # answers each {"n": N} with a JSON string of N x's: N + 3 bytes with its newline
+    script.write_text("import json, os\nwhile True:\n    n = json.loads(os.read(0, 4096))['n']\n"
+                      "    os.write(1, json.dumps('x' * n).encode() + b'\\n')\n")
+    child = JsonLinesChild(script, limits=Limits(), prefix="cispo-reward-")
+    try:
+        assert child.exchange({"n": 100}, time.monotonic() + 20, max_bytes=103) == "x" * 100
+        with pytest.raises(ChildFailed, match=r"^answer larger than 103 bytes$"):
+            child.exchange({"n": 101}, time.monotonic() + 20, max_bytes=103)
+    finally:
+        child.stop()
+
