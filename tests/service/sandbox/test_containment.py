@@ -386,18 +386,26 @@ def test_a_dead_child_is_described_by_its_signal_or_its_exit_code():
     assert describe_death(None, "reward process") == "reward process died (exit code None)"
 
 
+
+_ECHO = """import json, os
+while True:
+    asked = json.loads(os.read(0, 4096))
+    os.write(1, asked['raw'].encode() if 'raw' in asked else json.dumps('x' * asked['n']).encode() + b'\\n')
+"""  # answers {"n": N} with a JSON string of N x's (N + 3 bytes with its newline), {"raw": text} with text
+
+
 @needs_sandbox
-def test_the_channel_takes_an_answer_of_exactly_its_cap_and_not_one_byte_more(tmp_path, trainer):
+@pytest.mark.parametrize("answer, error", [({"n": 101}, "answer larger than 103 bytes"),
+                                           ({"raw": '"a"\n"b"\n'}, "unexpected output after its answer"),
+                                           ({"raw": "{nope\n"}, "malformed answer")])
+def test_the_channel_takes_one_json_line_of_at_most_its_cap(tmp_path, trainer, answer, error):
     from service.sandbox.channel import ChildFailed, JsonLinesChild
 
-    script = tmp_path / "echo.py"  # answers each {"n": N} with a JSON string of N x's: N + 3 bytes with its newline
-    script.write_text("import json, os\nwhile True:\n    n = json.loads(os.read(0, 4096))['n']\n"
-                      "    os.write(1, json.dumps('x' * n).encode() + b'\\n')\n")
-    child = JsonLinesChild(script, limits=Limits(), prefix="cispo-reward-")
+    (tmp_path / "echo.py").write_text(_ECHO)
+    child = JsonLinesChild(tmp_path / "echo.py", limits=Limits(), prefix="cispo-reward-")
     try:
-        assert child.exchange({"n": 100}, time.monotonic() + 20, max_bytes=103) == "x" * 100
-        with pytest.raises(ChildFailed, match=r"^answer larger than 103 bytes$"):
-            child.exchange({"n": 101}, time.monotonic() + 20, max_bytes=103)
+        assert child.exchange({"n": 100}, time.monotonic() + 20, max_bytes=103) == "x" * 100  # exactly the cap
+        with pytest.raises(ChildFailed, match=f"^{error}$"):
+            child.exchange(answer, time.monotonic() + 20, max_bytes=103)
     finally:
         child.stop()
-
