@@ -409,3 +409,31 @@ def test_the_channel_takes_one_json_line_of_at_most_its_cap(tmp_path, trainer, a
             child.exchange(answer, time.monotonic() + 20, max_bytes=103)
     finally:
         child.stop()
+
+
+def test_limits_become_these_rlimits():
+    assert Limits().rlimits() == {"AS": 1 << 30, "FSIZE": 16 << 20, "NOFILE": 64, "NPROC": 64, "CORE": 0}
+    assert Limits(cpu_s=7, address_space_bytes=5, file_size_bytes=6, open_files=8, max_processes=9).rlimits() == {
+        "AS": 5, "FSIZE": 6, "NOFILE": 8, "NPROC": 9, "CORE": 0, "CPU": 7}
+
+
+def test_python_argv_runs_the_scripts_as_one_isolated_program(tmp_path):
+    (tmp_path / "a.py").write_text("A = 1\n")
+    (tmp_path / "b.py").write_text("print(A)")
+    assert python_argv(tmp_path / "a.py", tmp_path / "b.py") == [sandbox.sandbox_python(), "-I", "-S", "-B", "-c",
+                                                                 "A = 1\n\nprint(A)"]
+
+
+def test_a_new_workdir_is_private_and_named_for_its_use():
+    workdir = sandbox.new_workdir("cispo-test-")
+    try:
+        assert workdir.name.startswith("cispo-test-") and workdir.stat().st_mode & 0o777 == 0o700
+    finally:
+        workdir.rmdir()
+    workdir = sandbox.new_workdir()
+    workdir.rmdir()
+    assert workdir.name.startswith("cispo-sandbox-")
+
+
+def test_exit_status_reads_only_128_plus_a_signal_number_as_a_signal():
+    assert [sandbox.exit_status(128 + n) for n in (0, 1, 64, 65)] == [128, -1, -64, 193]

@@ -338,3 +338,32 @@ def test_the_probe_says_why_a_host_cannot_sandbox(monkeypatch):
         sandbox_probe.launch_argv({}, ["true"])
     monkeypatch.setattr(sandbox_probe.sys, "platform", "darwin")
     assert sandbox_probe._probe(PROBE_UID, 1) == Probe("none", "not Linux")
+
+
+def test_the_sandbox_sees_the_system_its_interpreter_and_the_extra_paths_once_each(monkeypatch):
+    present = {"/usr", "/bin", "/lib", "/lib64", "/etc"}  # as on a merged-/usr host: no /sbin, /lib32, /libx32
+    monkeypatch.setattr(sandbox_probe.os.path, "lexists", lambda p: p in present)
+    monkeypatch.setattr(sandbox_probe.sys, "base_prefix", "/opt/python3.11")
+    assert sandbox_probe.read_only_paths() == ["/usr", "/bin", "/lib", "/lib64", "/etc", "/opt/python3.11"]
+    extra = ("/usr/share/data", "/usr", "/srv/models", "/srv/models/small", "/usrlocal", "/opt/python3.11/lib")
+    assert sandbox_probe.read_only_paths(extra) == ["/usr", "/bin", "/lib", "/lib64", "/etc", "/opt/python3.11",
+                                                    "/srv/models", "/usrlocal"]
+    monkeypatch.setattr(sandbox_probe.sys, "base_prefix", "/usr")  # a system Python: nothing to add
+    assert sandbox_probe.read_only_paths() == ["/usr", "/bin", "/lib", "/lib64", "/etc"]
+
+
+def test_the_launch_command_and_its_configuration(monkeypatch):
+    monkeypatch.setattr(sandbox_probe.shutil, "which", lambda name, path: f"/sbin/{name}" if path else None)
+    monkeypatch.setattr(sandbox_probe, "sandbox_python", lambda: "/opt/py/bin/python3")
+    assert sandbox_probe.launch_argv({"uid": 5}, ["prog", "--flag"]) == [
+        "/sbin/unshare", "--net", "--pid", "--fork", "--mount-proc", "--ipc", "--kill-child", "--",
+        "/opt/py/bin/python3", "-I", "-S", "-B", str(Path(sandbox_probe.__file__).with_name("launch.py")),
+        '{"uid": 5}', "--", "prog", "--flag"]
+    monkeypatch.setattr(sandbox_probe, "read_only_paths", lambda extra=(): ["/usr", *extra])
+    assert sandbox_probe.launch_config(uid=100007, workdir="/tmp/w", workdir_bytes=1 << 20, workdir_inodes=64,
+                                       rlimits={"NPROC": 16}, cgroups=["/sys/fs/cgroup/x"], status_fd=5,
+                                       extra_read_only=("/data",)) == {
+        "uid": 100007, "gid": 100007, "workdir": "/tmp/w", "workdir_bytes": 1 << 20, "workdir_inodes": 64,
+        "ro": ["/usr", "/data"], "rlimits": {"NPROC": 16}, "cgroups": ["/sys/fs/cgroup/x"], "status_fd": 5}
+    assert sandbox_probe.launch_config(uid=1, workdir="/w", workdir_bytes=1, workdir_inodes=1, rlimits={},
+                                       cgroups=[], status_fd=None)["ro"] == ["/usr"]
