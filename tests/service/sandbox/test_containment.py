@@ -437,3 +437,24 @@ def test_a_new_workdir_is_private_and_named_for_its_use():
 
 def test_exit_status_reads_only_128_plus_a_signal_number_as_a_signal():
     assert [sandbox.exit_status(128 + n) for n in (0, 1, 64, 65)] == [128, -1, -64, 193]
+
+
+def test_the_launchers_status_line_is_read_whole_and_within_its_deadline():
+    def read(*sends: bytes, close: bool = True, wait_s: float = 5.0) -> str:
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            for data in sends:
+                theirs.sendall(data)
+            if close:
+                theirs.shutdown(socket.SHUT_WR)
+            return sandbox._read_status(ours, time.monotonic() + wait_s)
+
+    assert read(b"ok pid:[4026532", b"]\n") == "ok pid:[4026532]"  # one line, from however many chunks
+    assert read(b"error: no such file\n", close=False) == "error: no such file"  # the line, not the socket's end
+    assert read(b"ok pid:[4") == "ok pid:[4"  # the launcher died mid-line: what it said
+    assert read() == ""  # it died without a word
+    assert read(b"\xffok\n") == "\ufffdok"
+    started = time.monotonic()
+    assert read(b"ok", close=False, wait_s=0.3) == "error: the launcher did not answer in time"
+    assert read(close=False, wait_s=0) == "error: the launcher did not answer in time"
+    assert time.monotonic() - started < 2
