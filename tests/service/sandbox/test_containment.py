@@ -458,3 +458,47 @@ def test_the_launchers_status_line_is_read_whole_and_within_its_deadline():
     assert read(b"ok", close=False, wait_s=0.3) == "error: the launcher did not answer in time"
     assert read(close=False, wait_s=0) == "error: the launcher did not answer in time"
     assert time.monotonic() - started < 2
+
+
+class _Ended:
+    """What kill() reads of a sandbox whose process already ended: its files, cgroup, uid lease, namespace."""
+
+    def __init__(self, pid_ns=None):
+        self.returncode, self.pid_ns, self.cgroup = 0, pid_ns, "its cgroup"
+        self.stdin, self.stdout, self.stderr, self.status = (_Closable() for _ in range(4))
+        self.uid_lease = _Closable()
+
+
+class _Closable:
+    closed = released = 0
+
+    def close(self):
+        self.closed += 1
+
+    def release(self):
+        self.released += 1
+
+
+def test_kill_of_an_ended_sandbox_closes_its_files_drops_its_cgroup_and_frees_its_uid(monkeypatch, caplog):
+    removed = []
+    monkeypatch.setattr(sandbox, "remove_cgroup", lambda cgroup: removed.append(cgroup) or len(removed) > 1)
+    proc = _Ended()
+    sandbox.kill(proc)
+    assert [f.closed for f in (proc.stdin, proc.stdout, proc.stderr, proc.status)] == [1, 1, 1, 1]
+    assert removed == ["its cgroup"] and proc.cgroup is None and proc.uid_lease.released == 1
+    assert [r.getMessage() for r in caplog.records] == ["sandbox cgroup its cgroup could not be removed"]
+    caplog.clear()
+    sandbox.kill(proc)  # again: nothing more to drop, nothing to warn about
+    assert removed == ["its cgroup", None] and caplog.records == []
+
+
+def test_kill_keeps_the_uid_leased_while_a_process_of_the_sandbox_survives(monkeypatch):
+    monkeypatch.setattr(sandbox, "remove_cgroup", lambda cgroup: True)
+    monkeypatch.setattr(sandbox, "members", lambda pid_ns: {4242: 7} if pid_ns == "pid:[1]" else {})
+    monkeypatch.setattr(sandbox, "KILL_TIMEOUT_S", 0.2)
+    proc = _Ended(pid_ns="pid:[1]")
+    started = time.monotonic()
+    with pytest.raises(SandboxError, match=r"^sandbox processes survived the kill: \[4242\]$"):
+        sandbox.kill(proc)
+    assert 0.2 <= time.monotonic() - started < 2  # it waited for them to go, until the deadline
+    assert proc.uid_lease.released == 0 and proc.cgroup is None
