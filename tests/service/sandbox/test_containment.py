@@ -502,3 +502,29 @@ def test_kill_keeps_the_uid_leased_while_a_process_of_the_sandbox_survives(monke
         sandbox.kill(proc)
     assert 0.2 <= time.monotonic() - started < 2  # it waited for them to go, until the deadline
     assert proc.uid_lease.released == 0 and proc.cgroup is None
+
+
+def test_members_are_the_live_processes_of_a_namespace_by_their_pid_in_it():
+    here = os.readlink("/proc/self/ns/pid")
+    ended = subprocess.Popen(["/bin/true"])  # a zombie until it is reaped
+    try:
+        deadline = time.monotonic() + 10
+        while "\nState:\tZ" not in Path(f"/proc/{ended.pid}/status").read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        found = members(here)
+        assert found[os.getpid()] == os.getpid() and ended.pid not in found
+    finally:
+        ended.wait()
+    assert members("pid:[0]") == {}
+
+
+@needs_sandbox
+def test_a_sandbox_names_its_init_and_its_target_by_their_pids_inside(trainer):
+    workdir = sandbox.new_workdir("cispo-reward-")
+    proc = sandbox.spawn(["/bin/sleep", "60"], workdir=workdir, limits=Limits())
+    try:
+        assert sorted(proc.members().values()) == [1, 2] and proc.pid not in proc.members()
+    finally:
+        sandbox.kill(proc)
+        workdir.rmdir()
+    assert proc.members() == {} and proc.returncode is not None
