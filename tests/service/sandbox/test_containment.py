@@ -528,3 +528,16 @@ def test_a_sandbox_names_its_init_and_its_target_by_their_pids_inside(trainer):
         sandbox.kill(proc)
         workdir.rmdir()
     assert proc.members() == {} and proc.returncode is not None
+
+
+def test_kill_before_the_namespace_exists_kills_the_launchers_process_group():
+    """A launcher that never answered has no namespace to end: kill() SIGKILLs its session's process group."""
+    proc = subprocess.Popen(["/bin/sleep", "60"], start_new_session=True)
+    proc.pid_ns = proc.cgroup = proc.uid_lease = proc.status = None
+    try:
+        sandbox.kill(proc)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
