@@ -329,7 +329,8 @@ def test_the_probe_says_why_a_host_cannot_sandbox(monkeypatch):
         held.release()
     assert sandbox_probe._probe(0, 5) == Probe("none", "the sandbox uids must not include 0")
     monkeypatch.setattr(sandbox_probe.os, "geteuid", lambda: 1000)
-    assert sandbox_probe._probe(1, 5).reason.startswith("the worker is not root")  # uid 1 may start a range
+    assert sandbox_probe._probe(1, 5) == Probe("none", "the worker is not root: it can neither create the namespaces "
+                                                       "nor switch the user code to an unprivileged uid")  # 1 may start
     monkeypatch.setattr(sandbox_probe.os, "geteuid", lambda: 0)
     asked = []
     monkeypatch.setattr(sandbox_probe.shutil, "which", lambda *a, **kw: asked.append((a, kw)))
@@ -368,3 +369,11 @@ def test_the_launch_command_and_its_configuration(monkeypatch):
         "ro": ["/usr", "/data"], "rlimits": {"NPROC": 16}, "cgroups": ["/sys/fs/cgroup/x"], "status_fd": 5}
     assert sandbox_probe.launch_config(uid=1, workdir="/w", workdir_bytes=1, workdir_inodes=1, rlimits={},
                                        cgroups=[], status_fd=None)["ro"] == ["/usr"]
+
+
+@needs_sandbox
+def test_the_trial_sandbox_gets_an_allow_listed_environment(monkeypatch):
+    monkeypatch.setenv("CISPO_PROBE_CANARY", "a secret of the worker's")
+    monkeypatch.setattr(sandbox_probe, "_CHECK", _check_then("found['uid'] = sorted(os.environ)"))
+    assert sandbox_probe._probe(PROBE_UID, 1).reason == (
+        "the trial sandbox is not contained: {'uid': ['HOME', 'LANG', 'PATH', 'TMPDIR']}")
