@@ -341,6 +341,7 @@ def reward(completion, **row):
 
         with pytest.raises(SandboxError, match="did not start.*No such file"):
             sandbox.spawn(["/nonexistent/program"], workdir=tmp_path / "w", limits=Limits())
+        assert (tmp_path / "w").stat().st_mode & 0o777 == 0o700  # spawn made the placeholder, private
         (tmp_path / "w").rmdir()
 
 
@@ -521,9 +522,11 @@ def test_members_are_the_live_processes_of_a_namespace_by_their_pid_in_it():
 @needs_sandbox
 def test_a_sandbox_names_its_init_and_its_target_by_their_pids_inside(trainer):
     workdir = sandbox.new_workdir("cispo-reward-")
-    proc = sandbox.spawn(["/bin/sleep", "60"], workdir=workdir, limits=Limits())
+    proc = sandbox.spawn(["/bin/sleep", "60"], workdir=workdir, limits=Limits(max_processes=9))
     try:
         assert sorted(proc.members().values()) == [1, 2] and proc.pid not in proc.members()
+        pids_max = [(path / "pids.max").read_text() for path in proc.cgroup.paths if (path / "pids.max").exists()]
+        assert pids_max == ["10\n"]  # its processes and its init
     finally:
         sandbox.kill(proc)
         workdir.rmdir()
@@ -541,3 +544,23 @@ def test_kill_before_the_namespace_exists_kills_the_launchers_process_group():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@needs_sandbox
+def test_a_sandbox_without_a_uid_or_a_cgroup_did_not_start_and_holds_nothing(monkeypatch, tmp_path):
+    def no_uid(first, count):
+        raise sandbox.NoUidFree("all 3 sandbox uids are in use")
+
+    monkeypatch.setattr(sandbox, "lease_uid", no_uid)
+    with pytest.raises(SandboxError, match=r"^the sandbox did not start: all 3 sandbox uids are in use$"):
+        sandbox.spawn(["/bin/true"], workdir=tmp_path / "a", limits=Limits())
+
+    def no_cgroup(memory_bytes, max_processes):
+        raise sandbox.CgroupUnavailable("no writable cgroup")
+
+    lease = _Closable()
+    monkeypatch.setattr(sandbox, "lease_uid", lambda first, count: lease)
+    monkeypatch.setattr(sandbox, "new_cgroup", no_cgroup)
+    with pytest.raises(SandboxError, match=r"^the sandbox did not start: no writable cgroup$"):
+        sandbox.spawn(["/bin/true"], workdir=tmp_path / "b", limits=Limits())
+    assert lease.released == 1
