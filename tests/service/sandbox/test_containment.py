@@ -564,3 +564,40 @@ def test_a_sandbox_without_a_uid_or_a_cgroup_did_not_start_and_holds_nothing(mon
     with pytest.raises(SandboxError, match=r"^the sandbox did not start: no writable cgroup$"):
         sandbox.spawn(["/bin/true"], workdir=tmp_path / "b", limits=Limits())
     assert lease.released == 1
+
+
+@needs_sandbox
+def test_the_target_gets_the_allow_listed_environment_and_no_stderr_of_ours(trainer, capfd, monkeypatch, tmp_path):
+    monkeypatch.setenv("CISPO_CANARY", "a secret of the worker's")
+    workdir = sandbox.new_workdir("cispo-reward-")
+    proc = sandbox.spawn(["/bin/sh", "-c", "env; echo a flood >&2"], workdir=workdir, limits=Limits())
+    try:
+        printed = proc.stdout.read().decode()
+        proc.wait(timeout=10)
+    finally:
+        sandbox.kill(proc)
+        workdir.rmdir()
+    shell_own = {"PWD", "OLDPWD", "SHLVL", "_"}  # what sh sets itself
+    assert dict(line.split("=", 1) for line in printed.splitlines() if line.split("=", 1)[0] not in shell_own) == {
+        "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "HOME": str(workdir),
+        "TMPDIR": str(workdir)}
+    assert capfd.readouterr().err == ""  # the sandbox's stderr goes nowhere unless the caller asks for it
+
+
+@needs_sandbox
+def test_extra_read_only_paths_are_visible_and_read_only(trainer, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "data.txt").write_text("readable\n")
+    shared.chmod(0o755)
+    tmp_path.chmod(0o755)
+    workdir = sandbox.new_workdir("cispo-reward-")
+    script = f"cat {shared}/data.txt; touch {shared}/new 2>/dev/null || echo refused"
+    proc = sandbox.spawn(["/bin/sh", "-c", script], workdir=workdir, limits=Limits(), extra_read_only=(str(shared),))
+    try:
+        printed = proc.stdout.read().decode()
+        proc.wait(timeout=10)
+    finally:
+        sandbox.kill(proc)
+        workdir.rmdir()
+    assert printed == "readable\nrefused\n" and not (shared / "new").exists()
