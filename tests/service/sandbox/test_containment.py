@@ -448,7 +448,17 @@ def test_the_launchers_status_line_is_read_whole_and_within_its_deadline():
                 theirs.sendall(data)
             if close:
                 theirs.shutdown(socket.SHUT_WR)
-            return sandbox._read_status(ours, time.monotonic() + wait_s)
+
+            def overdue(signum, frame):
+                raise TimeoutError("_read_status waited past its deadline")
+
+            previous = signal.signal(signal.SIGALRM, overdue)  # a read that ignores the deadline fails, not hangs
+            signal.setitimer(signal.ITIMER_REAL, wait_s + 2)
+            try:
+                return sandbox._read_status(ours, time.monotonic() + wait_s)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
 
     assert read(b"ok pid:[4026532", b"]\n") == "ok pid:[4026532]"  # one line, from however many chunks
     assert read(b"error: no such file\n", close=False) == "error: no such file"  # the line, not the socket's end
