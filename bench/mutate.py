@@ -52,18 +52,22 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     "sandbox": (["service/sandbox/cgroup.py", "service/sandbox/uids.py"],
                 ["tests/service/sandbox/test_cgroup.py", "tests/service/sandbox/test_uids.py",
                  "tests/service/sandbox/test_kernel.py"], []),
-    # spawn (start, kill, verify), the probe that gates user code, and the JSON-lines channel to a child: judged by
-    # the containment and kernel tests and by the two users of the channel (Python rewards and environments).
-    "sandbox-spawn": (["service/sandbox/spawn.py", "service/sandbox/probe.py", "service/sandbox/channel.py"],
-                      ["tests/service/sandbox/test_containment.py", "tests/service/sandbox/test_kernel.py",
-                       "tests/worker/test_python_reward.py", "tests/worker/test_python_env.py"], []),
+    # spawn (start, kill, verify) and the probe that gates user code: by the containment and kernel tests. Every
+    # mutant of them runs each sandbox test that starts a sandbox (~40 s on 2 loaded cores): the Python reward and
+    # environment tests, which start theirs through the same spawn(), would double that.
+    "sandbox-spawn": (["service/sandbox/spawn.py", "service/sandbox/probe.py"],
+                      ["tests/service/sandbox/test_containment.py", "tests/service/sandbox/test_kernel.py"], []),
+    # The JSON-lines channel to a sandboxed child: also by its two users (Python rewards and environments).
+    "sandbox-channel": (["service/sandbox/channel.py"],
+                        ["tests/service/sandbox/test_containment.py", "tests/service/sandbox/test_kernel.py",
+                         "tests/worker/test_python_reward.py", "tests/worker/test_python_env.py"], []),
 }
 
 # mutmut's wall-clock limit per mutant is (the covering tests' time + 1 s) x this. 60 by default: on a loaded
 # machine checkpoint's fixture setup (outside the measured time) made mutants that raise at once time out. The
 # sandbox's mutants that wait (a kill loop that never sees its namespace empty, an exchange that never times out)
 # sleep rather than spin, so they would hold a child for (time + 1) x 60 s each: 15 (mutmut's default) there.
-TIMEOUT_MULTIPLIER = {"sandbox-spawn": 15}
+TIMEOUT_MULTIPLIER = {"sandbox-spawn": 15, "sandbox-channel": 15}
 
 
 def _copy_checkout(dest: Path) -> None:
