@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -444,10 +445,15 @@ def test_the_launchers_status_line_is_read_whole_and_within_its_deadline():
     def read(*sends: bytes, close: bool = True, wait_s: float = 5.0) -> str:
         ours, theirs = socket.socketpair()
         with ours, theirs:
-            for data in sends:
-                theirs.sendall(data)
-            if close:
-                theirs.shutdown(socket.SHUT_WR)
+            def send():
+                for data in sends:
+                    theirs.sendall(data)
+                    time.sleep(0.05)  # each its own chunk
+                if close:
+                    theirs.shutdown(socket.SHUT_WR)
+
+            sender = threading.Thread(target=send, daemon=True)
+            sender.start()
 
             def overdue(signum, frame):
                 raise TimeoutError("_read_status waited past its deadline")
@@ -459,6 +465,7 @@ def test_the_launchers_status_line_is_read_whole_and_within_its_deadline():
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
+                sender.join()
 
     assert read(b"ok pid:[4026532", b"]\n") == "ok pid:[4026532]"  # one line, from however many chunks
     assert read(b"error: no such file\n", close=False) == "error: no such file"  # the line, not the socket's end
@@ -518,14 +525,17 @@ def test_kill_keeps_the_uid_leased_while_a_process_of_the_sandbox_survives(monke
 def test_members_are_the_live_processes_of_a_namespace_by_their_pid_in_it():
     here = os.readlink("/proc/self/ns/pid")
     ended = subprocess.Popen(["/bin/true"])  # a zombie until it is reaped
+    alive = subprocess.Popen(["/bin/sleep", "60"])  # after it in /proc
     try:
         deadline = time.monotonic() + 10
         while "\nState:\tZ" not in Path(f"/proc/{ended.pid}/status").read_text() and time.monotonic() < deadline:
             time.sleep(0.01)
         found = members(here)
-        assert found[os.getpid()] == os.getpid() and ended.pid not in found
+        assert found[os.getpid()] == os.getpid() and found[alive.pid] == alive.pid and ended.pid not in found
     finally:
         ended.wait()
+        alive.kill()
+        alive.wait()
     assert members("pid:[0]") == {}
 
 
@@ -611,3 +621,22 @@ def test_extra_read_only_paths_are_visible_and_read_only(trainer, tmp_path):
         sandbox.kill(proc)
         workdir.rmdir()
     assert printed == "readable\nrefused\n" and not (shared / "new").exists()
+
+
+@needs_sandbox
+@pytest.mark.parametrize("status, error", [(OSError("connection reset"), "error: connection reset"),
+                                           ("", "no answer from its launcher")])
+def test_a_launcher_that_does_not_answer_ok_did_not_start(monkeypatch, trainer, status, error):
+    def read_status(sock, deadline):
+        if isinstance(status, Exception):
+            raise status
+        return status
+
+    monkeypatch.setattr(sandbox, "_read_status", read_status)
+    workdir = sandbox.new_workdir("cispo-reward-")
+    try:
+        with pytest.raises(SandboxError, match=f"^the sandbox did not start: {error}$"):
+            sandbox.spawn(["/bin/sleep", "60"], workdir=workdir, limits=Limits())
+        time.sleep(0.05)  # long enough for the trainer fixture's thread to tick
+    finally:
+        workdir.rmdir()

@@ -377,3 +377,12 @@ def test_the_trial_sandbox_gets_an_allow_listed_environment(monkeypatch):
     monkeypatch.setattr(sandbox_probe, "_CHECK", _check_then("found['uid'] = sorted(os.environ)"))
     assert sandbox_probe._probe(PROBE_UID, 1).reason == (
         "the trial sandbox is not contained: {'uid': ['HOME', 'LANG', 'PATH', 'TMPDIR']}")
+
+
+def test_each_uid_range_is_probed_and_cached_on_its_own(monkeypatch):
+    monkeypatch.setattr(sandbox_probe, "_probe", lambda first, count: Probe("none", f"{first}+{count}"))
+    sandbox_probe.forget_probes()
+    try:
+        assert [sandbox_probe.probe(*r).reason for r in [(1000, 1), (2000, 3), (1000, 1)]] == ["1000+1", "2000+3", "1000+1"]
+    finally:
+        sandbox_probe.forget_probes()
