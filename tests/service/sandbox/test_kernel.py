@@ -336,7 +336,7 @@ def test_the_probe_says_why_a_host_cannot_sandbox(monkeypatch):
     monkeypatch.setattr(sandbox_probe.shutil, "which", lambda *a, **kw: asked.append((a, kw)))
     assert sandbox_probe._probe(PROBE_UID, 1) == Probe("none", "unshare (util-linux) is not installed")
     assert asked == [(("unshare",), {"path": sandbox_probe.SYSTEM_SEARCH})]
-    with pytest.raises(FileNotFoundError, match="unshare"):
+    with pytest.raises(FileNotFoundError, match=r"^unshare \(util-linux\) is not installed$"):
         sandbox_probe.launch_argv({}, ["true"])
     monkeypatch.setattr(sandbox_probe.sys, "platform", "darwin")
     assert sandbox_probe._probe(PROBE_UID, 1) == Probe("none", "not Linux")
