@@ -231,3 +231,27 @@ def test_a_bf16_reference_model_is_recorded_as_bf16(tmp_path):
                            model_state=dict(model.state_dict()), reference_state=dict(pinned))
     assert json.loads((path / "reference" / "config.json").read_text())["dtype"] == "bfloat16"
     assert json.loads((path / "model" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_a_parameter_whose_optimizer_state_is_only_scalars_keeps_them(tmp_path, trained):  # noqa: F811
+    model, optimizer = trained
+    sd = optimizer.state_dict()
+    sd["state"][1] = {"step": 5.0}  # no moment tensors for this one
+    restored = optimizer_state_dict(make_optimizer(model), load_checkpoint(save(tmp_path / "step-00000002", model, sd)))
+    assert restored["state"][1] == {"step": 5.0}
+
+
+def test_adapter_config_mismatches_are_listed_sorted_and_all_linear_matches_itself(tmp_path):
+    check_lora_config(_adapter(tmp_path, target_modules="all-linear"), LoraSpec(r=4, alpha=8, target_modules="all-linear"))
+    adapter = _adapter(tmp_path, target_modules=["v_proj", "q_proj"])
+    with pytest.raises(CheckpointError) as err:
+        check_lora_config(adapter, LoraSpec(r=8, alpha=8, target_modules=["k_proj"]))
+    assert str(err.value) == (f"adapter {adapter} does not match the job's lora spec: r: checkpoint 4 vs job 8; "
+                              "target_modules: checkpoint ['q_proj', 'v_proj'] vs job ['k_proj']")
+
+
+def test_rng_state_saved_without_numpy_restores_the_rest():
+    state, tensors = capture_rng()
+    first = torch.rand(3)
+    restore_rng({"python": state["python"]}, {"rng.torch": tensors["rng.torch"]})
+    assert torch.equal(torch.rand(3), first)
