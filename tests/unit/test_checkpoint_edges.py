@@ -255,3 +255,29 @@ def test_rng_state_saved_without_numpy_restores_the_rest():
     first = torch.rand(3)
     restore_rng({"python": state["python"]}, {"rng.torch": tensors["rng.torch"]})
     assert torch.equal(torch.rand(3), first)
+
+
+def test_the_state_dicts_handed_in_are_what_is_saved(tmp_path, trained):  # noqa: F811
+    """model_state replaces the model's own weights (under FSDP those are shards): it is what the files hold."""
+    from safetensors.torch import load_file
+
+    model = make_base()
+    given = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    whole = load_checkpoint(save_checkpoint(tmp_path / "step-00000001", model=model, optimizer=None, state={},
+                                            model_state=dict(given)))
+    assert all(torch.all(t == 0.5) for t in load_file(whole.model_dir / "model.safetensors").values())
+    peft_model, _ = trained
+    given = {k: torch.full_like(v, 0.25) for k, v in peft_model.state_dict().items()}
+    adapter = load_checkpoint(save(tmp_path / "step-00000002", peft_model, None, model_state=given))
+    saved = load_file(adapter.adapter_dir / "adapter_model.safetensors")
+    assert saved and all(torch.all(t == 0.25) for t in saved.values())
+    assert adapter.model_dir is None and whole.adapter_dir is None
+
+
+def test_a_model_that_saves_no_config_is_refused_by_name(tmp_path):
+    class Silent:
+        def save_pretrained(self, folder, **kw):
+            Path(folder).mkdir(parents=True, exist_ok=True)
+
+    with pytest.raises(CheckpointError, match=r"^Silent.save_pretrained wrote no config.json$"):
+        save_checkpoint(tmp_path / "step-00000001", model=Silent(), optimizer=None, state={})
