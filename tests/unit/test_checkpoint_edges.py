@@ -281,3 +281,9 @@ def test_a_model_that_saves_no_config_is_refused_by_name(tmp_path):
 
     with pytest.raises(CheckpointError, match=r"^Silent.save_pretrained wrote no config.json$"):
         save_checkpoint(tmp_path / "step-00000001", model=Silent(), optimizer=None, state={})
+
+    class SilentPeft(Silent):
+        peft_config = {"default": None}
+
+    with pytest.raises(CheckpointError, match=r"^SilentPeft.save_pretrained wrote no adapter_model.safetensors$"):
+        save_checkpoint(tmp_path / "step-00000002", model=SilentPeft(), optimizer=None, state={})
