@@ -62,7 +62,7 @@ def test_mixed_dtypes_leave_config_dtype_as_saved(tmp_path):
 
 
 def test_a_reference_adapter_needs_a_lora_model_other_than_default(tmp_path, trained):  # noqa: F811
-    with pytest.raises(CheckpointError, match="a reference adapter needs a LoRA model"):
+    with pytest.raises(CheckpointError, match="^a reference adapter needs a LoRA model; pass reference_state for a whole model$"):
         save(tmp_path / "step-00000001", make_base(), None, reference_adapter="reference")
     with pytest.raises(CheckpointError, match="'default' is not a loaded adapter other than 'default'"):
         save(tmp_path / "step-00000001", *trained, reference_adapter="default")
