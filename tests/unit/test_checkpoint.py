@@ -311,3 +311,16 @@ def test_a_save_that_fails_after_moving_the_old_checkpoint_aside_puts_it_back(tm
 def test_a_checkpoint_folder_is_made_with_its_parents(tmp_path, trained):
     path = save(tmp_path / "job" / "checkpoints" / "step-00000002", *trained)
     assert load_checkpoint(path).state == {"step": 2}
+
+
+def test_a_reference_adapter_is_saved_from_the_state_dict_handed_in(tmp_path, trained):
+    """Under FSDP the model's own weights are shards: the gathered model_state is what reference/ must hold."""
+    from safetensors.torch import load_file
+
+    model, optimizer = trained
+    model.add_adapter("reference", lora_config(r=2, target_modules=["q_proj"]))
+    given = {k: torch.full_like(v, 0.75) for k, v in model.state_dict().items()}
+    ckpt = load_checkpoint(save(tmp_path / "step-00000002", model, optimizer, reference_adapter="reference",
+                                model_state=given))
+    saved = load_file(ckpt.reference_dir / "adapter_model.safetensors")
+    assert saved and all(torch.all(t == 0.75) for t in saved.values())
