@@ -34,7 +34,9 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
                ["tests/api/test_admission.py", "tests/service/test_auth.py", "tests/api/test_access.py", "tests/api/test_errors.py",
                 "tests/api/test_poll_cache.py",
                 "-k", "not postgresql"], []),
-    "update": (["worker/trainer/update.py"], ["tests/trainer/test_update.py"], []),
+    # The packed path (training.pack_tokens) and the off-policy masks are trained in their own test files.
+    "update": (["worker/trainer/update.py"], ["tests/trainer/test_update.py", "tests/trainer/test_packing.py",
+                                              "tests/trainer/test_recipe_knobs.py"], []),
     "scoring": (["worker/trainer/scoring.py"], ["tests/trainer/test_scoring.py"], []),
     "checkpoint": (["worker/checkpoint.py"], ["tests/unit/test_checkpoint.py", "tests/unit/test_checkpoint_edges.py"],
                    []),
