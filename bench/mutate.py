@@ -34,7 +34,9 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
                ["tests/api/test_admission.py", "tests/service/test_auth.py", "tests/api/test_access.py", "tests/api/test_errors.py",
                 "tests/api/test_poll_cache.py",
                 "-k", "not postgresql"], []),
-    "update": (["worker/trainer/update.py"], ["tests/trainer/test_update.py"], []),
+    # The packed path (training.pack_tokens) and the off-policy masks are trained in their own test files.
+    "update": (["worker/trainer/update.py"], ["tests/trainer/test_update.py", "tests/trainer/test_packing.py",
+                                              "tests/trainer/test_recipe_knobs.py"], []),
     "scoring": (["worker/trainer/scoring.py"], ["tests/trainer/test_scoring.py"], []),
     "checkpoint": (["worker/checkpoint.py"], ["tests/unit/test_checkpoint.py", "tests/unit/test_checkpoint_edges.py"],
                    []),
@@ -80,11 +82,26 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
                                "tests/unit/test_job_evidence_points.py", "tests/api/test_models.py",
                                "tests/api/test_health.py", "tests/api/test_isolation.py", "-k", "not postgresql"], []),
     # launch.py and child_bootstrap.py run under `python -I -S` (no site-packages, so no mutmut trampoline): not
-    # mutated. cgroup.py and uids.py first: the limits and the uid leases (spawn, probe, channel: not measured yet).
+    # mutated. cgroup.py and uids.py: the limits and the uid leases.
     "sandbox": (["service/sandbox/cgroup.py", "service/sandbox/uids.py"],
                 ["tests/service/sandbox/test_cgroup.py", "tests/service/sandbox/test_uids.py",
                  "tests/service/sandbox/test_kernel.py"], []),
+    # spawn (start, kill, verify) and the probe that gates user code: by the containment and kernel tests. Every
+    # mutant of them runs each sandbox test that starts a sandbox (~40 s on 2 loaded cores): the Python reward and
+    # environment tests, which start theirs through the same spawn(), would double that.
+    "sandbox-spawn": (["service/sandbox/spawn.py", "service/sandbox/probe.py"],
+                      ["tests/service/sandbox/test_containment.py", "tests/service/sandbox/test_kernel.py"], []),
+    # The JSON-lines channel to a sandboxed child: also by its two users (Python rewards and environments).
+    "sandbox-channel": (["service/sandbox/channel.py"],
+                        ["tests/service/sandbox/test_containment.py", "tests/service/sandbox/test_kernel.py",
+                         "tests/worker/test_python_reward.py", "tests/worker/test_python_env.py"], []),
 }
+
+# mutmut's wall-clock limit per mutant is (the covering tests' time + 1 s) x this. 60 by default: on a loaded
+# machine checkpoint's fixture setup (outside the measured time) made mutants that raise at once time out. The
+# sandbox's mutants that wait (a kill loop that never sees its namespace empty, an exchange that never times out)
+# sleep rather than spin, so they would hold a child for (time + 1) x 60 s each: 15 (mutmut's default) there.
+TIMEOUT_MULTIPLIER = {"sandbox-spawn": 15, "sandbox-channel": 15}
 
 
 def _copy_checkout(dest: Path) -> None:
@@ -99,7 +116,7 @@ def _copy_checkout(dest: Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
-def _config(paths: list[str], tests: list[str], skip: list[str]) -> str:
+def _config(paths: list[str], tests: list[str], skip: list[str], timeout_multiplier: int) -> str:
     quoted = lambda items: "[" + ", ".join(json.dumps(i) for i in items) + "]"  # noqa: E731
     return ("\n[tool.mutmut]\n"
             f"source_paths = {quoted(paths)}\n"
@@ -107,9 +124,7 @@ def _config(paths: list[str], tests: list[str], skip: list[str]) -> str:
             'also_copy = ["service/", "worker/", "tests/", "migrations/", "bench/", "README.md", "docs/"]\n'
             f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
             'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
-            # mutmut's wall-clock limit is 15x the tests' call time, which leaves out fixture setup: on a loaded
-            # machine, mutants that raise at once (checkpoint's `root = None`) were reported as timeouts.
-            "timeout_multiplier = 60\n")
+            f"timeout_multiplier = {timeout_multiplier}\n")
 
 
 def run(name: str, *, survivors: bool) -> dict:
@@ -117,7 +132,7 @@ def run(name: str, *, survivors: bool) -> dict:
     where = WORK / name
     _copy_checkout(where)
     with open(where / "pyproject.toml", "a") as f:
-        f.write(_config(paths, tests, skip))
+        f.write(_config(paths, tests, skip, TIMEOUT_MULTIPLIER.get(name, 60)))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # import the mutants, not the checkout
     # Every forked mutant run is a new pytest session: without this each would pretrain the toy model again.
     env.setdefault("CISPO_TEST_TOY_DIR", str(WORK / "toy"))

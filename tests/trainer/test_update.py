@@ -359,3 +359,21 @@ def test_a_single_action_token_is_a_step_and_the_entropy_is_the_token_mean(toy_d
     fresh.train()
     want_mean = float(sum(_naive_entropy(fresh, rollout, i).sum() for i in kept) / tokens)
     assert many.metrics()["entropy"] == pytest.approx(want_mean, rel=1e-4)
+
+
+def test_asynchronous_rollouts_take_logp_old_from_the_sampler(toy_dir):
+    """At max_staleness 1 (the least asynchronous setting) logp_old is the sampler's own log-probs: no frozen
+    forward recomputes them under the current policy, and a rollout without them is refused."""
+    spec = _spec(toy_dir, update_epochs=2, rollout={"max_staleness": 1})
+    policy = _policy(spec)
+    rollout, advantages = _batch_without_actions_in(3)
+    kept = [0, 1, 2, 4, 5, 6, 7]
+    updater = Updater(policy, Recording(policy.model.named_parameters(), lr=LR), spec)
+    rollout.sampler_logprobs = None
+    with pytest.raises(ValueError, match="^rollout.max_staleness > 0 needs the sampler's log-probs of every sequence$"):
+        updater.run(rollout, advantages, kept)
+    rollout.sampler_logprobs = [[-1.0] * count for count in rollout.action_counts]
+    frozen = []
+    updater._frozen_logprobs = lambda *a, **kw: frozen.append(kw) or {}  # noqa: E731
+    stats = updater.run(rollout, advantages, kept)
+    assert frozen == [] and len(stats.step_losses) == 2

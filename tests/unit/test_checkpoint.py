@@ -6,6 +6,7 @@ import hashlib
 import json
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -283,3 +284,43 @@ def test_a_tampered_manifest_path_is_refused(tmp_path, trained):
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="outside the checkpoint"):
         load_checkpoint(path)
+
+
+def test_a_failed_first_save_raises_its_own_error_and_leaves_nothing(tmp_path, trained):
+    with pytest.raises(CheckpointError, match="not JSON-serialisable"):
+        save_checkpoint(tmp_path / "step-00000001", model=trained[0], optimizer=trained[1], state={"bad": object()})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_that_fails_after_moving_the_old_checkpoint_aside_puts_it_back(tmp_path, trained, monkeypatch):
+    path = save(tmp_path / "step-00000002", *trained)
+    rename = Path.rename
+
+    def failing(self, target):
+        if self.name.startswith(".tmp-"):  # the finished new checkpoint, about to take the old one's place
+            raise OSError("rename failed")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    with pytest.raises(OSError, match="rename failed"):
+        save_checkpoint(path, model=trained[0], optimizer=trained[1], state={"step": 3})
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000002"]
+    assert load_checkpoint(path).state == {"step": 2}
+
+
+def test_a_checkpoint_folder_is_made_with_its_parents(tmp_path, trained):
+    path = save(tmp_path / "job" / "checkpoints" / "step-00000002", *trained)
+    assert load_checkpoint(path).state == {"step": 2}
+
+
+def test_a_reference_adapter_is_saved_from_the_state_dict_handed_in(tmp_path, trained):
+    """Under FSDP the model's own weights are shards: the gathered model_state is what reference/ must hold."""
+    from safetensors.torch import load_file
+
+    model, optimizer = trained
+    model.add_adapter("reference", lora_config(r=2, target_modules=["q_proj"]))
+    given = {k: torch.full_like(v, 0.75) for k, v in model.state_dict().items()}
+    ckpt = load_checkpoint(save(tmp_path / "step-00000002", model, optimizer, reference_adapter="reference",
+                                model_state=given))
+    saved = load_file(ckpt.reference_dir / "adapter_model.safetensors")
+    assert saved and all(torch.all(t == 0.75) for t in saved.values())

@@ -62,7 +62,7 @@ def test_mixed_dtypes_leave_config_dtype_as_saved(tmp_path):
 
 
 def test_a_reference_adapter_needs_a_lora_model_other_than_default(tmp_path, trained):  # noqa: F811
-    with pytest.raises(CheckpointError, match="a reference adapter needs a LoRA model"):
+    with pytest.raises(CheckpointError, match="^a reference adapter needs a LoRA model; pass reference_state for a whole model$"):
         save(tmp_path / "step-00000001", make_base(), None, reference_adapter="reference")
     with pytest.raises(CheckpointError, match="'default' is not a loaded adapter other than 'default'"):
         save(tmp_path / "step-00000001", *trained, reference_adapter="default")
@@ -231,3 +231,59 @@ def test_a_bf16_reference_model_is_recorded_as_bf16(tmp_path):
                            model_state=dict(model.state_dict()), reference_state=dict(pinned))
     assert json.loads((path / "reference" / "config.json").read_text())["dtype"] == "bfloat16"
     assert json.loads((path / "model" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_a_parameter_whose_optimizer_state_is_only_scalars_keeps_them(tmp_path, trained):  # noqa: F811
+    model, optimizer = trained
+    sd = optimizer.state_dict()
+    sd["state"][1] = {"step": 5.0}  # no moment tensors for this one
+    restored = optimizer_state_dict(make_optimizer(model), load_checkpoint(save(tmp_path / "step-00000002", model, sd)))
+    assert restored["state"][1] == {"step": 5.0}
+
+
+def test_adapter_config_mismatches_are_listed_sorted_and_all_linear_matches_itself(tmp_path):
+    check_lora_config(_adapter(tmp_path, target_modules="all-linear"), LoraSpec(r=4, alpha=8, target_modules="all-linear"))
+    adapter = _adapter(tmp_path, target_modules=["v_proj", "q_proj"])
+    with pytest.raises(CheckpointError) as err:
+        check_lora_config(adapter, LoraSpec(r=8, alpha=8, target_modules=["k_proj"]))
+    assert str(err.value) == (f"adapter {adapter} does not match the job's lora spec: r: checkpoint 4 vs job 8; "
+                              "target_modules: checkpoint ['q_proj', 'v_proj'] vs job ['k_proj']")
+
+
+def test_rng_state_saved_without_numpy_restores_the_rest():
+    state, tensors = capture_rng()
+    first = torch.rand(3)
+    restore_rng({"python": state["python"]}, {"rng.torch": tensors["rng.torch"]})
+    assert torch.equal(torch.rand(3), first)
+
+
+def test_the_state_dicts_handed_in_are_what_is_saved(tmp_path, trained):  # noqa: F811
+    """model_state replaces the model's own weights (under FSDP those are shards): it is what the files hold."""
+    from safetensors.torch import load_file
+
+    model = make_base()
+    given = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    whole = load_checkpoint(save_checkpoint(tmp_path / "step-00000001", model=model, optimizer=None, state={},
+                                            model_state=dict(given)))
+    assert all(torch.all(t == 0.5) for t in load_file(whole.model_dir / "model.safetensors").values())
+    peft_model, _ = trained
+    given = {k: torch.full_like(v, 0.25) for k, v in peft_model.state_dict().items()}
+    adapter = load_checkpoint(save(tmp_path / "step-00000002", peft_model, None, model_state=given))
+    saved = load_file(adapter.adapter_dir / "adapter_model.safetensors")
+    assert saved and all(torch.all(t == 0.25) for t in saved.values())
+    assert adapter.model_dir is None and whole.adapter_dir is None
+
+
+def test_a_model_that_saves_no_config_is_refused_by_name(tmp_path):
+    class Silent:
+        def save_pretrained(self, folder, **kw):
+            Path(folder).mkdir(parents=True, exist_ok=True)
+
+    with pytest.raises(CheckpointError, match=r"^Silent.save_pretrained wrote no config.json$"):
+        save_checkpoint(tmp_path / "step-00000001", model=Silent(), optimizer=None, state={})
+
+    class SilentPeft(Silent):
+        peft_config = {"default": None}
+
+    with pytest.raises(CheckpointError, match=r"^SilentPeft.save_pretrained wrote no adapter_model.safetensors$"):
+        save_checkpoint(tmp_path / "step-00000002", model=SilentPeft(), optimizer=None, state={})

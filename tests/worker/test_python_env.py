@@ -132,7 +132,7 @@ def test_an_interrupt_kills_a_running_batch_at_once():
         threading.Timer(0.5, INTERRUPT.set).start()  # what the job runner does on a cancel
         started = time.monotonic()
         try:
-            with pytest.raises(Interrupted):
+            with pytest.raises(Interrupted, match="^the job was cancelled while user code ran$"):
                 e.step([("hang", "x")])
         finally:
             INTERRUPT.clear()

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -341,6 +342,7 @@ def reward(completion, **row):
 
         with pytest.raises(SandboxError, match="did not start.*No such file"):
             sandbox.spawn(["/nonexistent/program"], workdir=tmp_path / "w", limits=Limits())
+        assert (tmp_path / "w").stat().st_mode & 0o777 == 0o700  # spawn made the placeholder, private
         (tmp_path / "w").rmdir()
 
 
@@ -375,3 +377,266 @@ def test_a_refused_sandbox_fails_the_job_with_that_message(monkeypatch, fresh_se
 def test_exit_status_maps_the_launchers_signal_codes():
     assert sandbox.exit_status(128 + signal.SIGSEGV) == -signal.SIGSEGV
     assert sandbox.exit_status(3) == 3 and sandbox.exit_status(-9) == -9 and sandbox.exit_status(None) is None
+
+
+def test_a_dead_child_is_described_by_its_signal_or_its_exit_code():
+    from service.sandbox.channel import describe_death
+
+    assert describe_death(-signal.SIGSEGV, "reward process") == "reward process died (signal 11)"
+    assert describe_death(0, "environment process") == "environment process died (exit code 0)"  # ended early
+    assert describe_death(1, "reward process") == "reward process died (exit code 1)"
+    assert describe_death(None, "reward process") == "reward process died (exit code None)"
+
+
+
+_ECHO = """import json, os
+while True:
+    asked = json.loads(os.read(0, 4096))
+    os.write(1, asked['raw'].encode() if 'raw' in asked else json.dumps('x' * asked['n']).encode() + b'\\n')
+"""  # answers {"n": N} with a JSON string of N x's (N + 3 bytes with its newline), {"raw": text} with text
+
+
+@needs_sandbox
+@pytest.mark.parametrize("answer, error", [({"n": 101}, "answer larger than 103 bytes"),
+                                           ({"raw": '"a"\n"b"\n'}, "unexpected output after its answer"),
+                                           ({"raw": "{nope\n"}, "malformed answer")])
+def test_the_channel_takes_one_json_line_of_at_most_its_cap(tmp_path, trainer, answer, error):
+    from service.sandbox.channel import ChildFailed, JsonLinesChild
+
+    (tmp_path / "echo.py").write_text(_ECHO)
+    child = JsonLinesChild(tmp_path / "echo.py", limits=Limits(), prefix="cispo-reward-")
+    try:
+        assert child.exchange({"n": 100}, time.monotonic() + 20, max_bytes=103) == "x" * 100  # exactly the cap
+        with pytest.raises(ChildFailed, match=f"^{error}$"):
+            child.exchange(answer, time.monotonic() + 20, max_bytes=103)
+    finally:
+        child.stop()
+
+
+def test_limits_become_these_rlimits():
+    assert Limits().rlimits() == {"AS": 1 << 30, "FSIZE": 16 << 20, "NOFILE": 64, "NPROC": 64, "CORE": 0}
+    assert Limits(cpu_s=7, address_space_bytes=5, file_size_bytes=6, open_files=8, max_processes=9).rlimits() == {
+        "AS": 5, "FSIZE": 6, "NOFILE": 8, "NPROC": 9, "CORE": 0, "CPU": 7}
+
+
+def test_python_argv_runs_the_scripts_as_one_isolated_program(tmp_path):
+    (tmp_path / "a.py").write_text("A = 1\n")
+    (tmp_path / "b.py").write_text("print(A)")
+    assert python_argv(tmp_path / "a.py", tmp_path / "b.py") == [sandbox.sandbox_python(), "-I", "-S", "-B", "-c",
+                                                                 "A = 1\n\nprint(A)"]
+
+
+def test_a_new_workdir_is_private_and_named_for_its_use():
+    workdir = sandbox.new_workdir("cispo-test-")
+    try:
+        assert workdir.name.startswith("cispo-test-") and workdir.stat().st_mode & 0o777 == 0o700
+    finally:
+        workdir.rmdir()
+    workdir = sandbox.new_workdir()
+    workdir.rmdir()
+    assert workdir.name.startswith("cispo-sandbox-")
+
+
+def test_exit_status_reads_only_128_plus_a_signal_number_as_a_signal():
+    assert [sandbox.exit_status(128 + n) for n in (0, 1, 64, 65)] == [128, -1, -64, 193]
+
+
+def test_the_launchers_status_line_is_read_whole_and_within_its_deadline():
+    def read(*sends: bytes, close: bool = True, wait_s: float = 5.0) -> str:
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            def send():
+                for data in sends:
+                    theirs.sendall(data)
+                    time.sleep(0.05)  # each its own chunk
+                if close:
+                    theirs.shutdown(socket.SHUT_WR)
+
+            sender = threading.Thread(target=send, daemon=True)
+            sender.start()
+
+            def overdue(signum, frame):
+                raise TimeoutError("_read_status waited past its deadline")
+
+            previous = signal.signal(signal.SIGALRM, overdue)  # a read that ignores the deadline fails, not hangs
+            signal.setitimer(signal.ITIMER_REAL, wait_s + 2)
+            try:
+                return sandbox._read_status(ours, time.monotonic() + wait_s)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+                sender.join()
+
+    assert read(b"ok pid:[4026532", b"]\n") == "ok pid:[4026532]"  # one line, from however many chunks
+    assert read(b"error: no such file\n", close=False) == "error: no such file"  # the line, not the socket's end
+    assert read(b"ok pid:[4") == "ok pid:[4"  # the launcher died mid-line: what it said
+    assert read() == ""  # it died without a word
+    assert read(b"\xffok\n") == "\ufffdok"
+    started = time.monotonic()
+    assert read(b"ok", close=False, wait_s=0.3) == "error: the launcher did not answer in time"
+    assert read(close=False, wait_s=0) == "error: the launcher did not answer in time"
+    assert time.monotonic() - started < 2
+
+
+class _Ended:
+    """What kill() reads of a sandbox whose process already ended: its files, cgroup, uid lease, namespace."""
+
+    def __init__(self, pid_ns=None):
+        self.returncode, self.pid_ns, self.cgroup = 0, pid_ns, "its cgroup"
+        self.stdin, self.stdout, self.stderr, self.status = (_Closable() for _ in range(4))
+        self.uid_lease = _Closable()
+
+
+class _Closable:
+    closed = released = 0
+
+    def close(self):
+        self.closed += 1
+
+    def release(self):
+        self.released += 1
+
+
+def test_kill_of_an_ended_sandbox_closes_its_files_drops_its_cgroup_and_frees_its_uid(monkeypatch, caplog):
+    removed = []
+    monkeypatch.setattr(sandbox, "remove_cgroup", lambda cgroup: removed.append(cgroup) or len(removed) > 1)
+    proc = _Ended()
+    sandbox.kill(proc)
+    assert [f.closed for f in (proc.stdin, proc.stdout, proc.stderr, proc.status)] == [1, 1, 1, 1]
+    assert removed == ["its cgroup"] and proc.cgroup is None and proc.uid_lease.released == 1
+    assert [r.getMessage() for r in caplog.records] == ["sandbox cgroup its cgroup could not be removed"]
+    caplog.clear()
+    sandbox.kill(proc)  # again: nothing more to drop, nothing to warn about
+    assert removed == ["its cgroup", None] and caplog.records == []
+
+
+def test_kill_keeps_the_uid_leased_while_a_process_of_the_sandbox_survives(monkeypatch):
+    monkeypatch.setattr(sandbox, "remove_cgroup", lambda cgroup: True)
+    monkeypatch.setattr(sandbox, "members", lambda pid_ns: {4242: 7} if pid_ns == "pid:[1]" else {})
+    monkeypatch.setattr(sandbox, "KILL_TIMEOUT_S", 0.2)
+    proc = _Ended(pid_ns="pid:[1]")
+    started = time.monotonic()
+    with pytest.raises(SandboxError, match=r"^sandbox processes survived the kill: \[4242\]$"):
+        sandbox.kill(proc)
+    assert 0.2 <= time.monotonic() - started < 2  # it waited for them to go, until the deadline
+    assert proc.uid_lease.released == 0 and proc.cgroup is None
+
+
+def test_members_are_the_live_processes_of_a_namespace_by_their_pid_in_it():
+    here = os.readlink("/proc/self/ns/pid")
+    ended = subprocess.Popen(["/bin/true"])  # a zombie until it is reaped
+    alive = subprocess.Popen(["/bin/sleep", "60"])  # after it in /proc
+    try:
+        deadline = time.monotonic() + 10
+        while "\nState:\tZ" not in Path(f"/proc/{ended.pid}/status").read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        found = members(here)
+        assert found[os.getpid()] == os.getpid() and found[alive.pid] == alive.pid and ended.pid not in found
+    finally:
+        ended.wait()
+        alive.kill()
+        alive.wait()
+    assert members("pid:[0]") == {}
+
+
+@needs_sandbox
+def test_a_sandbox_names_its_init_and_its_target_by_their_pids_inside(trainer):
+    workdir = sandbox.new_workdir("cispo-reward-")
+    proc = sandbox.spawn(["/bin/sleep", "60"], workdir=workdir, limits=Limits(max_processes=9))
+    try:
+        assert sorted(proc.members().values()) == [1, 2] and proc.pid not in proc.members()
+        pids_max = [(path / "pids.max").read_text() for path in proc.cgroup.paths if (path / "pids.max").exists()]
+        assert pids_max == ["10\n"]  # its processes and its init
+    finally:
+        sandbox.kill(proc)
+        workdir.rmdir()
+    assert proc.members() == {} and proc.returncode is not None
+
+
+def test_kill_before_the_namespace_exists_kills_the_launchers_process_group():
+    """A launcher that never answered has no namespace to end: kill() SIGKILLs its session's process group."""
+    proc = subprocess.Popen(["/bin/sleep", "60"], start_new_session=True)
+    proc.pid_ns = proc.cgroup = proc.uid_lease = proc.status = None
+    try:
+        sandbox.kill(proc)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@needs_sandbox
+def test_a_sandbox_without_a_uid_or_a_cgroup_did_not_start_and_holds_nothing(monkeypatch, tmp_path):
+    def no_uid(first, count):
+        raise sandbox.NoUidFree("all 3 sandbox uids are in use")
+
+    monkeypatch.setattr(sandbox, "lease_uid", no_uid)
+    with pytest.raises(SandboxError, match=r"^the sandbox did not start: all 3 sandbox uids are in use$"):
+        sandbox.spawn(["/bin/true"], workdir=tmp_path / "a", limits=Limits())
+
+    def no_cgroup(memory_bytes, max_processes):
+        raise sandbox.CgroupUnavailable("no writable cgroup")
+
+    lease = _Closable()
+    monkeypatch.setattr(sandbox, "lease_uid", lambda first, count: lease)
+    monkeypatch.setattr(sandbox, "new_cgroup", no_cgroup)
+    with pytest.raises(SandboxError, match=r"^the sandbox did not start: no writable cgroup$"):
+        sandbox.spawn(["/bin/true"], workdir=tmp_path / "b", limits=Limits())
+    assert lease.released == 1
+
+
+@needs_sandbox
+def test_the_target_gets_the_allow_listed_environment_and_no_stderr_of_ours(trainer, capfd, monkeypatch, tmp_path):
+    monkeypatch.setenv("CISPO_CANARY", "a secret of the worker's")
+    workdir = sandbox.new_workdir("cispo-reward-")
+    proc = sandbox.spawn(["/bin/sh", "-c", "env; echo a flood >&2"], workdir=workdir, limits=Limits())
+    try:
+        printed = proc.stdout.read().decode()
+        proc.wait(timeout=10)
+    finally:
+        sandbox.kill(proc)
+        workdir.rmdir()
+    shell_own = {"PWD", "OLDPWD", "SHLVL", "_"}  # what sh sets itself
+    assert dict(line.split("=", 1) for line in printed.splitlines() if line.split("=", 1)[0] not in shell_own) == {
+        "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "HOME": str(workdir),
+        "TMPDIR": str(workdir)}
+    assert capfd.readouterr().err == ""  # the sandbox's stderr goes nowhere unless the caller asks for it
+
+
+@needs_sandbox
+def test_extra_read_only_paths_are_visible_and_read_only(trainer, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "data.txt").write_text("readable\n")
+    shared.chmod(0o755)
+    tmp_path.chmod(0o755)
+    workdir = sandbox.new_workdir("cispo-reward-")
+    script = f"cat {shared}/data.txt; touch {shared}/new 2>/dev/null || echo refused"
+    proc = sandbox.spawn(["/bin/sh", "-c", script], workdir=workdir, limits=Limits(), extra_read_only=(str(shared),))
+    try:
+        printed = proc.stdout.read().decode()
+        proc.wait(timeout=10)
+    finally:
+        sandbox.kill(proc)
+        workdir.rmdir()
+    assert printed == "readable\nrefused\n" and not (shared / "new").exists()
+
+
+@needs_sandbox
+@pytest.mark.parametrize("status, error", [(OSError("connection reset"), "error: connection reset"),
+                                           ("", "no answer from its launcher")])
+def test_a_launcher_that_does_not_answer_ok_did_not_start(monkeypatch, trainer, status, error):
+    def read_status(sock, deadline):
+        if isinstance(status, Exception):
+            raise status
+        return status
+
+    monkeypatch.setattr(sandbox, "_read_status", read_status)
+    workdir = sandbox.new_workdir("cispo-reward-")
+    try:
+        with pytest.raises(SandboxError, match=f"^the sandbox did not start: {error}$"):
+            sandbox.spawn(["/bin/sleep", "60"], workdir=workdir, limits=Limits())
+        time.sleep(0.05)  # long enough for the trainer fixture's thread to tick
+    finally:
+        workdir.rmdir()

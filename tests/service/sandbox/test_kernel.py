@@ -170,7 +170,8 @@ def test_a_failed_probe_is_retried_after_its_short_ttl(monkeypatch):
         assert sandbox_probe.probe(1000, 1).level == "none"  # cached for a moment
         time.sleep(0.3)
         assert sandbox_probe.probe(1000, 1).level == "namespaces"  # probed again: user code is back
-        assert sandbox_probe.effective_level("auto", 1000, 1) == "namespaces"
+        time.sleep(0.3)
+        assert sandbox_probe.effective_level("auto", 1000, 1) == "namespaces"  # a success is kept longer
     finally:
         sandbox_probe.forget_probes()
 
@@ -244,3 +245,144 @@ def test_seccomp_program_jumps_stay_inside_the_program():
         assert code[-1][0] == launcher.RET and code[-1][3] == launcher.RET_ERRNO | errno.ENOSYS
     with pytest.raises(launcher.SetupError, match="no syscall table"):
         launcher.seccomp_program("sparc")
+
+
+# -- the probe itself, run for real (probe() caches; these call _probe, the trial sandbox, directly) -----------
+
+# A uid range of one, outside the settings' (other tests' sandboxes and leases never touch it).
+PROBE_UID = 3_000_000 + os.getpid() % 100_000
+
+
+def _check_then(edit: str) -> str:
+    """The probe's in-sandbox check with `edit` run on its findings just before it prints them."""
+    last = "print(json.dumps(found))"
+    assert sandbox_probe._CHECK.rstrip().endswith(last)
+    return sandbox_probe._CHECK.rstrip().removesuffix(last) + edit + "\n" + last + "\n"
+
+
+@needs_sandbox
+def test_the_probe_runs_a_contained_trial_sandbox_and_leaves_nothing_behind(monkeypatch, trainer):
+    made = {}
+    mkdtemp, new_cgroup = sandbox_probe.tempfile.mkdtemp, sandbox_probe.new_cgroup
+    monkeypatch.setattr(sandbox_probe.tempfile, "mkdtemp", lambda **kw: made.setdefault("workdir", mkdtemp(**kw)))
+    monkeypatch.setattr(sandbox_probe, "new_cgroup", lambda *a: made.setdefault("cgroup", new_cgroup(*a)))
+
+    assert sandbox_probe._probe(PROBE_UID, 1) == Probe("namespaces", "")
+
+    assert Path(made["workdir"]).name.startswith("cispo-probe-") and not Path(made["workdir"]).exists()
+    assert made["cgroup"].paths and not any(p.exists() for p in made["cgroup"].paths)
+    lease_uid(PROBE_UID, 1).release()  # its uid is free again
+
+
+@needs_sandbox
+@pytest.mark.parametrize("edit, wrong", [
+    ("found['uid'] = os.getuid() + 1", "uid"), ("found['gid'] = os.getgid() + 1", "gid"), ("found['pid'] = 3", "pid"),
+    ("found['loopback'] = 'open'", "loopback"), ("found['write_outside'] = 'ok'", "write_outside"),
+    ("found['unshare'] = 'ok'", "unshare"), ("found['cgroup'] = False", "cgroup"), ("del found['cgroup']", "cgroup"),
+    ("found['workdir_bytes'] = 0", "workdir_bytes"), ("del found['workdir_bytes']", "workdir_bytes"),
+    (f"found['workdir_bytes'] = {sandbox_probe.PROBE_WORKDIR_BYTES + 4096}", "workdir_bytes"),
+])
+def test_the_probe_refuses_a_trial_sandbox_that_is_not_contained(monkeypatch, edit, wrong):
+    monkeypatch.setattr(sandbox_probe, "_CHECK", _check_then(edit))
+    found = sandbox_probe._probe(PROBE_UID, 1)
+    assert found.level == "none"
+    assert found.reason.startswith(f"the trial sandbox is not contained: {{{wrong!r}: "), found.reason
+    assert found.reason.count(": ") == 2  # that one finding alone
+
+
+@needs_sandbox
+@pytest.mark.parametrize("edit", ["found['write_outside'] = errno.EACCES",  # a read-only bind or no permission
+                                  f"found['workdir_bytes'] = {sandbox_probe.PROBE_WORKDIR_BYTES}"])
+def test_the_probe_accepts_each_contained_answer(monkeypatch, edit):
+    monkeypatch.setattr(sandbox_probe, "_CHECK", _check_then(edit))
+    assert sandbox_probe._probe(PROBE_UID, 1) == Probe("namespaces", "")
+
+
+@needs_sandbox
+@pytest.mark.parametrize("check, reason", [
+    ("import sys\nsys.stderr.write('first\\nlast words\\n')\nsys.exit(3)", "the trial sandbox failed (exit 3): last words"),
+    ("raise SystemExit(4)", "the trial sandbox failed (exit 4): "),
+    ("print('not json')", "the trial sandbox failed: JSONDecodeError: Expecting value: line 1 column 1 (char 0)"),
+])
+def test_a_trial_sandbox_that_fails_says_how(monkeypatch, check, reason):
+    monkeypatch.setattr(sandbox_probe, "_CHECK", check)
+    assert sandbox_probe._probe(PROBE_UID, 1) == Probe("none", reason)
+
+
+@needs_sandbox
+def test_a_trial_sandbox_past_its_deadline_is_a_failure(monkeypatch, trainer):
+    monkeypatch.setattr(sandbox_probe, "_CHECK", "import time\ntime.sleep(60)")
+    monkeypatch.setattr(sandbox_probe, "PROBE_TIMEOUT_S", 1.0)
+    started = time.monotonic()
+    found = sandbox_probe._probe(PROBE_UID, 1)
+    assert found.level == "none" and found.reason.startswith("the trial sandbox failed: TimeoutExpired: ")
+    assert time.monotonic() - started < 10
+
+
+def test_the_probe_says_why_a_host_cannot_sandbox(monkeypatch):
+    held = lease_uid(PROBE_UID, 1)
+    try:
+        if os.geteuid() == 0 and sandbox_probe.shutil.which("unshare", path=sandbox_probe.SYSTEM_SEARCH):
+            assert sandbox_probe._probe(PROBE_UID, 1) == Probe(
+                "none", f"all 1 sandbox uids ({PROBE_UID}-{PROBE_UID}) are in use by live sandboxes")
+    finally:
+        held.release()
+    assert sandbox_probe._probe(0, 5) == Probe("none", "the sandbox uids must not include 0")
+    monkeypatch.setattr(sandbox_probe.os, "geteuid", lambda: 1000)
+    assert sandbox_probe._probe(1, 5) == Probe("none", "the worker is not root: it can neither create the namespaces "
+                                                       "nor switch the user code to an unprivileged uid")  # 1 may start
+    monkeypatch.setattr(sandbox_probe.os, "geteuid", lambda: 0)
+    asked = []
+    monkeypatch.setattr(sandbox_probe.shutil, "which", lambda *a, **kw: asked.append((a, kw)))
+    assert sandbox_probe._probe(PROBE_UID, 1) == Probe("none", "unshare (util-linux) is not installed")
+    assert asked == [(("unshare",), {"path": sandbox_probe.SYSTEM_SEARCH})]
+    with pytest.raises(FileNotFoundError, match=r"^unshare \(util-linux\) is not installed$"):
+        sandbox_probe.launch_argv({}, ["true"])
+    monkeypatch.setattr(sandbox_probe.sys, "platform", "darwin")
+    assert sandbox_probe._probe(PROBE_UID, 1) == Probe("none", "not Linux")
+
+
+def test_the_sandbox_sees_the_system_its_interpreter_and_the_extra_paths_once_each(monkeypatch):
+    present = {"/usr", "/bin", "/lib", "/lib64", "/etc"}  # as on a merged-/usr host: no /sbin, /lib32, /libx32
+    monkeypatch.setattr(sandbox_probe.os.path, "lexists", lambda p: p in present)
+    monkeypatch.setattr(sandbox_probe.sys, "base_prefix", "/opt/python3.11")
+    assert sandbox_probe.read_only_paths() == ["/usr", "/bin", "/lib", "/lib64", "/etc", "/opt/python3.11"]
+    extra = ("/usr/share/data", "/usr", "/srv/models", "/srv/models/small", "/usrlocal", "/opt/python3.11/lib")
+    assert sandbox_probe.read_only_paths(extra) == ["/usr", "/bin", "/lib", "/lib64", "/etc", "/opt/python3.11",
+                                                    "/srv/models", "/usrlocal"]
+    monkeypatch.setattr(sandbox_probe.sys, "base_prefix", "/usr")  # a system Python: nothing to add
+    assert sandbox_probe.read_only_paths() == ["/usr", "/bin", "/lib", "/lib64", "/etc"]
+
+
+def test_the_launch_command_and_its_configuration(monkeypatch):
+    monkeypatch.setattr(sandbox_probe.shutil, "which", lambda name, path: f"/sbin/{name}" if path else None)
+    monkeypatch.setattr(sandbox_probe, "sandbox_python", lambda: "/opt/py/bin/python3")
+    assert sandbox_probe.launch_argv({"uid": 5}, ["prog", "--flag"]) == [
+        "/sbin/unshare", "--net", "--pid", "--fork", "--mount-proc", "--ipc", "--kill-child", "--",
+        "/opt/py/bin/python3", "-I", "-S", "-B", str(Path(sandbox_probe.__file__).with_name("launch.py")),
+        '{"uid": 5}', "--", "prog", "--flag"]
+    monkeypatch.setattr(sandbox_probe, "read_only_paths", lambda extra=(): ["/usr", *extra])
+    assert sandbox_probe.launch_config(uid=100007, workdir="/tmp/w", workdir_bytes=1 << 20, workdir_inodes=64,
+                                       rlimits={"NPROC": 16}, cgroups=["/sys/fs/cgroup/x"], status_fd=5,
+                                       extra_read_only=("/data",)) == {
+        "uid": 100007, "gid": 100007, "workdir": "/tmp/w", "workdir_bytes": 1 << 20, "workdir_inodes": 64,
+        "ro": ["/usr", "/data"], "rlimits": {"NPROC": 16}, "cgroups": ["/sys/fs/cgroup/x"], "status_fd": 5}
+    assert sandbox_probe.launch_config(uid=1, workdir="/w", workdir_bytes=1, workdir_inodes=1, rlimits={},
+                                       cgroups=[], status_fd=None)["ro"] == ["/usr"]
+
+
+@needs_sandbox
+def test_the_trial_sandbox_gets_an_allow_listed_environment(monkeypatch):
+    monkeypatch.setenv("CISPO_PROBE_CANARY", "a secret of the worker's")
+    monkeypatch.setattr(sandbox_probe, "_CHECK", _check_then("found['uid'] = sorted(os.environ)"))
+    assert sandbox_probe._probe(PROBE_UID, 1).reason == (
+        "the trial sandbox is not contained: {'uid': ['HOME', 'LANG', 'PATH', 'TMPDIR']}")
+
+
+def test_each_uid_range_is_probed_and_cached_on_its_own(monkeypatch):
+    monkeypatch.setattr(sandbox_probe, "_probe", lambda first, count: Probe("none", f"{first}+{count}"))
+    sandbox_probe.forget_probes()
+    try:
+        assert [sandbox_probe.probe(*r).reason for r in [(1000, 1), (2000, 3), (1000, 1)]] == ["1000+1", "2000+3", "1000+1"]
+    finally:
+        sandbox_probe.forget_probes()
