@@ -254,16 +254,15 @@ import os, time
 def reward(completion, **row):
     r, w = os.pipe()
     first = os.fork()
-    if first == 0:  # the intermediate child: fork the daemon, report its pid, exit
+    if first == 0:  # the intermediate child: fork the daemon, exit
         os.close(r)
-        second = os.fork()
-        if second == 0:
-            os.close(w)
+        if os.fork() == 0:  # the daemon reports its own pid once it is what the test asks (after setsid)
             if completion == "setsid":
                 os.setsid()
+            os.write(w, str(os.getpid()).encode())
+            os.close(w)
             while True:
                 time.sleep(1)
-        os.write(w, str(second).encode())
         os._exit(0)
     os.close(w)
     pid = int(os.read(r, 64))
