@@ -198,8 +198,9 @@ def rollout_turns(
     episodes = [_Episode(row, f"{tag}-{i * copies + c}", i, c) for i, row in enumerate(rows) for c in range(copies)]
 
     if environment is None:
+        prompts = [encode_prompt(tok, row_prompt(row)) for row in rows]  # once per prompt, not per copy
         for ep in episodes:
-            ep.append(encode_prompt(tok, row_prompt(ep.row)), turn=None)
+            ep.append(prompts[ep.prompt], turn=None)
     else:
         seeds = seeds or [0] * len(rows)
         outcomes = environment.reset([(ep.id, seeds[i // copies], ep.row) for i, ep in enumerate(episodes)])
