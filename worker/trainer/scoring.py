@@ -94,14 +94,10 @@ def _first_action(mask: list[int]) -> int:
 
 def _right_padded(token_ids: list[list[int]], action_masks: list[list[int]], pad_id: int, device) -> TokenBatch:
     T = max(len(ids) for ids in token_ids)
-    B = len(token_ids)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, T), dtype=torch.long)
-    action = torch.zeros((B, T), dtype=torch.float32)
-    for i, (seq, mask) in enumerate(zip(token_ids, action_masks)):
-        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[i, : len(seq)] = 1
-        action[i, : len(seq)] = torch.tensor(mask, dtype=torch.float32)
+    # Whole tensors from padded nested lists: one copy each, not three small ones per row.
+    ids = torch.tensor([seq + [pad_id] * (T - len(seq)) for seq in token_ids], dtype=torch.long)
+    attn = torch.tensor([[1] * len(seq) + [0] * (T - len(seq)) for seq in token_ids], dtype=torch.long)
+    action = torch.tensor([list(mask) + [0] * (T - len(mask)) for mask in action_masks], dtype=torch.float32)
     return TokenBatch(
         input_ids_BT=ids[:, :-1].to(device),
         attention_mask_BT=attn[:, :-1].to(device),
