@@ -78,7 +78,7 @@ def _prepare(job: JobUpdate) -> None:
     job.indices = [i for i in job.indices if counts[i] > 0]
     adv = job.advantages
     if isinstance(adv, Tensor):
-        adv = [adv[i].repeat(counts[i]) for i in range(len(job.rollout))]
+        adv = adv.repeat_interleave(torch.tensor(counts)).split(counts)  # one op, not one per row
     job.token_adv = {i: adv[i] for i in job.indices}
     if job.rollout.sampler_logprobs is not None:
         job.sampler = {i: torch.tensor(job.rollout.sampler_logprobs[i], dtype=torch.float32) for i in job.indices}
