@@ -120,3 +120,45 @@ def test_each_adapter_equals_its_job_trained_alone(toy_dir, tokenizer, steps):
         assert diff <= bound, name
         travelled = max(float((got[k] - start[name][k]).abs().max()) for k in got)
         assert travelled > 100 * bound, name  # the adapter really trained
+
+
+def test_a_prompt_two_jobs_sampled_is_held_once_per_job(toy_dir):
+    """As alone, each job's group shares its prompt pass; a prompt both jobs drew is two prefixes (one per adapter),
+    and a collision no longer costs the whole micro-batch its prefix sharing."""
+    from types import SimpleNamespace
+
+    from worker.multi.update import _collate
+
+    prompt, other = [5, 6, 7], [8, 9]
+
+    def job(name, prompts):
+        seqs = [p + [10 + c, 2] for p in prompts for c in range(2)]
+        masks = [[0] * len(p) + [1, 1] for p in prompts for _ in range(2)]
+        return SimpleNamespace(name=name, rollout=SimpleNamespace(token_ids=seqs, action_mask=masks))
+
+    a, b = job("job-a", [prompt, other]), job("job-b", [prompt])
+    batch = _collate(None, [(a, [0, 1, 2, 3]), (b, [0, 1])], pad_id=0, device=CPU)
+    assert batch.prefix_of_B is not None
+    assert batch.prefix_of_B.tolist() == [0, 0, 1, 1, 2, 2]  # job-a's two prompts, then job-b's own copy
+    assert batch.prefix_ids_GP[0].tolist() == batch.prefix_ids_GP[2].tolist() == [5, 6]
+
+
+def test_an_update_that_needs_no_frozen_logprobs_switches_the_model_mode_once(toy_dir, tokenizer, monkeypatch):
+    """Switching train/eval walks every module (hundreds, more with each adapter): a cycle with no KL term and one
+    update per rollout (the defaults) must not pay two round trips for frozen log-probs it does not compute."""
+    specs = {name: spec for name, spec in _jobs(toy_dir).items() if name in ("job-a", "job-d")}
+    specs["job-d"] = specs["job-d"].model_copy(update={"training": specs["job-d"].training.model_copy(
+        update={"mini_batches": 1})})
+    assert all(s.training.updates_per_rollout == 1 and s.loss.kl_beta == 0 for s in specs.values())
+    shared = shared_with_adapters(toy_dir, {name: spec.lora for name, spec in specs.items()})
+    requests = [RolloutRequest(name, _rows(toy_dir, 0, spec.training.batch_size), spec.sampling,
+                               spec.training.group_size, sampling_seeds=[1, 2]) for name, spec in specs.items()]
+    rollouts = dict(zip(specs, generate_jobs(shared, tokenizer, CPU, requests)))
+    switches = []
+    switch = shared.model.train
+    monkeypatch.setattr(shared.model, "train", lambda mode=True: switches.append(mode) or switch(mode))
+    batched_update(shared, [
+        JobUpdate(name, spec, _optimizer(shared.parameters(name), spec), shared.parameters(name), rollouts[name],
+                  torch.randn(len(rollouts[name])), list(range(len(rollouts[name]))), 0)
+        for name, spec in specs.items()], pad_id=tokenizer.pad_token_id, device=CPU)
+    assert switches == [True]

@@ -3,6 +3,8 @@ that does not fit beside the resident one waiting, queued and told why, instead 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from sqlalchemy import select
 
@@ -91,3 +93,59 @@ def test_a_job_that_does_not_fit_waits_queued_with_the_reason_and_runs_later(dat
 
     # Its own broker message, on a worker with nothing resident, runs it.
     assert run_shared(second, settings) == "succeeded"
+
+
+def _vllm_spec(toy_dir, **rollout) -> JobSpec:
+    raw = _spec(toy_dir, ["q_proj", "v_proj"]).model_dump(mode="json")
+    raw["rollout"] = {**raw["rollout"], "engine": "vllm", **rollout}
+    return JobSpec.model_validate(raw)
+
+
+def test_a_vllm_jobs_kv_cache_is_the_engines_counted_once_per_worker(toy_dir):
+    hf, vllm = _spec(toy_dir, ["q_proj", "v_proj"]), _vllm_spec(toy_dir)
+    assert memory.estimate(vllm, SHAPE).kv_cache == 0  # its rows' keys and values are in the engine's cache
+    assert memory.estimate(vllm, SHAPE).activations == memory.estimate(hf, SHAPE).activations
+    a = memory.MemoryEstimate(adapter=1, optimizer=2, activations=10, kv_cache=0)
+    b = memory.MemoryEstimate(adapter=4, optimizer=8, activations=50, kv_cache=0)
+    hf_job = memory.MemoryEstimate(adapter=1, optimizer=1, activations=5, kv_cache=30)
+    awake = memory.EngineMemory(held=1000, sleeps_in_update=False)
+    asleep = memory.EngineMemory(held=1000, sleeps_in_update=True)
+    # Two vLLM jobs: one engine, held through the update too when it does not sleep.
+    assert memory.together([a, b], awake) == 15 + 1000 + 60
+    assert memory.together([a, b], asleep) == 15 + 1000
+    assert memory.together([a, b, hf_job], asleep) == 17 + 1000 + 30  # our decode loop's KV beside the engine's
+    assert memory.together([a, b]) == 15 + 60  # no engine: as before
+
+
+def test_the_engines_memory_is_its_gpu_share_or_its_weights_and_cpu_kv_space(toy_dir, monkeypatch):
+    hf, vllm = _spec(toy_dir, ["q_proj", "v_proj"]), _vllm_spec(toy_dir, gpu_memory_utilization=0.25)
+    assert memory.engine_memory([hf], torch.device("cpu"), 1000) is None
+    monkeypatch.setattr(memory, "device_memory", lambda device: 80 * 2**30)
+    on_gpu = memory.engine_memory([hf, vllm, _vllm_spec(toy_dir, gpu_memory_utilization=0.5, sleep_mode=False)],
+                                  torch.device("cuda"), 1000)
+    assert on_gpu == memory.EngineMemory(held=20 * 2**30, sleeps_in_update=True)  # the first vLLM job's settings
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    on_cpu = memory.engine_memory([vllm], torch.device("cpu"), 1000)
+    assert on_cpu == memory.EngineMemory(held=1000 * 4 + 2 * 2**30, sleeps_in_update=False)  # the toy is float32
+
+
+def test_a_vllm_job_waits_when_the_engine_does_not_fit_beside_the_resident_job(toy_dir, tmp_path, monkeypatch):
+    from worker.multi.runner import Resident, SharedWorker
+
+    base = toy_base(toy_dir)
+    worker = SharedWorker(settings=None, sessions=None, store=None, owner="test", model="toy", key=("toy", "x"),
+                          slots=2)
+    worker.shape, worker.base_bytes = memory.BaseShape.of(base), memory.model_bytes(base)
+    worker.base_parameters, worker.device = sum(p.numel() for p in base.parameters()), torch.device("cpu")
+    resident = _vllm_spec(toy_dir)
+    worker.residents["first"] = Resident("first", SimpleNamespace(spec=resident), reporter=None, work=tmp_path)
+    worker.estimates["first"] = memory.estimate(resident, worker.shape)
+    joining = _vllm_spec(toy_dir)
+    jobs_alone = worker.base_bytes + memory.together([worker.estimates["first"], memory.estimate(joining,
+                                                                                              worker.shape)])
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    worker.budget = jobs_alone + 2**30 // 2  # room for both jobs' own memory, not for the engine's KV space
+    worker.told_waiting.add("second")  # told already: no event to write here
+    assert not worker._fits("second", joining)
+    worker.budget = jobs_alone + memory.engine_memory([resident], worker.device, worker.base_parameters).held
+    assert worker._fits("second", joining)

@@ -328,3 +328,26 @@ class Picky:
     assert metrics["reward_errors"] == 4.0 and metrics["reward_mean"] == pytest.approx((4 * -1.0 + 4 * 1.0) / 8)
     assert sum("KeyError: 'no such letter'" in e for e in errors) == 2
     assert sum("step must return" in e for e in errors) == 2
+
+
+def test_a_groups_prompt_is_encoded_once_not_once_per_completion(toy_dir):
+    from unittest import mock
+
+    from transformers import AutoTokenizer
+
+    from service.job_spec.sampling import SamplingSpec
+    from worker.rollout.rollout import rollout_turns
+
+    tok = AutoTokenizer.from_pretrained(toy_dir / "model")
+    encoded, real = [], type(tok).__call__
+    rows = [{"prompt": "ab="}, {"prompt": "cd="}]
+    with mock.patch.object(type(tok), "__call__", lambda self, text, *a, **k: encoded.append(text) or real(
+            self, text, *a, **k)):
+        turns = rollout_turns(tok, rows, SamplingSpec(max_output_tokens=4), group_size=4, sampling_seeds=[1, 2])
+        asked = next(turns)
+        with pytest.raises(StopIteration) as done:
+            turns.send(([[tok.eos_token_id] for _ in asked.seqs], None))
+    assert encoded == ["ab=", "cd="]
+    rollout = done.value.value
+    assert len(rollout) == 8 and rollout.token_ids[0][:-1] == rollout.token_ids[3][:-1] == real(tok, "ab=")["input_ids"]
+    assert rollout.token_ids[0] is not rollout.token_ids[1]  # each completion's sequence is its own list

@@ -20,12 +20,22 @@ Per job (bytes):
   intermediates are left out: a rank is far below those widths;
 - kv_cache: the rollout's keys and values for every sampled row at full
   length (batch_size * group_size rows of max_model_len tokens), plus one
-  decode step's float32 logits.
+  decode step's float32 logits. None for a job with rollout.engine 'vllm':
+  its rows' keys and values live in the vLLM engine's own cache.
+
+Per worker, once, when any resident job samples with vLLM: the shared vLLM
+engine (worker/multi/vllm_engine.py), which holds its own copy of the
+weights, its KV cache and its activations (`engine_memory`). On a GPU that is
+its configured share of the GPU's memory (rollout.gpu_memory_utilization of
+the engine's first job, as it starts with); with sleep mode it gives that
+back while the trainer updates. On a CPU: its weights in its dtype plus
+VLLM_CPU_KVCACHE_SPACE, held throughout.
 
 Phases line up across jobs (a cycle samples every job's rows together, then
 updates every job together), so jobs together need the sum of their adapter
-and optimizer state plus the larger of their summed activations and their
-summed KV caches (`together`).
+and optimizer state plus the larger of their rollout (summed KV caches, and
+the engine) and their update (summed activations, and an engine that does
+not sleep) (`together`).
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ import torch
 from service.job_spec.spec import JobSpec
 
 FLOAT32 = 4
+GIB = 2**30
+VLLM_CPU_KV_GIB = "1"  # worker/rollout/vllm_engine.py's default for VLLM_CPU_KVCACHE_SPACE
 DEFAULT_SHARE = 0.9  # of the device's memory, when the operator sets no budget: the allocator's own slack
 
 
@@ -103,15 +115,42 @@ def estimate(spec: JobSpec, shape: BaseShape) -> MemoryEstimate:
         + shape.heads * length
     activations = micro_tokens * shape.layers * per_token_layer * shape.dtype_bytes \
         + 2 * min(micro_tokens, tc.logprob_chunk_size) * shape.vocab * FLOAT32
-    kv_cache = rows * length * shape.layers * 2 * shape.kv_width * shape.dtype_bytes + rows * shape.vocab * FLOAT32
+    kv_cache = 0 if spec.rollout.engine == "vllm" else \
+        rows * length * shape.layers * 2 * shape.kv_width * shape.dtype_bytes + rows * shape.vocab * FLOAT32
     return MemoryEstimate(adapter=2 * FLOAT32 * params, optimizer=2 * FLOAT32 * params, activations=activations,
                           kv_cache=kv_cache)
 
 
-def together(estimates: list[MemoryEstimate]) -> int:
-    """What jobs need at once on one base: their states, and the larger of their summed phases."""
+@dataclass(frozen=True)
+class EngineMemory:
+    """The shared vLLM engine's own memory, and whether it gives it back while the trainer updates."""
+
+    held: int
+    sleeps_in_update: bool
+
+
+def engine_memory(specs: list[JobSpec], device: torch.device, base_parameters: int) -> EngineMemory | None:
+    """The vLLM engine of these jobs (configured by the first that samples with vLLM), or None if none does."""
+    spec = next((s for s in specs if s.rollout.engine == "vllm"), None)
+    if spec is None:
+        return None
+    if device.type == "cuda":
+        return EngineMemory(held=int(spec.rollout.gpu_memory_utilization * device_memory(device)),
+                            sleeps_in_update=spec.rollout.sleep_mode)
+    from worker.rollout.vllm_engine import _engine_dtype
+
+    weights = base_parameters * getattr(torch, _engine_dtype(spec, cuda=False)).itemsize
+    kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or VLLM_CPU_KV_GIB)
+    return EngineMemory(held=weights + int(kv * GIB), sleeps_in_update=False)
+
+
+def together(estimates: list[MemoryEstimate], engine: EngineMemory | None = None) -> int:
+    """What jobs need at once on one base: their states, and the larger of their summed phases, the vLLM engine
+    (if any) counted once."""
+    held = engine.held if engine is not None else 0
+    in_update = 0 if engine is None or engine.sleeps_in_update else held
     return sum(e.adapter + e.optimizer for e in estimates) + max(
-        sum(e.activations for e in estimates), sum(e.kv_cache for e in estimates))
+        sum(e.activations for e in estimates) + in_update, sum(e.kv_cache for e in estimates) + held)
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -121,11 +160,14 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 def default_budget(device: torch.device) -> int:
     """DEFAULT_SHARE of the GPU's memory, or of the host's on a CPU."""
+    return int(DEFAULT_SHARE * device_memory(device))
+
+
+def device_memory(device: torch.device) -> int:
+    """The GPU's memory, or the host's on a CPU."""
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(DEFAULT_SHARE * total)
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def gib(n: int) -> str:

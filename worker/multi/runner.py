@@ -88,7 +88,7 @@ class SharedWorker:
         self.shared = self.tokenizer = self.device = self.autocast = None
         # Memory admission (worker/multi/memory.py), set when the base is loaded.
         self.shape: memory.BaseShape | None = None
-        self.base_bytes = self.budget = 0
+        self.base_bytes = self.base_parameters = self.budget = 0
         self.estimates: dict[str, memory.MemoryEstimate] = {}  # of the resident jobs
         self.told_waiting: set[str] = set()  # jobs told once that they wait for room
 
@@ -111,6 +111,7 @@ class SharedWorker:
             tokenizer.pad_token = tokenizer.eos_token
         base = AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype).to(self.device)
         self.shape, self.base_bytes = memory.BaseShape.of(base), memory.model_bytes(base)
+        self.base_parameters = sum(p.numel() for p in base.parameters())
         gib = self.settings.worker_memory_gib
         self.budget = int(gib * 2**30) if gib is not None else memory.default_budget(self.device)
         self.shared, self.tokenizer = SharedBase(base, slots=self.slots), tokenizer
@@ -176,21 +177,29 @@ class SharedWorker:
         """Whether the job's estimated peak fits beside the resident jobs; if not, tell it once why it waits."""
         if self.shape is None:  # nothing resident holds the base: the job comes as it would alone
             return True
-        new = memory.estimate(spec, self.shape)
-        need = self.base_bytes + memory.together([*self.estimates.values(), new])
+        new, engine = memory.estimate(spec, self.shape), self._engine(spec)
+        need = self.base_bytes + memory.together([*self.estimates.values(), new], engine)
         if need <= self.budget:
             return True
         if job_id not in self.told_waiting:
             self.told_waiting.add(job_id)
+            beside = f"the {len(self.estimates)} resident jobs" + (
+                f", the vLLM engine ({memory.gib(engine.held)})" if engine is not None else "")
             with self.sessions.begin() as s:
                 jobs.add_event(s, job_id, (
                     f"Waiting for memory on a shared worker of {self.model}: its estimated peak "
                     f"{memory.gib(new.peak)} (adapter {memory.gib(new.adapter)}, optimizer "
                     f"{memory.gib(new.optimizer)}, activations {memory.gib(new.activations)}, KV cache "
-                    f"{memory.gib(new.kv_cache)}) beside the {len(self.estimates)} resident jobs and the base needs "
+                    f"{memory.gib(new.kv_cache)}) beside {beside} and the base needs "
                     f"{memory.gib(need)} of the worker's {memory.gib(self.budget)} (CISPO_WORKER_MEMORY_GIB)"),
                     level="warn", data={"reason": "memory", "needed_bytes": need, "budget_bytes": self.budget})
         return False
+
+    def _engine(self, joining: JobSpec) -> memory.EngineMemory | None:
+        """The vLLM engine the resident jobs and the joining one need: the running one's configuration if any."""
+        running = [self.shared.vllm.spec] if self.shared is not None and self.shared.vllm is not None else []
+        resident = [r.claimed.spec for r in self.residents.values()]
+        return memory.engine_memory([*running, *resident, joining], self.device, self.base_parameters)
 
     def _finish(self, resident: Resident) -> None:
         try:

@@ -78,7 +78,7 @@ def _prepare(job: JobUpdate) -> None:
     job.indices = [i for i in job.indices if counts[i] > 0]
     adv = job.advantages
     if isinstance(adv, Tensor):
-        adv = [adv[i].repeat(counts[i]) for i in range(len(job.rollout))]
+        adv = adv.repeat_interleave(torch.tensor(counts)).split(counts)  # one op, not one per row
     job.token_adv = {i: adv[i] for i in job.indices}
     if job.rollout.sampler_logprobs is not None:
         job.sampler = {i: torch.tensor(job.rollout.sampler_logprobs[i], dtype=torch.float32) for i in job.indices}
@@ -87,19 +87,13 @@ def _prepare(job: JobUpdate) -> None:
 
 
 def _collate(shared: SharedBase, parts: list[tuple[JobUpdate, list[int]]], pad_id: int, device):
-    """The combined micro-batch, a group's shared prompt held once (as the trainer alone does, scoring.py) unless
-    two jobs' rows would share one: their adapters differ, so each job's prompt pass must be its own."""
+    """The combined micro-batch, each job's shared prompts held once, as the trainer alone holds them
+    (scoring.py): a prompt two jobs sampled is held once per job, since each job's prompt pass is its own
+    adapter's."""
     ids = [job.rollout.token_ids[i] for job, micro in parts for i in micro]
     masks = [job.rollout.action_mask[i] for job, micro in parts for i in micro]
-    batch = collate_sequences(ids, masks, pad_id=pad_id, device=device, share_prefixes=True)
-    if batch.prefix_of_B is not None:
-        names = [job.name for job, micro in parts for _ in micro]
-        owners: dict[int, set] = {}
-        for name, g in zip(names, batch.prefix_of_B.tolist()):
-            owners.setdefault(g, set()).add(name)
-        if any(len(o) > 1 for o in owners.values()):
-            batch = collate_sequences(ids, masks, pad_id=pad_id, device=device)
-    return batch
+    owners = [job.name for job, micro in parts for _ in micro]
+    return collate_sequences(ids, masks, pad_id=pad_id, device=device, share_prefixes=True, owners=owners)
 
 
 def _hidden(shared: SharedBase, batch, names: list[str | None], autocast) -> Tensor:
@@ -152,6 +146,8 @@ def _frozen_logprobs(shared: SharedBase, jobs: list[JobUpdate], *, reference: bo
                      autocast) -> list[dict[int, Tensor]]:
     """Per job, its sequences' action-token log-probs under its current adapter (or the base alone), no grad;
     every job's k-th micro-batch scored in one forward."""
+    if not jobs:  # the usual case (one update per rollout, no KL): no eval/train round trip over every module
+        return []
     results: list[dict[int, Tensor]] = [{} for _ in jobs]
     micros = [micro_batches(job.indices, job.lengths, job.spec.training.micro_batch_size) for job in jobs]
     model = shared.model

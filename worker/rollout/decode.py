@@ -42,10 +42,10 @@ def left_padded(prompts: list[list[int]], max_new: int, pad_id: int) -> tuple[Te
     token lands in the same column (P: the longest prompt)."""
     B, P = len(prompts), max(map(len, prompts))
     ids = torch.full((B, P + max_new), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, P + max_new), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        ids[i, P - len(prompt) : P] = torch.tensor(prompt, dtype=torch.long)
-        mask[i, P - len(prompt) :] = 1
+    mask = torch.ones((B, P + max_new), dtype=torch.long)
+    # Whole blocks from nested lists: one tensor each, not two small copies per row.
+    ids[:, :P] = torch.tensor([[pad_id] * (P - len(prompt)) + prompt for prompt in prompts], dtype=torch.long)
+    mask[:, :P] = torch.tensor([[0] * (P - len(prompt)) + [1] * len(prompt) for prompt in prompts], dtype=torch.long)
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 

@@ -198,8 +198,9 @@ def rollout_turns(
     episodes = [_Episode(row, f"{tag}-{i * copies + c}", i, c) for i, row in enumerate(rows) for c in range(copies)]
 
     if environment is None:
+        prompts = [encode_prompt(tok, row_prompt(row)) for row in rows]  # once per prompt, not per copy
         for ep in episodes:
-            ep.append(encode_prompt(tok, row_prompt(ep.row)), turn=None)
+            ep.append(prompts[ep.prompt], turn=None)
     else:
         seeds = seeds or [0] * len(rows)
         outcomes = environment.reset([(ep.id, seeds[i // copies], ep.row) for i, ep in enumerate(episodes)])
@@ -231,9 +232,10 @@ def rollout_turns(
         streams = None if greedy else [stream_seed("sample", sampling_seeds[ep.prompt], ep.copy, turn) for ep in active]
         generated, logprobs = yield TurnRequest([ep.ids for ep in active], budgets, greedy, streams)
         reported = logprobs is not None
+        eos = tok.eos_token_id  # read once: a tokenizer attribute costs microseconds a read, per row adds up
         for j, (ep, new, budget) in enumerate(zip(active, generated, budgets)):
-            ended = tok.eos_token_id in new[:budget]
-            action = new[: new.index(tok.eos_token_id) + 1] if ended else new[:budget]
+            ended = eos in new[:budget]
+            action = new[: new.index(eos) + 1] if ended else new[:budget]
             ep.append(action, turn=turn)
             if logprobs is not None:
                 ep.sampler_logprobs += logprobs[j][: len(action)]

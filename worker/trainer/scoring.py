@@ -55,31 +55,34 @@ class TokenBatch:
 
 
 def collate_sequences(token_ids: list[list[int]], action_masks: list[list[int]], *, pad_id: int,
-                      device, share_prefixes: bool = False) -> TokenBatch:
+                      device, share_prefixes: bool = False, owners: list | None = None) -> TokenBatch:
     """Right-padded sequences; a target counts as an action only where the policy generated that token.
 
     Prompt and environment tokens are context (they feed attention) but have
     action mask 0, so the loss, a sum over action tokens, gives them exactly
     zero gradient. With `share_prefixes`, rows whose context before their
     first generated token is the same share one copy of it (see the module
-    docstring), when any two rows do.
+    docstring), when any two rows do; with `owners` (one per row), only rows
+    of one owner do (several jobs' rows on a shared base: each job's prompt
+    pass goes through its own adapter).
     """
     for i, (seq, mask) in enumerate(zip(token_ids, action_masks, strict=True)):
         if len(seq) != len(mask):
             raise ValueError(f"sequence {i}: {len(seq)} tokens but an action mask of {len(mask)}")
     if share_prefixes:
         # The context's last token stays in the row: its output predicts the first generated token.
-        keys = [tuple(seq[: max(_first_action(mask) - 1, 0)]) for seq, mask in zip(token_ids, action_masks)]
+        contexts = [tuple(seq[: max(_first_action(mask) - 1, 0)]) for seq, mask in zip(token_ids, action_masks)]
+        keys = list(zip(owners if owners is not None else [None] * len(contexts), contexts, strict=True))
         distinct = {key: g for g, key in enumerate(dict.fromkeys(keys))}
-        if len(distinct) < len(keys) and all(keys):
-            batch = _right_padded([seq[len(k):] for seq, k in zip(token_ids, keys)],
-                                  [mask[len(k):] for mask, k in zip(action_masks, keys)], pad_id, device)
-            P = max(map(len, distinct))
+        if len(distinct) < len(keys) and all(contexts):
+            batch = _right_padded([seq[len(c):] for seq, c in zip(token_ids, contexts)],
+                                  [mask[len(c):] for mask, c in zip(action_masks, contexts)], pad_id, device)
+            P = max(map(len, contexts))
             prefix_ids = torch.full((len(distinct), P), pad_id, dtype=torch.long)
             prefix_mask = torch.zeros((len(distinct), P), dtype=torch.long)
-            for key, g in distinct.items():
-                prefix_ids[g, P - len(key):] = torch.tensor(key, dtype=torch.long)
-                prefix_mask[g, P - len(key):] = 1
+            for (_, context), g in distinct.items():
+                prefix_ids[g, P - len(context):] = torch.tensor(context, dtype=torch.long)
+                prefix_mask[g, P - len(context):] = 1
             batch.prefix_ids_GP, batch.prefix_mask_GP = prefix_ids.to(device), prefix_mask.to(device)
             batch.prefix_of_B = torch.tensor([distinct[k] for k in keys], dtype=torch.long, device=device)
             return batch
@@ -92,14 +95,10 @@ def _first_action(mask: list[int]) -> int:
 
 def _right_padded(token_ids: list[list[int]], action_masks: list[list[int]], pad_id: int, device) -> TokenBatch:
     T = max(len(ids) for ids in token_ids)
-    B = len(token_ids)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, T), dtype=torch.long)
-    action = torch.zeros((B, T), dtype=torch.float32)
-    for i, (seq, mask) in enumerate(zip(token_ids, action_masks)):
-        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[i, : len(seq)] = 1
-        action[i, : len(seq)] = torch.tensor(mask, dtype=torch.float32)
+    # Whole tensors from padded nested lists: one copy each, not three small ones per row.
+    ids = torch.tensor([seq + [pad_id] * (T - len(seq)) for seq in token_ids], dtype=torch.long)
+    attn = torch.tensor([[1] * len(seq) + [0] * (T - len(seq)) for seq in token_ids], dtype=torch.long)
+    action = torch.tensor([list(mask) + [0] * (T - len(mask)) for mask in action_masks], dtype=torch.float32)
     return TokenBatch(
         input_ids_BT=ids[:, :-1].to(device),
         attention_mask_BT=attn[:, :-1].to(device),
