@@ -81,14 +81,19 @@ class Recording(torch.optim.SGD):
 
 
 def _reference(policy, rollout, adv: dict[int, torch.Tensor], *, per_sequence=False, kl_beta=0.0, kl_clamp=10.0,
-               tis_cap=None):
+               tis_cap=None, group_size=None):
     """(loss, gradients) of the on-policy CISPO loss (weight 1) over the sequences in `adv`, in one graph; with
-    `tis_cap`, each token weighed by min(exp(logp - logp_sampler), tis_cap)."""
+    `tis_cap`, each token weighed by min(exp(logp - logp_sampler), tis_cap); with `group_size`, 'prompt'
+    normalisation: each prompt's tokens summed over that prompt's token count, then the mean over prompts."""
     model = policy.model
     model.train()
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     total = 0.0
     tokens = sum(len(a) for a in adv.values())
+    prompt_tokens: dict[int, int] = {}
+    for i, a in adv.items():
+        if group_size:
+            prompt_tokens[i // group_size] = prompt_tokens.get(i // group_size, 0) + len(a)
     for i, a in adv.items():
         logp = _naive_logp(model, rollout, i)
         per_token = -a * logp
@@ -99,7 +104,10 @@ def _reference(policy, rollout, adv: dict[int, torch.Tensor], *, per_sequence=Fa
             with torch.no_grad():
                 ref = _naive_logp(policy.reference_model, rollout, i)
             per_token = per_token + kl_beta * k3_kl(logp, ref).clamp(max=kl_clamp)
-        total = total + (per_token.mean() / len(adv) if per_sequence else per_token.sum() / tokens)
+        if group_size:
+            total = total + per_token.sum() / prompt_tokens[i // group_size] / len(prompt_tokens)
+        else:
+            total = total + (per_token.mean() / len(adv) if per_sequence else per_token.sum() / tokens)
     grads = torch.autograd.grad(total, [dict(model.named_parameters())[n] for n in names], allow_unused=True)
     return float(total), {n: g for n, g in zip(names, grads) if g is not None}
 
@@ -154,6 +162,25 @@ def test_per_token_advantages_with_sequence_normalization_and_no_clipping(toy_di
     advantages = [torch.randn(n, generator=g) for n in rollout.action_counts]
     kept = [0, 1, 2, 3, 4, 5, 7]
     loss, want = _reference(policy, rollout, {i: advantages[i] for i in kept}, per_sequence=True)
+    optimizer = Recording(policy.model.named_parameters(), lr=LR)
+
+    stats = Updater(policy, optimizer, spec).run(rollout, advantages, [*kept, 6])
+
+    assert stats.step_losses == pytest.approx([loss], rel=1e-4)
+    _assert_grads(optimizer.seen[0], want)
+
+
+def test_prompt_normalization_weighs_each_prompt_by_its_own_token_count(toy_dir):
+    """'prompt' normalisation: a prompt's tokens over that prompt's action-token count, then the mean over the
+    prompts, so a prompt with long answers weighs what one with short answers does (its two groups here have
+    different token counts, one sequence left without actions)."""
+    spec = _spec(toy_dir, loss={"normalization": "prompt"}, optimizer={"max_grad_norm": None}, micro_batch_size=3)
+    policy = _policy(spec)
+    rollout, advantages = _batch_without_actions_in(6)
+    counts = rollout.action_counts
+    kept = [0, 1, 2, 3, 4, 5, 7]
+    assert sum(counts[i] for i in kept[:4]) != sum(counts[i] for i in kept[4:])  # token mean and prompt mean differ
+    loss, want = _reference(policy, rollout, {i: advantages[i].repeat(counts[i]) for i in kept}, group_size=4)
     optimizer = Recording(policy.model.named_parameters(), lr=LR)
 
     stats = Updater(policy, optimizer, spec).run(rollout, advantages, [*kept, 6])
