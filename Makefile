@@ -52,14 +52,14 @@ demo-local: install
 	$(VENV)/bin/cispo train $(DEMO)/spec.yaml --no-resume
 
 # The suite on TEST_WORKERS pytest-xdist workers: on 2 cores 3 beat 2 and 4 (tests wait on servers and
-# subprocesses; README "Running the tests"); `--dist loadgroup` keeps tests that share a costly fixture on one
+# subprocesses; docs/TESTING.md "Running the tests"); `--dist loadgroup` keeps tests that share a costly fixture on one
 # worker (tests/conftest.py). A plain `pytest tests/some_test.py` runs single-process.
 TEST_WORKERS ?= 3
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # Mutation testing (mutmut) of the modules where a bug costs most; slow, so never part of `test` or CI.
-# MODULES picks some (names in bench/mutate.py, e.g. cispo-loss egress access); the scores go in README's table.
+# MODULES picks some (names in bench/mutate.py, e.g. cispo-loss egress access); the scores go in docs/TESTING.md's mutation table.
 MODULES ?=
 mutate: install
 	$(PY) -m pip install -q -e ".[mutate]"

@@ -2,7 +2,7 @@
 
 Each module runs in a copy of the checkout of its own (.mutants/<name>/, where mutmut writes its mutants/
 tree), with a narrow test selection; mutmut runs, per mutant, only the tests of that selection that executed
-the mutated function, so a run takes minutes, not hours. Prints killed / total per module (the README table);
+the mutated function, so a run takes minutes, not hours. Prints killed / total per module (docs/TESTING.md's mutation table);
 `--survivors` lists what lived, to read with `cd .mutants/<name> && python -m mutmut show <mutant>`.
 
     python bench/mutate.py [--survivors] [NAME ...]      # names: the keys of MODULES; none = all
@@ -157,7 +157,7 @@ KILLED_CODES = {1, 3, 36, 24, -24, 152, 255, -11, -9}
 
 
 def per_file(name: str) -> list[tuple[str, int, int]]:
-    """(file, killed, mutants) of a finished run, from mutmut's per-file records (the README table's breakdown)."""
+    """(file, killed, mutants) of a finished run, from mutmut's per-file records (the mutation table's per-file breakdown)."""
     mutants = WORK / name / "mutants"
     rows = []
     for meta in sorted(mutants.rglob("*.py.meta")):
