@@ -36,7 +36,7 @@ def create_eval(body: EvalCreate, request: Request, session: SessionDep, who: Pr
                 settings: SettingsDep) -> EvalObject:
     row = evals_service.create(session, store, who.project_id, body, settings=settings)
     session.commit()
-    try:  # after commit: the worker must find the row; a lost message leaves the run queued until the reconciler resends it
+    try:  # after commit: the worker must find the row; a lost message leaves it queued until the reconciler resends it
         request.app.state.enqueue_eval(row.id)
     except Exception:
         log.exception("could not enqueue eval run %s", row.id)
