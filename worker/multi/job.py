@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from service.job_spec.spec import JobSpec
-from worker.envs import Environment, make_environment
+from worker.envs import Environment
 from worker.checkpoint import capture_rng, checkpoint_name, latest_checkpoint, load_checkpoint, save_checkpoint
 from worker.multi.checkpoints import AdapterView, restore
 from worker.multi.engine import JobEngine
@@ -37,14 +37,14 @@ from worker.rewards.engine import ScoringContext
 from worker.rollout.rollout import Rollout
 from worker.trainer.callbacks import Callbacks, NoCallbacks
 from worker.trainer.data import PromptSampler, load_splits
-from worker.trainer.feedback import assign_advantages, batch_reward_std, collect_feedback
+from worker.trainer.feedback import assign_advantages, batch_reward_std, collect_feedback, feedback_source
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message
 from worker.trainer.loop import Trainer
 from worker.trainer.metrics import UpdateStats
 from worker.model.policy import Policy
 from worker.trainer.prompt_filter import retire_solved
 from worker.trainer.resume_check import resume_mismatch
-from worker.trainer.rewards import InProcessScorer, RewardFn, component_metrics, make_scorer
+from worker.trainer.rewards import RewardFn, component_metrics
 from worker.trainer.samples import pick_samples
 from worker.trainer.schedule import lr_multiplier
 from worker.model.streams import stream_seed
@@ -92,19 +92,10 @@ class ResidentJob(Trainer):
         self.first_eval = self.last_eval = None
         self.stopped = False  # callbacks.should_stop() ended the run at the last step boundary
         self._step_state: SimpleNamespace | None = None
-        # As Trainer.__init__: a stand-in first, then the spec's environment, else its reward. Last, so that a
+        # As Trainer.__init__ (feedback_source). Last, so that a
         # failure above leaves no sandboxed child behind (the runner has no job to close then).
-        self.environment: Environment | None = None
-        self.scorer = None
-        if reward_fn is not None:
-            self.scorer = InProcessScorer.from_callable(reward_fn)
-        elif environment is not None:
-            self.environment = environment
-        elif spec.environment is not None:
-            self.environment = make_environment(spec.environment, egress=scoring.egress if scoring else None,
-                                                secrets=scoring.secrets if scoring else None)
-        else:
-            self.scorer = make_scorer(spec.reward, scoring)
+        self.environment, self.scorer = feedback_source(spec, reward_fn=reward_fn, environment=environment,
+                                                        scoring=scoring)
 
     @property
     def done(self) -> bool:

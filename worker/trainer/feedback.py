@@ -23,8 +23,25 @@ from torch import Tensor
 from service.job_spec.objective import AdvantageSpec
 from worker.cispo import group_advantages, rewards_to_go, turn_advantages
 from worker.distributed import group
-from worker.trainer.rewards import Scorer, Scores
+from worker.envs import Environment, make_environment
+from worker.rewards.engine import ScoringContext
+from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, Scores, make_scorer
 from worker.rollout.rollout import Rollout
+
+
+def feedback_source(spec, *, reward_fn: RewardFn | None = None, environment: Environment | None = None,
+                    scoring: ScoringContext | None = None) -> tuple[Environment | None, Scorer | None]:
+    """(environment, scorer) of a job, one of them set: a trusted in-process stand-in first (`reward_fn`,
+    `environment`), then the spec's environment, else its reward (a supervised job may have none: its evals then
+    report only eval_loss)."""
+    if reward_fn is not None:
+        return None, InProcessScorer.from_callable(reward_fn)
+    if environment is not None:
+        return environment, None
+    if spec.environment is not None:
+        return make_environment(spec.environment, egress=scoring.egress if scoring else None,
+                                secrets=scoring.secrets if scoring else None), None
+    return None, None if spec.reward is None else make_scorer(spec.reward, scoring)
 
 
 @dataclass

@@ -58,9 +58,9 @@ from worker.model import precision
 from worker.model.policy import MASTER_PREFIX, REFERENCE, Policy, load_policy
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded, error_rate_message
-from worker.trainer.rewards import InProcessScorer, RewardFn, Scorer, Scores, component_metrics, make_scorer
-from worker.envs import Environment, describe_environment, make_environment
-from worker.trainer.feedback import Feedback, assign_advantages, batch_reward_std, collect_feedback
+from worker.trainer.rewards import RewardFn, Scores, component_metrics
+from worker.envs import Environment, describe_environment
+from worker.trainer.feedback import Feedback, assign_advantages, batch_reward_std, collect_feedback, feedback_source
 from worker.rollout import RolloutEngine, make_engine, refuse_unavailable_engine
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message, preflight_rows
 from worker.trainer.evaluation import EvalRows, eval_rows_metrics, generate_and_score
@@ -119,17 +119,8 @@ class Trainer:
         self.checkpoint_root = self.output_dir / "checkpoints"
         seed_everything(spec.seed)
         self.callbacks: Callbacks = NoCallbacks()
-        self.environment: Environment | None = None
-        self.scorer: Scorer | None = None
-        if reward_fn is not None:
-            self.scorer = InProcessScorer.from_callable(reward_fn)
-        elif environment is not None:
-            self.environment = environment
-        elif spec.environment is not None:
-            self.environment = make_environment(spec.environment, egress=scoring.egress if scoring else None,
-                                                secrets=scoring.secrets if scoring else None)
-        elif spec.reward is not None:  # a supervised job may have none: its evals then report only eval_loss
-            self.scorer = make_scorer(spec.reward, scoring)
+        self.environment, self.scorer = feedback_source(spec, reward_fn=reward_fn, environment=environment,
+                                                        scoring=scoring)
         self.supervised = spec.method == "supervised"
         self.train_rows, self.val_rows = load_splits(spec.data, seed=spec.seed, use=spec.method)
 
