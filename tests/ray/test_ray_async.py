@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.settings import Settings
-from tests.ray.test_ray_driver import _gone, _rank_pids
+from tests.ray.test_ray_driver import _cpus_back, _gone, _rank_pids
 from tests.trainer.test_distributed import Recorder, async_job_spec
 from tests.worker.vllm_fixtures import vllm_toy_dir  # noqa: F401  (session-scoped)
 
@@ -96,7 +96,7 @@ def test_an_async_two_node_job_trains_within_the_bound_as_one_process_does(toy_d
 
     assert len(calls.samplers) >= 2  # the actor and its child ran, and went with the job
     assert _gone(calls.pids + calls.samplers)
-    assert ray.available_resources().get("CPU") == 4  # both placement groups removed
+    assert _cpus_back(4)  # both placement groups removed
 
 
 def test_a_cancelled_async_job_leaves_no_actor_or_process(postgres_url, toy_dir, tmp_path, two_roomy_nodes):
@@ -122,7 +122,7 @@ def test_a_cancelled_async_job_leaves_no_actor_or_process(postgres_url, toy_dir,
     assert len(pids) >= 2 and len(samplers) >= 2  # the ranks (and queues), the sampler actor and its child ran
     assert _gone(pids + samplers)
     assert _rank_pids() == [] and _sampler_pids() == []  # nor any started after the look
-    assert ray.available_resources().get("CPU") == 4  # both placement groups removed
+    assert _cpus_back(4)  # both placement groups removed
     with session_factory(settings.resolved_database_url())() as s:
         lags = list(s.scalars(select(JobMetric.value).where(JobMetric.job_id == job_id,
                                                             JobMetric.name == "policy_lag_max")))
