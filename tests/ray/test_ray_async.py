@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.settings import Settings
-from tests.ray.test_ray_driver import _cpus_back, _gone, _rank_pids
+from tests.ray.test_ray_driver import _actor_pids, _cpus_back, _gone, _rank_pids
 from tests.trainer.test_distributed import Recorder, async_job_spec
 from tests.worker.vllm_fixtures import vllm_toy_dir  # noqa: F401  (session-scoped)
 
@@ -27,19 +27,13 @@ def _spec(toy_dir: Path, nodes: int = 2, **training):
 
 
 def _sampler_pids() -> list[int]:
-    """This machine's sampler actors (Ray titles them ray::SamplerActor...) and the sampler children they host."""
-    pids = []
-    for proc in Path("/proc").iterdir():
+    """This machine's sampler actors and the sampler children they host."""
+    pids = _actor_pids(b"ray::SamplerActor")
+    for pid in list(pids):
         try:
-            title = (proc / "cmdline").read_bytes().split(b"\0")[0]
-        except (OSError, ValueError):
-            continue
-        if title.startswith(b"ray::SamplerActor"):
-            pids.append(int(proc.name))
-            try:
-                pids += [c.pid for c in psutil.Process(int(proc.name)).children(recursive=True)]
-            except psutil.NoSuchProcess:
-                pass
+            pids += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
     return pids
 
 

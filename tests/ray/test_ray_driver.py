@@ -41,17 +41,23 @@ def _cpus_back(n: int, wait_s: float = 30.0) -> bool:
     return True
 
 
-def _rank_pids() -> list[int]:
-    """This machine's processes of rank actors and the channel's queues (Ray titles them ray::<class>...)."""
+def _actor_pids(*titles: bytes) -> list[int]:
+    """This machine's processes of Ray actors whose title (Ray titles them ray::<class>...) starts with one of
+    `titles`."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
             title = (proc / "cmdline").read_bytes().split(b"\0")[0]
         except (OSError, ValueError):
             continue
-        if title.startswith((b"ray::RankActor", b"ray::_QueueActor")):
+        if title.startswith(titles):
             pids.append(int(proc.name))
     return pids
+
+
+def _rank_pids() -> list[int]:
+    """This machine's processes of rank actors and the channel's queues."""
+    return _actor_pids(b"ray::RankActor", b"ray::_QueueActor")
 
 
 def test_two_nodes_train_as_one_process(toy_dir, tmp_path, two_nodes):
