@@ -72,6 +72,14 @@ class RolloutSpec(Strict):
         "while the trainer updates, and no sample more than max_staleness policy versions old is trained on; "
         "CISPO's ratio is then taken against the sampler's own log-probs. 0: the synchronous loop.",
     )
+    version_policy: Literal["newest", "fixed_lag"] = Field(
+        "newest",
+        description="With max_staleness > 0, which policy version samples each batch. 'newest': the newest the "
+        "sampler holds when it starts the batch (freshest; timing decides, so two runs of one spec may sample "
+        "differently). 'fixed_lag': the batch of step j with exactly version max(start, j - max_staleness), the "
+        "weights sent before its request, so a run samples the same whatever the timing (reproducible, always "
+        "at the staleness bound).",
+    )
 
     @model_validator(mode="after")
     def _cap_not_below_one(self) -> RolloutSpec:

@@ -150,7 +150,8 @@ def test_an_async_vllm_job_samples_with_vllm_in_the_sampler_actor(vllm_toy_dir, 
     from tests.worker.vllm_fixtures import vllm_job_spec
     from worker.ray_driver.driver import run_on_ray
 
-    spec = vllm_job_spec(vllm_toy_dir, rollout={"max_staleness": 1}, training={"steps": 3}, resources={"nodes": 2})
+    spec = vllm_job_spec(vllm_toy_dir, rollout={"max_staleness": 1, "version_policy": "fixed_lag"},
+                         training={"steps": 3}, resources={"nodes": 2})
     calls = Watched()
     result = run_on_ray(spec, tmp_path, calls, settings=Settings(ray_address=two_roomy_nodes.address))
     assert result.steps_done == 3 and not result.stopped

@@ -181,3 +181,55 @@ def test_cispo_learns_the_toy_task_with_stale_rollouts(toy_dir, tmp_path):
         eval_gains.append(eval_gain)
     assert sum(gains) / 3 > 0.08
     assert sum(eval_gains) / 3 >= 0.3
+
+
+@pytest.mark.parametrize("policy, served, loaded", [("fixed_lag", [(1, 0), (2, 1)], [1, 2]),
+                                                    ("newest", [(1, 2), (2, 2)], [2])])
+def test_the_version_policy_decides_which_version_samples_a_request(toy_dir, monkeypatch, policy, served, loaded):
+    """What a slow-to-wake sampler finds in its inbox (the race a loaded machine makes): the request of step 1
+    (sent after version 0), version 1, the request of step 2, version 2. 'fixed_lag' samples each request with
+    the version sent before it, whatever else is already queued, so timing changes nothing; 'newest' samples both
+    with version 2, the newest it holds."""
+    import queue
+    import threading
+
+    import worker.rollout.rollout as rollout_module
+    from worker.rollout.async_sampler import _serve_with
+
+    class Loads:
+        policy, sample = None, None
+
+        def __init__(self):
+            self.loaded = []
+
+        def load(self, state):
+            self.loaded.append(state["v"])
+
+    monkeypatch.setattr(rollout_module, "generate", lambda *args, **kwargs: "rollout")
+    spec = async_spec(toy_dir, 1)
+    spec = JobSpec.model_validate({**spec.model_dump(mode="json"),
+                                   "rollout": {**spec.rollout.model_dump(mode="json"), "version_policy": policy}})
+    inbox, outbox, sampler = queue.Queue(), queue.Queue(), Loads()
+    for message in [("request", 1, [], [], []), ("version", 1, {"v": 1}), ("request", 2, [], [], []),
+                    ("version", 2, {"v": 2})]:
+        inbox.put(message)
+    batches = []
+
+    def stop_after_two():
+        batches.extend(outbox.get(timeout=30) for _ in range(2))
+        inbox.put(("stop",))
+
+    stopper = threading.Thread(target=stop_after_two)
+    stopper.start()
+    _serve_with(sampler, spec, 0, inbox, outbox, 1, None)
+    stopper.join()
+    assert [(b[1], b[2]) for b in batches] == served
+    assert sampler.loaded == loaded  # 'newest' never loads version 1: version 2 was already there
+
+
+def test_the_version_policy_is_newest_unless_asked():
+    from service.job_spec.sampling import RolloutSpec
+
+    assert RolloutSpec().version_policy == "newest"
+    with pytest.raises(ValueError, match="version_policy"):
+        RolloutSpec(version_policy="oldest")

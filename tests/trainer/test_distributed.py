@@ -173,11 +173,12 @@ def _bf16_update_task(rank: int, world: int, toy_dir: str, out: str) -> None:
 
 
 def async_job_spec(toy_dir: Path, kind: str, gpus: int = 1, **training) -> JobSpec:
-    """job_spec at rollout.max_staleness 1: 3 steps, 4 prompts x 4, two optimizer steps each (KL term on)."""
+    """job_spec at rollout.max_staleness 1: 3 steps, 4 prompts x 4, two optimizer steps each (KL term on). The
+    'fixed_lag' version policy: batch j sampled by version max(0, j - 1) whatever the timing, so runs compare."""
     training = {"steps": 3, "batch_size": 4, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
                 "checkpoint_interval": 0, **training}
     raw = job_spec(toy_dir, kind, gpus=gpus, **training).model_dump(mode="json")
-    return JobSpec.model_validate({**raw, "rollout": {"max_staleness": 1}})
+    return JobSpec.model_validate({**raw, "rollout": {"max_staleness": 1, "version_policy": "fixed_lag"}})
 
 
 def _async_task(rank: int, world: int, toy_dir: str, kind: str, out: str) -> None:
@@ -501,6 +502,58 @@ def test_a_rank_error_of_a_known_kind_fails_the_job_as_that_kind(toy_dir, tmp_pa
     spec = job_spec(toy_dir, "lora", gpus=2).model_copy(update={"init_from": str(tmp_path / "no-such-checkpoint")})
     with pytest.raises(CheckpointError, match="no-such-checkpoint is not a directory"):
         run_distributed(spec, tmp_path / "run", Recorder())
+
+
+@pytest.mark.parametrize("written, raised", [({1: ("CheckpointError", "init_from: no checkpoint")}, "CheckpointError"),
+                                             ({0: ("KeyError", "x"), 1: ("DataError", "bad row")}, "DataError"),
+                                             ({1: ("KeyError", "x")}, "RankFailed"), ({}, "RankFailed")])
+def test_rank_0_killed_before_reporting_still_fails_as_the_known_kind_a_rank_wrote(tmp_path, written, raised):
+    """The race a loaded machine makes: every rank fails on a bad warm start, rank 1 exits first, torchrun kills
+    rank 0 before it sends its error. The launcher reads what each rank wrote before exiting: the lowest rank's
+    known kind wins (the job fails as invalid_job, not as a crash); an unknown kind or none stays RankFailed."""
+    from worker.torchrun import launch
+
+    for rank, (kind, message) in written.items():
+        launch.write_rank_error(tmp_path, rank, type(kind, (Exception,), {})(message))
+    assert not list((tmp_path / launch.RANK_ERRORS).glob(".*"))  # no partial file left
+    ours, ranks = socket.socketpair()
+    ranks.close()  # rank 0 gone without a word
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait()
+    (tmp_path / launch.RANKS_LOG).write_text("rank 1: init_from ... is not a directory\n")
+    with ours, pytest.raises(Exception) as failure:
+        launch._serve(ours, proc, Recorder(), 60.0, tmp_path / launch.RANKS_LOG)
+    assert type(failure.value).__name__ == raised
+    if raised != "RankFailed":
+        assert str(failure.value) == [m for k, m in written.values() if k == raised][0]
+
+
+TEARDOWN_RACE = """
+import atexit, os, socket, time
+if os.environ.get("RANK") == "1":
+    atexit.register(os.abort)  # rank 1 finishes, then dies in its teardown (as gloo can)
+elif os.environ.get("RANK") == "0":
+    _sendall = socket.socket.sendall
+    def sendall(self, data, *args):
+        if data.startswith(b'{"kind": "done"'):
+            time.sleep(3)  # rank 0 slow to report the result
+        return _sendall(self, data, *args)
+    socket.socket.sendall = sendall
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_dying_in_its_teardown_does_not_lose_the_result(toy_dir, tmp_path, monkeypatch):
+    """Rank 1 aborts once its training is over, while rank 0 still reports the result: no rank leaves before
+    rank 0 has reported, so the job has its result and succeeds (torchrun killing rank 0 first lost it)."""
+    from worker.torchrun.launch import run_distributed
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(TEARDOWN_RACE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), str(ROOT)]))
+    result = run_distributed(job_spec(toy_dir, "lora", gpus=2, steps=1, checkpoint_interval=0), tmp_path / "run",
+                             Recorder())
+    assert result.steps_done == 1 and not result.stopped
 
 
 # -- one job, 1 or 2 processes -------------------------------------------------------

@@ -40,7 +40,8 @@ def test_async_vllm_job_trains_within_the_bound(vllm_toy_dir, vllm_engine, tmp_p
     batch comes from version 1, the losses are finite and the sampler child is gone afterwards."""
     started, taken = sampler_children
     cb = Recorder()
-    spec = vllm_job_spec(vllm_toy_dir, rollout={"max_staleness": 1}, training={"steps": 3})
+    spec = vllm_job_spec(vllm_toy_dir, rollout={"max_staleness": 1, "version_policy": "fixed_lag"},
+                         training={"steps": 3})
     assert Trainer(spec, tmp_path, engine=vllm_engine).run(cb).steps_done == 3
     assert len(started) == 1
     assert_gone(started[0])

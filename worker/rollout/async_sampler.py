@@ -17,7 +17,9 @@ carries, in order:
 
 and it answers on its outbox ("batch", step, version, rollout, sample_s,
 update_wait_s) or ("error", traceback). Requests are served in order, each
-with the newest version the child holds, and a request for step j waits until
+with the newest version the child holds (rollout.version_policy 'newest') or
+with the newest one sent before the request ('fixed_lag': the inbox is read
+in order, so timing cannot change what is sampled), and a request for step j waits until
 the child holds version j - max_staleness or newer (the wait is
 update_wait_s: the sampler idle for want of weights), so no batch is ever
 produced more than max_staleness versions behind the step that trains it.
@@ -169,8 +171,11 @@ def _serve_with(sampler: DecodeLoopSampler | VLLMSampler, spec: JobSpec, version
             pending.append((message[1], message[2], message[3], message[4]))
         return True
 
+    # 'fixed_lag': read no further than the next request, so it is sampled with the versions sent before it
+    # (the trainer sends the request of step j right after version j - max_staleness)
+    in_order = spec.rollout.version_policy == "fixed_lag"
     while True:
-        while True:  # take everything already sent, so the newest version samples the next batch
+        while not (in_order and pending):  # 'newest': take everything already sent, the newest version samples
             try:
                 message = inbox.get_nowait()
             except queue.Empty:

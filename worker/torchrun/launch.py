@@ -43,6 +43,9 @@ from worker.trainer.learning_signal import NoLearningSignal
 CHANNEL_ENV = "CISPO_RANK0_SOCKET"
 NO_RESUME = "--no-resume"  # the ranks' flag for a run that ignores the checkpoints in its directory
 RANKS_LOG = "ranks.log"
+# Each rank's error, written before it exits: when another rank's exit makes torchrun kill rank 0 before it
+# reports its own, the launcher still raises the known kind (a bad warm start fails every rank alike).
+RANK_ERRORS = "rank-errors"
 # Errors that mean the same in every process; anything else arrives as RankFailed.
 KNOWN_ERRORS = {cls.__name__: cls for cls in (EnvironmentErrorRateExceeded, RewardErrorRateExceeded, CheckpointError,
                                               DataError, ValueError, NoLearningSignal, EngineUnsupported)}
@@ -97,6 +100,7 @@ def run_distributed(spec: JobSpec, run_dir: Path, callbacks, *, scoring: Scoring
     run_dir.mkdir(parents=True, exist_ok=True)
     spec_path = run_dir / "job_spec.json"
     spec_path.write_text(spec.model_dump_json())
+    shutil.rmtree(run_dir / RANK_ERRORS, ignore_errors=True)  # an earlier attempt's
     sock_dir = tempfile.mkdtemp(prefix="cispo-ranks-")  # short: Unix socket paths are limited to ~100 bytes
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(os.path.join(sock_dir, "rank0.sock"))
@@ -142,8 +146,8 @@ def _accept(server: socket.socket, proc: subprocess.Popen, timeout_s: float, log
             return conn
         except TimeoutError:
             if proc.poll() is not None:
-                raise RankFailed(f"the training processes exited ({proc.returncode}) before rank 0 connected; "
-                                 f"{_tail(log_path)}") from None
+                raise _failure(f"the training processes exited ({proc.returncode}) before rank 0 connected",
+                               log_path) from None
     raise RankFailed(f"rank 0 did not connect within {timeout_s:.0f} s")
 
 
@@ -156,7 +160,7 @@ def _serve(conn: socket.socket, proc: subprocess.Popen, callbacks, stop_grace_s:
             chunk = conn.recv(1 << 16)
         except TimeoutError:
             if proc.poll() is not None:
-                raise RankFailed(f"the training processes exited ({proc.returncode}); {_tail(log_path)}") from None
+                raise _failure(f"the training processes exited ({proc.returncode})", log_path) from None
             if callbacks.should_stop():  # cancel or lost lease while a step runs: a grace period, then a kill
                 stop_since = stop_since or time.monotonic()
                 if time.monotonic() - stop_since > stop_grace_s:
@@ -165,7 +169,7 @@ def _serve(conn: socket.socket, proc: subprocess.Popen, callbacks, stop_grace_s:
             continue
         if not chunk:
             proc.wait(timeout=30)
-            raise RankFailed(f"rank 0 hung up (exit {proc.returncode}); {_tail(log_path)}")
+            raise _failure(f"rank 0 hung up (exit {proc.returncode})", log_path)
         buffer += chunk
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
@@ -177,6 +181,29 @@ def _serve(conn: socket.socket, proc: subprocess.Popen, callbacks, stop_grace_s:
                 cls = KNOWN_ERRORS.get(message["type"])
                 raise cls(message["message"]) if cls else RankFailed(f"{message['type']}: {message['message']}")
             _send(conn, _dispatch(callbacks, kind, message))
+
+
+def _failure(what: str, log_path: Path) -> Exception:
+    """The error of ranks that ended without rank 0 reporting one: a known kind a rank wrote (the lowest rank's),
+    else RankFailed with the log's tail."""
+    errors = sorted(log_path.parent.glob(f"{RANK_ERRORS}/rank*.json"), key=lambda p: int(p.stem[len("rank"):]))
+    for path in errors:
+        try:
+            error = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if error.get("type") in KNOWN_ERRORS:
+            return KNOWN_ERRORS[error["type"]](error["message"])
+    return RankFailed(f"{what}; {_tail(log_path)}")
+
+
+def write_rank_error(run_dir: Path, rank: int, error: BaseException) -> None:
+    """Record this rank's error for the launcher (atomically: a rank killed mid-write leaves no half file)."""
+    folder = Path(run_dir) / RANK_ERRORS
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".rank{rank}.json.partial"
+    partial.write_text(json.dumps({"type": type(error).__name__, "message": str(error)}))
+    os.replace(partial, folder / f"rank{rank}.json")
 
 
 def _dispatch(callbacks, kind: str, m: dict) -> dict:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from service.egress import EgressPolicy
 from service.job_spec.spec import JobSpec
 from worker.distributed import group
-from worker.torchrun.launch import CHANNEL_ENV, NO_RESUME
+from worker.torchrun.launch import CHANNEL_ENV, NO_RESUME, write_rank_error
 from worker.rewards.engine import ScoringContext
 from worker.rewards.judge import JudgeEndpoint
 
@@ -96,8 +96,15 @@ def main(argv: list[str]) -> int:
             channel.tell("done", steps_done=result.steps_done, stopped=result.stopped,
                          last_checkpoint=str(result.last_checkpoint) if result.last_checkpoint else None,
                          first_eval=result.first_eval, last_eval=result.last_eval)
+        # No rank leaves before rank 0 has reported: a rank that finishes first and then dies in its teardown
+        # (gloo can abort there) would make torchrun kill rank 0 with the result unsent.
+        group.from_rank0(None)
         return 0
     except Exception as e:
+        try:
+            write_rank_error(run_dir, group.rank(), e)
+        except OSError:
+            pass
         if channel is not None:
             try:
                 channel.tell("error", type=type(e).__name__, message=str(e))
