@@ -24,11 +24,13 @@ from worker.rollout.rollout import Rollout
 from worker.trainer.update import Updater
 
 
-def async_spec(toy_dir: Path, max_staleness: int, **training) -> JobSpec:
+def async_spec(toy_dir: Path, max_staleness: int, version_policy: str = "newest", **training) -> JobSpec:
+    """A 4-step toy job at `max_staleness`; tests that assert which version sampled a batch take 'fixed_lag' (under
+    'newest' a sampler that wakes late on a loaded machine may already hold the next version)."""
     raw = toy_spec(toy_dir)
     raw["training"].update({"steps": 4, "batch_size": 4, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
                             "eval_interval": 0, "eval_max_rows": 8, "checkpoint_interval": 0, **training})
-    raw["rollout"] = {"max_staleness": max_staleness}
+    raw["rollout"] = {"max_staleness": max_staleness, "version_policy": version_policy}
     return JobSpec.model_validate(raw)
 
 
@@ -160,7 +162,7 @@ def test_the_ratio_is_taken_against_the_sampler_logprobs_so_the_cap_binds(toy_di
 def test_async_run_trains_within_the_bound_and_stops_its_sampler(toy_dir, tmp_path, sampler_children):
     started, taken = sampler_children
     cb = Recorder()
-    result = Trainer(async_spec(toy_dir, 1), tmp_path).run(cb)
+    result = Trainer(async_spec(toy_dir, 1, "fixed_lag"), tmp_path).run(cb)
     assert result.steps_done == 4 and len(started) == 1
     assert_gone(started[0])
     assert [step for step, _ in taken] == [0, 1, 2, 3]
@@ -185,7 +187,7 @@ def test_stop_checkpoints_the_trained_position_and_resume_finishes(toy_dir, tmp_
     """Stopped (cancel, pause, drain) after step 2 with steps 3-4 in flight: the sampler is gone, the checkpoint
     holds the data position after step 2 (what was in flight is requested again), and a resumed run finishes."""
     started, taken = sampler_children
-    spec = async_spec(toy_dir, 2)
+    spec = async_spec(toy_dir, 2, "fixed_lag")
     result = Trainer(spec, tmp_path).run(Recorder(stop_at=2))
     assert result.stopped and result.steps_done == 2
     assert_gone(started[0])

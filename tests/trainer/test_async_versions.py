@@ -33,7 +33,7 @@ def test_split_threads_gives_each_process_its_share():
 
 
 def full_or_lora_spec(toy_dir: Path, tuning: str, **training) -> JobSpec:
-    spec = async_spec(toy_dir, 1, **training)
+    spec = async_spec(toy_dir, 1, "fixed_lag", **training)
     return spec if tuning == "lora" else JobSpec.model_validate({**spec.model_dump(mode="json"), "lora": None})
 
 
@@ -206,9 +206,7 @@ def test_the_version_policy_decides_which_version_samples_a_request(toy_dir, mon
             self.loaded.append(state["v"])
 
     monkeypatch.setattr(rollout_module, "generate", lambda *args, **kwargs: "rollout")
-    spec = async_spec(toy_dir, 1)
-    spec = JobSpec.model_validate({**spec.model_dump(mode="json"),
-                                   "rollout": {**spec.rollout.model_dump(mode="json"), "version_policy": policy}})
+    spec = async_spec(toy_dir, 1, policy)
     inbox, outbox, sampler = queue.Queue(), queue.Queue(), Loads()
     for message in [("request", 1, [], [], []), ("version", 1, {"v": 1}), ("request", 2, [], [], []),
                     ("version", 2, {"v": 2})]:
