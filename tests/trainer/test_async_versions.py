@@ -123,7 +123,7 @@ def environment_job(toy_dir: Path, model: Path, max_staleness: int) -> JobSpec:
     raw["model"] = str(model)
     raw["environment"] = environment_spec()
     raw["sampling"] = {"temperature": 1.0, "max_output_tokens": 2, "max_model_len": 64}
-    raw["rollout"] = {"max_staleness": max_staleness}
+    raw["rollout"] = {"max_staleness": max_staleness, "version_policy": "fixed_lag"}  # step 1 by version 0
     raw["training"].update({"steps": 2, "batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 8,
                             "eval_interval": 0, "eval_max_rows": 2, "checkpoint_interval": 0, "max_turns": 2,
                             "preflight_groups": 0})
