@@ -36,8 +36,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 from bench.trl_compare import (add_workload_args, build_model, measure_machine, our_trainer,  # noqa: E402
                                 workload_from, write_prompts)
 
-PICK_LOGPROB_OPS = {"aten::log_softmax", "aten::_log_softmax", "aten::gather", "aten::div", "aten::index_put_",
-                    "aten::squeeze", "aten::_to_copy", "aten::to", "aten::copy_"}
+# the Picker's log-prob recording (only when the sampler reports log-probs: rollouts in a lower dtype than training)
+PICK_LOGPROB_OPS = {"aten::log_softmax", "aten::_log_softmax", "aten::gather", "aten::div", "aten::index_put_"}
 
 
 def _label_of(module, name: str, head) -> str | None:
