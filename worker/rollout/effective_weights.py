@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+from torch.nn.modules import module as nn_module
 
 from worker.model.lora_forward import vanilla_adapters
 from worker.rollout.packed_linears import packable, packed_forward, packed_weight
@@ -208,8 +209,6 @@ def _plain_linear(module) -> bool:
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as nn_module
-
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
