@@ -119,13 +119,13 @@ def _wrap_picker():
                     setattr(token_picking.FiniteGuard, "__call__", originals[1]))
 
 
-LORA_RANK_MAX = 64  # a linear whose weight has no dimension above this is an adapter's (A or B)
 LABELS = {"prefill", "decode_forward", "lm_head", "lora_linear", "attention", "mlp", "norm",
           "rotary_emb", "embed", "layer", "pick", "finite_guard"}
 
 
-def charge(events) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
-    """(decode µs by phase, prefill µs by phase, cache-update µs): each event's self time to its nearest label."""
+def charge(events, rank: int) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
+    """(decode µs by phase, prefill µs by phase, label counts): each event's time to its nearest label; under a LoRA
+    layer a linear whose weight has a dimension of at most `rank` is the adapter's."""
     decode, prefill = defaultdict(float), defaultdict(float)
     counts = defaultdict(int)
 
@@ -138,7 +138,7 @@ def charge(events) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
             counts[name] += 1
             own = "python:" + name
         elif name.startswith("aten::") or name.startswith("mkl") or name.startswith("mkldnn"):
-            own = _phase(label, name, event.input_shapes)
+            own = _phase(label, name, event.input_shapes, rank)
             # a whole operator and all its callees go to one phase
             (prefill if in_prefill else decode)[own] += event.cpu_time_total
             return
@@ -154,10 +154,10 @@ def charge(events) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
     return decode, prefill, counts
 
 
-def _phase(label: str | None, op: str, shapes) -> str:
+def _phase(label: str | None, op: str, shapes, rank: int) -> str:
     if label == "lora_linear":  # the lean forward calls F.linear on the base weight itself: tell it by its shape
         weight = shapes[1] if op == "aten::linear" and len(shapes) > 1 else None
-        return "base_linear" if weight and min(weight) > LORA_RANK_MAX else "lora adapter"
+        return "base_linear" if weight and min(weight) > rank else "lora adapter"
     if label == "pick":
         return "logprob" if op in PICK_LOGPROB_OPS else "sampling"
     if label == "attention":
@@ -206,7 +206,7 @@ def main() -> None:
                 h.remove()
             restore()
     steps = max(len(t) for t in tokens) - 1  # forwards after the prefill
-    decode, prefill, _ = charge(prof.events())
+    decode, prefill, _ = charge(prof.events(), w.lora_r or 0)
     shape, step = w.shape(), w.step()
     bw, rate, rows_ = machine["bandwidth"], machine["float32"], w.batch * w.group
 
