@@ -45,3 +45,42 @@ def test_a_power_of_two_scale_runs_one_addmm(lora_model, monkeypatch, scaling, f
     assert calls == ([scaling] if fused else [])
     assert effective_weights._exact_scale(2.0) and effective_weights._exact_scale(0.25)
     assert not effective_weights._exact_scale(1.7) and not effective_weights._exact_scale(0.0)
+
+
+def test_the_lean_forward_reads_the_base_weight_at_call_time(lora_model):
+    """The rollout swaps base weights for cast copies after the lean forward is built: the call must see them."""
+    layer = _layer(lora_model)
+    base = layer.get_base_layer()
+    forward = _lean_lora_forward(layer, ["default"])
+    x = torch.randn(16, 1, layer.in_features, generator=torch.Generator().manual_seed(3))
+    original = base._parameters["weight"]
+    try:
+        base._parameters["weight"] = torch.nn.Parameter(original.detach() * 2, requires_grad=False)
+        with torch.no_grad():
+            expected = layer(x)  # PEFT's forward on the swapped weight
+            assert torch.equal(forward(x), expected)
+    finally:
+        base._parameters["weight"] = original
+
+
+def test_a_base_with_its_own_forward_or_hooks_is_called_as_a_module(lora_model):
+    """A packed base forward (bf16 rollouts) and forward hooks are honoured, not bypassed by the direct F.linear."""
+    layer = _layer(lora_model)
+    base = layer.get_base_layer()
+    forward = _lean_lora_forward(layer, ["default"])
+    x = torch.randn(4, 1, layer.in_features, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        plain = forward(x)
+        base.forward = lambda inp: torch.nn.functional.linear(inp, base.weight) + 1.0
+        try:
+            assert torch.equal(forward(x), layer(x))  # PEFT's forward runs the base's own forward too
+            assert not torch.equal(forward(x), plain)
+        finally:
+            del base.forward
+        handle = base.register_forward_hook(lambda _m, _a, out: out * 0)
+        try:
+            assert torch.equal(forward(x), layer(x))
+            assert not torch.equal(forward(x), plain)
+        finally:
+            handle.remove()
+        assert torch.equal(forward(x), plain)
