@@ -1,9 +1,9 @@
-"""What oneDNN-prepacked float32 weights would give our float32 rollouts (a measurement for a decision; the
-rollout path itself is not changed).
+"""What oneDNN-prepacked float32 weights give our float32 rollouts (the measurement behind the sampler's own
+packing, which this bench switches off for its "sgemm" side).
 
     flock /tmp/bigmem.lock .venv/bin/python bench/packed_float32.py --shape qwen2.5-0.5b --threads 1
 
-bench/decode_floor.py's workload and sampler. Float32 rollouts run every linear through MKL's sgemm
+bench/decode_floor.py's workload and sampler. Float32 rollouts ran every linear through MKL's sgemm
 (F.linear), which at decode's 16 rows repacks each weight at every call; oneDNN's prepacked kernel
 (worker/rollout/packed_linears.py, used for bfloat16 rollouts) rounds differently, so the logits move by
 ~1e-6 and the rollout no longer gives the trainer's logits bit for bit. This prints what that trade buys:
@@ -70,6 +70,11 @@ def main() -> None:
     from worker.rollout import _sampling_dtype
     from worker.rollout.effective_weights import rollout_weights
     from worker.rollout.rollout import transformers_sampler
+    from worker.rollout import packed_linears
+
+    # The sampler now packs float32 weights itself (worker/rollout/packed_linears.py): off here, so the "sgemm"
+    # side is the unpacked path this bench compares against.
+    packed_linears.FLOAT32_PACK_MIN_ELEMENTS = 1 << 62
 
     print(f"torch threads {torch.get_num_threads()}; load {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

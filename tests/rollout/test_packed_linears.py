@@ -1,5 +1,6 @@
 """bfloat16 CPU rollouts on prepacked oneDNN weights: the same tokens, log-probs and logits as unpacked, bit for bit;
-one packed copy per weight, reused while the weight is unchanged and refreshed when it changes."""
+one packed copy per weight, reused while the weight is unchanged and refreshed when it changes. float32 rollouts:
+only weights large enough to pay are packed, within rounding of sgemm, and their copies last one rollout."""
 
 from __future__ import annotations
 
@@ -147,3 +148,97 @@ def test_the_prefill_head_gets_a_contiguous_input_in_bfloat16_only(toy_dir, monk
     assert prefill_contiguous == (dtype is BF16)
     assert got == plain
     assert not model.get_output_embeddings()._forward_pre_hooks
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 64, 100])
+def test_the_packed_kernel_is_within_float32_rounding_of_f_linear(rows):
+    """Float32: oneDNN sums the products in another order than MKL's sgemm, so only rounding may differ. Any order
+    of a k-term float32 sum stays within k * 2**-24 * sum|x_i w_i| (+ the bias's |b| * 2**-24) of the exact one:
+    a wrong weight, layout or bias would miss that by orders of magnitude."""
+    torch.manual_seed(0)
+    k = 896
+    weight, bias = torch.randn(320, k), torch.randn(320)
+    packed = packed_linears.packed_float32(weight)
+    layer = torch.nn.Linear(k, 320)
+    forward = packed_linears.packed_forward(layer, packed)
+    inputs = [torch.randn(rows, k), torch.randn(rows, 1, k), torch.randn(rows, 3, k)[:, -1:],
+              torch.randn(2, rows, 1, k), torch.randn(2, rows, 3, k)[:, :, 1:2], torch.randn(k, rows).t()]
+    unit = 2.0 ** -24
+    for x in inputs:
+        for b in (None, bias):
+            layer.bias = None if b is None else torch.nn.Parameter(b, requires_grad=False)
+            got, want = forward(x), F.linear(x, weight, b)
+            bound = unit * (k * F.linear(x.abs(), weight.abs()) + (0 if b is None else b.abs()))
+            assert got.shape == want.shape
+            assert ((got - want).abs() <= bound).all()
+
+
+def _wide_mlp_lora_model():
+    """A LoRA model whose MLP weights (64 x 4096) reach the float32 packing threshold and whose attention (64 x 64),
+    adapters and head (64-word vocabulary) do not."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=4096, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
+    assert 64 * 4096 >= packed_linears.FLOAT32_PACK_MIN_ELEMENTS > 64 * 64
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model.eval()
+
+
+def test_a_float32_rollout_packs_only_large_weights_and_drops_the_copies_after(monkeypatch):
+    """The rollout sampler packs the float32 weights large enough to pay, through the LoRA base layers, for the
+    rollout only: the copies are freed when it ends, so they never add to the update's peak memory."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    import worker.rollout.effective_weights as effective_weights
+    from worker.rollout.rollout import transformers_sampler
+
+    model = _wide_mlp_lora_model()
+    base = model.get_base_model()
+    names = {id(m.weight): n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
+    packed_names, copies = [], []
+
+    def recording(weight):
+        copy = packed_linears.packed_float32(weight)
+        packed_names.append(names[id(weight)])
+        copies.append(weakref.ref(copy))
+        return copy
+
+    monkeypatch.setattr(effective_weights, "packed_float32", recording)
+    policy = SimpleNamespace(model=model, tokenizer=SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD),
+                             lm_head_float32=False, device=CPU)
+    sample = transformers_sampler(policy, SamplingSpec(max_output_tokens=6, max_model_len=64), logprobs=True)
+    rows = [p for p in prompts(3) for _ in range(2)]
+    tokens, _ = sample(rows, [6] * len(rows), greedy=False, seeds=list(range(len(rows))))
+    assert all(len(t) > 0 for t in tokens)
+    mlp = {f"model.layers.{i}.mlp.{p}_proj.base_layer" for i in range(2) for p in ("gate", "up", "down")}
+    assert sorted(packed_names) == sorted(mlp)
+    gc.collect()
+    assert copies and all(ref() is None for ref in copies)
+    assert not any("forward" in m.__dict__ for m in base.modules() if type(m) is torch.nn.Linear)
+
+
+def test_float32_packed_logits_are_within_rounding_of_the_unpacked(monkeypatch):
+    """What packing changes in a float32 forward is rounding: logits within 1e-5 of sgemm's (the 0.5B shape's moved
+    by at most 9.3e-6, bench/README.md), and the model's forward is its own again after."""
+    model = _wide_mlp_lora_model()
+    ids = torch.tensor(prompts(2)[0])[None]
+    with torch.no_grad():
+        with rollout_weights(model, pack_float32=True) as rolled:
+            down = model.get_base_model().model.layers[0].mlp.down_proj.base_layer
+            assert "forward" in down.__dict__
+            packed = rolled(input_ids=ids).logits
+        with rollout_weights(model) as rolled:
+            assert "forward" not in down.__dict__
+            plain = rolled(input_ids=ids).logits
+    assert not torch.equal(packed, plain)  # the packed kernel did run
+    torch.testing.assert_close(packed, plain, rtol=0, atol=1e-5)

@@ -15,7 +15,9 @@ class HFEngine:
 
     The weights run in `dtype` (cast once per rollout when theirs differs). When the sampler runs on such
     rounded copies (`report_logprobs`) each token's sampling log-prob is reported, for the truncated IS
-    correction; on the trained weights as they are, the sampler is the trainer and reports none.
+    correction; on the trained weights as they are, the sampler is the trainer and reports none (float32's
+    large linears run oneDNN's packed kernel, which rounds differently from the trainer's sgemm by ~5e-6 in
+    log-prob: harmless, see worker/rollout/packed_linears.py).
     """
 
     def __init__(self, dtype: torch.dtype | None = None, *, report_logprobs: bool = False):

@@ -130,7 +130,7 @@ def transformers_sampler(policy: Policy, sampling: SamplingSpec, *, dtype: torch
         was_training = model.training
         model.eval()
         try:
-            with rollout_weights(model, dtype, head_float32=policy.lm_head_float32) as generator:
+            with rollout_weights(model, dtype, head_float32=policy.lm_head_float32, pack_float32=True) as generator:
                 return sample_tokens(generator, seqs, max_new=max(budgets), sampling=sampling, greedy=greedy,
                                      eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, device=policy.device,
                                      compiled=policy.device.type == "cuda", logprobs=logprobs, seeds=seeds)
