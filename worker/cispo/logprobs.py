@@ -6,7 +6,9 @@ exist for one chunk at a time, in the forward pass and again in backward.
 For a plain linear head (the usual case: LoRA leaves the LM head alone) a
 custom autograd function does this with the closed-form gradient
 d logp / d logits = onehot(target) - softmax(logits): backward recomputes
-each chunk's logits once and nothing of size V is saved between the passes.
+each chunk's logits once (and turns them into the softmax in place, with
+the forward's log-partition: one float a row) and nothing of size V is
+saved between the passes.
 Any other head (say, one with its own adapter) goes through activation
 checkpointing per chunk, which is slower but equally frugal.
 
@@ -27,13 +29,26 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_stats(logits_NV: Tensor, targets_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp of the targets, log-partition, entropy) of float32 logits already divided by temperature."""
-    log_z_N = torch.logsumexp(logits_NV, dim=-1)
-    logp_N = logits_NV.gather(-1, targets_N[:, None]).squeeze(-1) - log_z_N
-    probs_NV = torch.softmax(logits_NV, dim=-1)
-    entropy_N = log_z_N - (probs_NV * logits_NV).sum(-1)
-    return logp_N, log_z_N, entropy_N
+def _scaled_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """float32 logits / temperature of one chunk, in a fresh tensor the caller may overwrite."""
+    logits = torch.nn.functional.linear(h, weight, bias).float()
+    return logits if temperature == 1.0 else logits.div_(temperature)
+
+
+def _chunk_stats_(logits_NV: Tensor, targets_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp of the targets, log-partition, entropy) of float32 logits already divided by temperature.
+
+    Overwrites `logits_NV` (shifted by each row's max) and allocates one more tensor of its size: these
+    passes over [chunk, vocab] cost as much as the head's matmul at a 32k vocabulary on a CPU.
+    """
+    max_N1 = logits_NV.amax(-1, keepdim=True)
+    shifted_NV = logits_NV.sub_(max_N1)
+    exp_NV = shifted_NV.exp()
+    sum_N = exp_NV.sum(-1)
+    log_sum_N = sum_N.log()
+    logp_N = shifted_NV.gather(-1, targets_N[:, None]).squeeze(-1) - log_sum_N
+    entropy_N = log_sum_N - torch.linalg.vecdot(exp_NV, shifted_NV) / sum_N  # log Z - E_p[logits], shift-free
+    return logp_N, log_sum_N + max_N1.squeeze(-1), entropy_N
 
 
 class _LinearHeadLogprobs(torch.autograd.Function):
@@ -51,16 +66,17 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         if head_dtype is not None:  # the matmul in head_dtype, whatever autocast is on
             weight = weight_VH.to(head_dtype)
             bias = bias_V.to(head_dtype) if bias_V is not None else None
-        logps, entropies = [], []
+        logps, log_zs, entropies = [], [], []
         with torch.autocast(device, enabled=False) if head_dtype is not None else nullcontext():
             for s in range(0, hidden_NH.shape[0], chunk_size):
                 h = hidden_NH[s : s + chunk_size]
-                logits = torch.nn.functional.linear(h if head_dtype is None else h.to(head_dtype), weight,
-                                                    bias).float() / temperature
-                logp, _, entropy = _chunk_stats(logits, targets_N[s : s + chunk_size])
+                logits = _scaled_logits(h if head_dtype is None else h.to(head_dtype), weight, bias, temperature)
+                logp, log_z, entropy = _chunk_stats_(logits, targets_N[s : s + chunk_size])
                 logps.append(logp)
+                log_zs.append(log_z)
                 entropies.append(entropy)
-        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N)
+        # The log-partitions (one float a row) let backward turn its recomputed logits into softmax in place.
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, torch.cat(log_zs))
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         entropy_N = torch.cat(entropies)
         ctx.mark_non_differentiable(entropy_N)
@@ -68,7 +84,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp_N, _grad_entropy):
-        hidden_NH, weight_VH, bias_V, targets_N = ctx.saved_tensors
+        hidden_NH, weight_VH, bias_V, targets_N, log_z_N = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden_NH) if need_h else None
         grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_w else None
@@ -77,13 +93,13 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         weight = weight_VH.to(dtype)  # once, not per chunk (a no-op in float32)
         bias = bias_V.to(dtype) if bias_V is not None else None
         for s in range(0, hidden_NH.shape[0], ctx.chunk_size):
-            h = hidden_NH[s : s + ctx.chunk_size].to(dtype)
-            logits = torch.nn.functional.linear(h, weight, bias).float() / ctx.temperature
-            # d logp / d logits = onehot - softmax, scaled by the incoming gradient and 1/T
-            g_NV = -torch.softmax(logits, dim=-1)
-            g_NV.scatter_add_(-1, targets_N[s : s + ctx.chunk_size, None],
-                              torch.ones_like(g_NV[:, :1]))
-            g_NV *= grad_logp_N[s : s + ctx.chunk_size, None].float() / ctx.temperature
+            e = s + ctx.chunk_size
+            h = hidden_NH[s:e].to(dtype)
+            # d logp / d logits = (onehot - softmax) * incoming gradient / T, built in the logits' own storage:
+            # softmax = exp(logits - log Z), with log Z from the forward (the same matmul, the same logits)
+            scale_N1 = grad_logp_N[s:e, None].float() / ctx.temperature
+            g_NV = _scaled_logits(h, weight, bias, ctx.temperature).sub_(log_z_N[s:e, None]).exp_().mul_(-scale_N1)
+            g_NV.scatter_add_(-1, targets_N[s:e, None], scale_N1)
             g = g_NV.to(dtype)
             if need_h:
                 grad_h[s : s + ctx.chunk_size] = (g @ weight).to(hidden_NH.dtype)
