@@ -238,3 +238,64 @@ def test_bf16_head_gradients_are_summed_over_chunks_in_float32():
     want_w, want_b = torch.autograd.grad(ref_logp.double().sum(), [exact.weight, exact.bias])
     torch.testing.assert_close(grad_b.double(), want_b, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(grad_w.double(), want_w, rtol=1e-2, atol=1e-2)
+
+
+def test_entropy_under_bf16_autocast_is_computed_in_float32():
+    """Under a bf16 autocast without a float32 head the logits are bf16-rounded, but the entropy of those logits
+    must still be float32-exact: a reduction left to autocast (vecdot, matmul) would round it to bf16 (~1e-2)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 2000, bias=False)
+    hidden = torch.randn(1, 64, 32, requires_grad=True)
+    targets = torch.randint(0, 2000, (1, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = head(hidden)  # the bf16 logits the function sees
+        _, entropy = token_logprobs(head, hidden, targets, chunk_size=16)
+    ref = logits.double().log_softmax(-1)
+    ref_entropy = -(ref.exp() * ref).sum(-1)
+    torch.testing.assert_close(entropy.double(), ref_entropy.detach(), rtol=0, atol=1e-5)
+
+
+def test_hidden_gradient_at_large_logits_is_float32_exact():
+    """At logits around 40, as an LM's top logits are, grad_h matches float64 to float32's precision. Integer
+    hidden states and weights in steps of 1/8 make every logit exact in float32, so the float64 reference sees
+    the very logits the function does and only the softmax's own rounding is measured. A softmax rebuilt as
+    exp(logits - log Z) with log Z rounded to float32 (half an ulp of 40 is 2e-6) is 4-7x further off."""
+    torch.manual_seed(0)
+    n, h_dim, vocab = 64, 16, 1000
+    head = torch.nn.Linear(h_dim, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randint(-16, 17, (vocab, h_dim)) / 8)
+    hidden = torch.randint(-3, 4, (1, n, h_dim)).float().requires_grad_()
+    targets = torch.randint(0, vocab, (1, n))
+    cot = torch.randn(1, n)
+    logits64 = hidden.double() @ head.weight.double().T
+    assert logits64.amax(-1).median() > 25
+    ref = logits64.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    (want,) = torch.autograd.grad((ref * cot).sum(), hidden)
+    logp, _ = token_logprobs(head, hidden, targets, chunk_size=16)
+    (got,) = torch.autograd.grad((logp * cot).sum(), hidden)
+    assert (got.double() - want).norm() / want.norm() < 2.5e-7
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 4, 13, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_linear_head_passes_float64_gradcheck(temperature, chunk_size, bias):
+    """The fused head's hand-written backward equals finite differences of its forward, in float64."""
+    torch.manual_seed(0)
+    n, h_dim, vocab = 13, 6, 11
+    hidden = torch.randn(1, n, h_dim, dtype=torch.float64, requires_grad=True)
+    weight = (3 * torch.randn(vocab, h_dim, dtype=torch.float64)).requires_grad_()  # a peaked softmax
+    bias_v = [torch.randn(vocab, dtype=torch.float64, requires_grad=True)] if bias else []
+    targets = torch.randint(0, vocab, (1, n))
+
+    def logp(hidden, weight, *bias_v):  # a plain Linear (the fused path) holding gradcheck's inputs as its tensors
+        head = torch.nn.Linear(h_dim, vocab, bias=bool(bias_v), dtype=torch.float64)
+        del head.weight
+        head.weight = weight
+        if bias_v:
+            del head.bias
+            head.bias = bias_v[0]
+        return token_logprobs(head, hidden, targets, temperature=temperature, chunk_size=chunk_size)[0]
+
+    assert torch.autograd.gradcheck(logp, (hidden, weight, *bias_v))
