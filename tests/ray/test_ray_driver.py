@@ -4,15 +4,17 @@ which the job resumes from its checkpoint and finishes."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from service.settings import Settings
-from tests.ray.conftest import pids_alive
+from tests.ray.conftest import RAYLETS_ENV, pids_alive
 from tests.trainer.test_distributed import Recorder, job_spec
 
 ray = pytest.importorskip("ray")
@@ -42,17 +44,25 @@ def _cpus_back(n: int, wait_s: float = 30.0) -> bool:
 
 
 def _actor_pids(*titles: bytes) -> list[int]:
-    """This machine's processes of Ray actors whose title (Ray titles them ray::<class>...) starts with one of
-    `titles`."""
+    """This cluster's processes of Ray actors whose title (Ray titles them ray::<class>...) starts with one of
+    `titles` (under the raylets the cluster fixture named; another module's cluster may run beside it)."""
+    raylets = {int(pid) for pid in os.environ.get(RAYLETS_ENV, "").split(",") if pid}
     pids = []
     for proc in Path("/proc").iterdir():
         try:
             title = (proc / "cmdline").read_bytes().split(b"\0")[0]
         except (OSError, ValueError):
             continue
-        if title.startswith(titles):
+        if title.startswith(titles) and (not raylets or _descends_from(int(proc.name), raylets)):
             pids.append(int(proc.name))
     return pids
+
+
+def _descends_from(pid: int, ancestors: set[int]) -> bool:
+    try:
+        return any(parent.pid in ancestors for parent in psutil.Process(pid).parents())
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _rank_pids() -> list[int]:
