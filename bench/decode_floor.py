@@ -21,7 +21,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from bench.trl_compare import (Workload, add_workload_args, build_model, measure_machine, our_trainer,  # noqa: E402
-                                workload_from, write_prompts)
+from bench.trl_compare import (Workload, add_workload_args, measure_machine, scratch_trainer,  # noqa: E402
+                                workload_from)
 
 
 def time_decode(trainer, w: Workload, *, repeats: int, profile_rows: int = 0) -> list[float]:
@@ -83,11 +82,7 @@ def main() -> None:
 
     print(f"torch threads {torch.get_num_threads()}; load average at start {os.getloadavg()[0]:.1f}", flush=True)
     machine = measure_machine()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        build_model(work / "model", w)
-        write_prompts(work / "train.jsonl", w)
-        trainer = our_trainer(work / "model", work / "train.jsonl", work / "ours", w)
+    with scratch_trainer(w) as trainer:
         times = time_decode(trainer, w, repeats=args.repeats, profile_rows=args.profile)
     shape, step = w.shape(), w.step()
     dtype = w.dtype if w.rollout_dtype == "auto" else w.rollout_dtype

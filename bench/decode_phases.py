@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -33,8 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from bench.trl_compare import (add_workload_args, build_model, measure_machine, our_trainer,  # noqa: E402
-                                workload_from, write_prompts)
+from bench.trl_compare import add_workload_args, measure_machine, scratch_trainer, workload_from  # noqa: E402
 
 # the Picker's log-prob recording (only when the sampler reports log-probs: rollouts in a lower dtype than training)
 PICK_LOGPROB_OPS = {"aten::log_softmax", "aten::_log_softmax", "aten::gather", "aten::div", "aten::index_put_"}
@@ -178,11 +176,7 @@ def main() -> None:
 
     print(f"torch threads {torch.get_num_threads()}; load {open('/proc/loadavg').read().split()[:3]}", flush=True)
     machine = measure_machine()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        build_model(work / "model", w)
-        write_prompts(work / "train.jsonl", w)
-        trainer = our_trainer(work / "model", work / "train.jsonl", work / "ours", w)
+    with scratch_trainer(w) as trainer:
         policy = trainer.policy
         sampler = transformers_sampler(policy, trainer.spec.sampling, dtype=_sampling_dtype(trainer.spec, policy))
         from bench.decode_floor import _prompt_lines

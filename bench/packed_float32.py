@@ -20,7 +20,6 @@ import os
 import statistics
 from itertools import takewhile
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from bench.decode_floor import _prompt_lines  # noqa: E402
-from bench.trl_compare import add_workload_args, build_model, our_trainer, workload_from, write_prompts  # noqa: E402
+from bench.trl_compare import add_workload_args, scratch_trainer, workload_from  # noqa: E402
 
 
 class PackedLinears:
@@ -77,11 +76,7 @@ def main() -> None:
     packed_linears.FLOAT32_PACK_MIN_ELEMENTS = 1 << 62
 
     print(f"torch threads {torch.get_num_threads()}; load {os.getloadavg()[0]:.2f}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        build_model(work / "model", w)
-        write_prompts(work / "train.jsonl", w)
-        trainer = our_trainer(work / "model", work / "train.jsonl", work / "ours", w)
+    with scratch_trainer(w) as trainer:
         policy = trainer.policy
         if policy.model.get_output_embeddings().weight.dtype != torch.float32:
             raise SystemExit("a float32 model only (--dtype float32)")

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +157,16 @@ def our_spec(model_dir: Path, data: Path, w: Workload) -> dict:
         "training": {"steps": 10**6, "batch_size": w.batch, "group_size": w.group, "mini_batches": 1,
                      "micro_batch_size": w.batch * w.group},
     }
+
+
+@contextmanager
+def scratch_trainer(w: Workload):
+    """Our Trainer on the workload's model and prompts, built in a temporary directory removed afterwards."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        build_model(work / "model", w)
+        write_prompts(work / "train.jsonl", w)
+        yield our_trainer(work / "model", work / "train.jsonl", work / "ours", w)
 
 
 def our_trainer(model_dir: Path, data: Path, out: Path, w: Workload):
