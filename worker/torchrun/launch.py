@@ -178,8 +178,7 @@ def _serve(conn: socket.socket, proc: subprocess.Popen, callbacks, stop_grace_s:
             if kind == "done":
                 return message
             if kind == "error":
-                cls = KNOWN_ERRORS.get(message["type"])
-                raise cls(message["message"]) if cls else RankFailed(f"{message['type']}: {message['message']}")
+                raise _known(message) or RankFailed(f"{message['type']}: {message['message']}")
             _send(conn, _dispatch(callbacks, kind, message))
 
 
@@ -192,9 +191,15 @@ def _failure(what: str, log_path: Path) -> Exception:
             error = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if error.get("type") in KNOWN_ERRORS:
-            return KNOWN_ERRORS[error["type"]](error["message"])
+        if known := _known(error):
+            return known
     return RankFailed(f"{what}; {_tail(log_path)}")
+
+
+def _known(error: dict) -> Exception | None:
+    """A rank's reported error ({"type", "message"}) as its own class, if it is one that means the same here."""
+    cls = KNOWN_ERRORS.get(error.get("type"))
+    return cls(error["message"]) if cls else None
 
 
 def write_rank_error(run_dir: Path, rank: int, error: BaseException) -> None:
