@@ -82,7 +82,12 @@ def test_rollout_engine_is_a_hyperparameter(api):
     assert_error(api.client.post(JOBS, json=body), 422, "method.cispo.hyperparameters.rollout.engine")
     body["method"]["cispo"]["hyperparameters"]["rollout"] = {"dtype": "int8"}
     assert_error(api.client.post(JOBS, json=body), 422, "method.cispo.hyperparameters.rollout.dtype")
+    body["method"]["cispo"]["hyperparameters"]["rollout"] = {"max_staleness": 1, "version_policy": "oldest"}
+    assert_error(api.client.post(JOBS, json=body), 422, "method.cispo.hyperparameters.rollout.version_policy")
     assert _count(api) == 0
+    body["method"]["cispo"]["hyperparameters"]["rollout"] = {"max_staleness": 1, "version_policy": "fixed_lag"}
+    spec = api.client.post(JOBS, params={"dry_run": "true"}, json=body).json()["spec"]
+    assert spec["rollout"]["version_policy"] == "fixed_lag"
 
 
 def test_float16_training_is_refused_naming_the_field(api):
