@@ -24,9 +24,6 @@ def two_roomy_nodes():
     yield from _cluster({**NODE, "num_cpus": 2})
 
 
-RAYLETS_ENV = "CISPO_TEST_RAYLETS"
-
-
 def _cluster(node: dict):
     ray = pytest.importorskip("ray")  # here, not at import: a conftest cannot skip itself
     from ray.cluster_utils import Cluster
@@ -37,15 +34,10 @@ def _cluster(node: dict):
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     cluster.add_node(**node)
     cluster.wait_for_nodes()
-    # Other test modules run clusters of their own at the same time (other xdist workers): the process scans
-    # count only the actors under this cluster's raylets (tests/ray/test_ray_driver.py's _actor_pids).
-    os.environ[RAYLETS_ENV] = ",".join(str(p.process.pid) for n in (cluster.head_node, *cluster.worker_nodes)
-                                       for p in n.all_processes.get("raylet", []))
     ray.init(address=cluster.address, namespace="cispo", log_to_driver=False)
     try:
         yield cluster
     finally:
-        os.environ.pop(RAYLETS_ENV, None)
         ray.shutdown()
         cluster.shutdown()
 

@@ -4,17 +4,15 @@ which the job resumes from its checkpoint and finishes."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from service.settings import Settings
-from tests.ray.conftest import RAYLETS_ENV, pids_alive
+from tests.ray.conftest import pids_alive
 from tests.trainer.test_distributed import Recorder, job_spec
 
 ray = pytest.importorskip("ray")
@@ -43,31 +41,19 @@ def _cpus_back(n: int, wait_s: float = 30.0) -> bool:
     return True
 
 
-def _actor_pids(*titles: bytes) -> list[int]:
-    """This cluster's processes of Ray actors whose title (Ray titles them ray::<class>...) starts with one of
-    `titles` (under the raylets the cluster fixture named; another module's cluster may run beside it)."""
-    raylets = {int(pid) for pid in os.environ.get(RAYLETS_ENV, "").split(",") if pid}
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            title = (proc / "cmdline").read_bytes().split(b"\0")[0]
-        except (OSError, ValueError):
-            continue
-        if title.startswith(titles) and (not raylets or _descends_from(int(proc.name), raylets)):
-            pids.append(int(proc.name))
-    return pids
-
-
-def _descends_from(pid: int, ancestors: set[int]) -> bool:
-    try:
-        return any(parent.pid in ancestors for parent in psutil.Process(pid).parents())
-    except psutil.NoSuchProcess:
-        return False
+def _actor_pids(*classes: str) -> list[int]:
+    """The running processes of this cluster's Ray actors of `classes`, whatever their state in the GCS's actor
+    table (an actor marked dead whose process still runs is a leak). The table, not a /proc scan by process title:
+    other test modules run clusters of their own beside this one, and a scan by title and raylet ancestry once
+    missed a rank that was running."""
+    pids = {info["Pid"] for info in ray._private.state.actors().values()
+            if info["ActorClassName"] in classes and info["Pid"]}
+    return sorted(pids_alive(pids))
 
 
 def _rank_pids() -> list[int]:
     """This machine's processes of rank actors and the channel's queues."""
-    return _actor_pids(b"ray::RankActor", b"ray::_QueueActor")
+    return _actor_pids("RankActor", "_QueueActor")
 
 
 def test_two_nodes_train_as_one_process(toy_dir, tmp_path, two_nodes):
