@@ -351,3 +351,57 @@ def test_a_groups_prompt_is_encoded_once_not_once_per_completion(toy_dir):
     rollout = done.value.value
     assert len(rollout) == 8 and rollout.token_ids[0][:-1] == rollout.token_ids[3][:-1] == real(tok, "ab=")["input_ids"]
     assert rollout.token_ids[0] is not rollout.token_ids[1]  # each completion's sequence is its own list
+
+
+def _counting_weights(monkeypatch) -> list[dict]:
+    """Every rollout_weights hold the transformers sampler takes, by its keyword arguments."""
+    holds = []
+    real = rollout_module.rollout_weights
+
+    def counting(model, dtype=None, **kw):
+        holds.append(kw)
+        return real(model, dtype, **kw)
+
+    monkeypatch.setattr(rollout_module, "rollout_weights", counting)
+    return holds
+
+
+def test_a_multi_turn_rollout_makes_its_sampling_weights_once_not_once_per_turn(policy, toy_dir, monkeypatch):
+    """Every turn of a rollout samples the same weights, so their copies (cast, folded, float32-packed: 1.1 s at
+    the 0.5B shape) are made at its first turn and held to its end; the model's own weights and mode come back."""
+    sampling = env_spec(toy_dir).sampling.model_copy(update={"max_model_len": 128})
+    holds = _counting_weights(monkeypatch)
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    policy.model.train()
+    rollout = generate(policy, ROWS, sampling, group_size=2, environment=Scripted(lambda turn, action, row:
+                       Outcome(observation="a", terminated=turn == 3)), max_turns=3, seeds=[1, 2, 3])
+    assert rollout.turns == [3] * 6 and len(holds) == 1
+    assert policy.model.training  # eval for the rollout only
+    for n, p in policy.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+    holds.clear()  # a failing environment still ends the hold (the model back in train mode)
+    with pytest.raises(RuntimeError, match="environment down"):
+        generate(policy, ROWS, sampling, group_size=2, environment=Scripted(_fail_on_second_turn), max_turns=3,
+                 seeds=[1, 2, 3])
+    assert len(holds) == 1 and policy.model.training
+    rollout = generate(policy, ROWS, sampling, group_size=2, environment=Scripted(word_then_done), max_turns=2,
+                       seeds=[1, 2, 3])  # and the next rollout makes its own
+    assert rollout.turns == [2] * 6 and len(holds) == 2
+
+
+def _fail_on_second_turn(turn, action, row):
+    if turn == 2:
+        raise RuntimeError("environment down")
+    return Outcome(observation="again")
+
+
+@pytest.mark.parametrize("max_output_tokens, packs", [(4, False), (7, False), (8, True), (32, True)])
+def test_float32_packing_waits_for_a_rollout_long_enough_to_repay_it(policy, toy_dir, monkeypatch,
+                                                                     max_output_tokens, packs):
+    """Packing a float32 weight costs 1-3 of its matmuls: a rollout of fewer than FLOAT32_PACK_MIN_NEW_TOKENS new
+    tokens runs the weights as they are."""
+    holds = _counting_weights(monkeypatch)
+    sampling = env_spec(toy_dir).sampling.model_copy(update={"max_output_tokens": max_output_tokens})
+    generate(policy, ROWS[:1], sampling, group_size=2)
+    assert [h["pack_float32"] for h in holds] == [packs]

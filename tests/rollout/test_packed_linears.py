@@ -216,9 +216,9 @@ def test_a_float32_rollout_packs_only_large_weights_and_drops_the_copies_after(m
     monkeypatch.setattr(effective_weights, "packed_float32", recording)
     policy = SimpleNamespace(model=model, tokenizer=SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD),
                              lm_head_float32=False, device=CPU)
-    sample = transformers_sampler(policy, SamplingSpec(max_output_tokens=6, max_model_len=64), logprobs=True)
+    sample = transformers_sampler(policy, SamplingSpec(max_output_tokens=8, max_model_len=64), logprobs=True)
     rows = [p for p in prompts(3) for _ in range(2)]
-    tokens, _ = sample(rows, [6] * len(rows), greedy=False, seeds=list(range(len(rows))))
+    tokens, _ = sample(rows, [8] * len(rows), greedy=False, seeds=list(range(len(rows))))
     assert all(len(t) > 0 for t in tokens)
     mlp = {f"model.layers.{i}.mlp.{p}_proj.base_layer" for i in range(2) for p in ("gate", "up", "down")}
     assert sorted(packed_names) == sorted(mlp)

@@ -33,7 +33,9 @@ faster), so the tiny test models keep sgemm and PEFT's logits bit for bit.
 A packed float32 copy is as large as the weight itself, so it lives for one
 rollout only (worker/rollout/effective_weights.py drops it on exit): the
 peak stays the update's, at the cost of repacking per rollout (1.1 s for the
-0.5B shape's 169 weights against ~6 s saved over a 32-token decode).
+0.5B shape's 169 weights against ~6 s saved over a 32-token decode): once for
+all the turns of a multi-turn rollout, and not at all for a rollout of fewer
+than FLOAT32_PACK_MIN_NEW_TOKENS new tokens (worker/rollout/rollout.py).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ import weakref
 import torch
 from torch import Tensor
 
-__all__ = ["packable", "packed_weight", "packed_float32", "packed_forward", "PACK_ROWS", "FLOAT32_PACK_MIN_ELEMENTS"]
+__all__ = ["packable", "packed_weight", "packed_float32", "packed_forward", "PACK_ROWS", "FLOAT32_PACK_MIN_ELEMENTS",
+           "FLOAT32_PACK_MIN_NEW_TOKENS"]
 
 PACK_ROWS = 16  # oneDNN's batch-size hint for the blocked layout (any row count gives the same outputs)
 # The smallest float32 weight (elements) worth packing. One thread, 16 rows, min of 5 (load 2.2): sgemm / packed
@@ -51,6 +54,9 @@ PACK_ROWS = 16  # oneDNN's batch-size hint for the blocked layout (any row count
 # shape's k/v projections), 1.21x at 512x512, 1.37x at 896x896, 2.2-2.3x at 4864x896 and 32768x896; packing
 # costs ~1-3 calls' time, so it pays from 2**18 elements (1 MiB) on.
 FLOAT32_PACK_MIN_ELEMENTS = 2**18
+# The fewest new tokens a float32 rollout must decode for packing to pay: packing the 0.5B shape's weights took
+# 1.1 s against ~6 s saved over 32 decode steps (~0.19 s a step), so it breaks even near 6 steps.
+FLOAT32_PACK_MIN_NEW_TOKENS = 8
 
 _sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (weight's id, version, address)
 

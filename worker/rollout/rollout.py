@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Generator
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,11 +51,13 @@ from service.job_spec.sampling import SamplingSpec
 from worker.envs.protocol import Environment
 from worker.rollout.decode import sample_tokens
 from worker.rollout.effective_weights import rollout_weights
+from worker.rollout.packed_linears import FLOAT32_PACK_MIN_NEW_TOKENS
 from worker.model.policy import Policy
 from worker.model.streams import stream_seed
 from worker.model.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
 
-__all__ = ["Rollout", "TokenSampler", "TurnRequest", "generate", "rollout_turns", "transformers_sampler",
+__all__ = ["Rollout", "TokenSampler", "TurnRequest", "generate", "rollout_turns", "TransformersSampler",
+           "transformers_sampler",
            "encode_prompt"]
 
 
@@ -117,27 +120,56 @@ class _Episode:
         self.error, self.done = message, True
 
 
-def transformers_sampler(policy: Policy, sampling: SamplingSpec, *, dtype: torch.dtype | None = None,
-                         logprobs: bool = False) -> TokenSampler:
+class TransformersSampler:
     """Sampling in the policy's own model by worker/rollout/decode.py: its effective weights (LoRA folded in),
     in `dtype` (None: the weights' own), with each token's log-prob when `logprobs`.
 
-    No autocast here: the weights are cast once per rollout instead of at every decode step."""
-    tok = policy.tokenizer
+    No autocast here: the weights are cast (float32: packed) once per `holding()` instead of at every decode
+    step. generate() holds them across a rollout's turns, which all sample the same weights; a call outside a
+    hold holds them for that call."""
 
-    def sample(seqs: list[list[int]], budgets: list[int], *, greedy: bool, seeds: list[int] | None = None):
-        model = policy.model
-        was_training = model.training
-        model.eval()
+    def __init__(self, policy: Policy, sampling: SamplingSpec, *, dtype: torch.dtype | None = None,
+                 logprobs: bool = False):
+        self.policy, self.sampling, self.dtype, self.logprobs = policy, sampling, dtype, logprobs
+        self._held = False
+        self._weights = ExitStack()  # what the first call inside a hold made: released when the hold ends
+        self._generator = None
+
+    @contextmanager
+    def holding(self):
+        """Keep the weights the first call inside makes until the end (that call's token budget decides whether
+        float32 packing pays: see FLOAT32_PACK_MIN_NEW_TOKENS)."""
+        if self._held:  # inside an outer hold
+            yield
+            return
+        self._held = True
         try:
-            with rollout_weights(model, dtype, head_float32=policy.lm_head_float32, pack_float32=True) as generator:
-                return sample_tokens(generator, seqs, max_new=max(budgets), sampling=sampling, greedy=greedy,
-                                     eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, device=policy.device,
-                                     compiled=policy.device.type == "cuda", logprobs=logprobs, seeds=seeds)
+            yield
         finally:
-            model.train(was_training)
+            self._held, self._generator = False, None
+            self._weights.close()
 
-    return sample
+    def __call__(self, seqs: list[list[int]], budgets: list[int], *, greedy: bool,
+                 seeds: list[int] | None = None):
+        with self.holding():
+            if self._generator is None:
+                model = self.policy.model
+                self._weights.callback(model.train, model.training)
+                model.eval()
+                self._generator = self._weights.enter_context(rollout_weights(
+                    model, self.dtype, head_float32=self.policy.lm_head_float32,
+                    pack_float32=max(budgets, default=0) >= FLOAT32_PACK_MIN_NEW_TOKENS))
+            tok = self.policy.tokenizer
+            return sample_tokens(self._generator, seqs, max_new=max(budgets), sampling=self.sampling,
+                                 greedy=greedy, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                                 device=self.policy.device, compiled=self.policy.device.type == "cuda",
+                                 logprobs=self.logprobs, seeds=seeds)
+
+
+def transformers_sampler(policy: Policy, sampling: SamplingSpec, *, dtype: torch.dtype | None = None,
+                         logprobs: bool = False) -> TransformersSampler:
+    """The policy's own model as a TokenSampler (TransformersSampler)."""
+    return TransformersSampler(policy, sampling, dtype=dtype, logprobs=logprobs)
 
 
 @dataclass
@@ -169,9 +201,11 @@ def generate(
     turns = rollout_turns(policy.tokenizer, rows, sampling, group_size=group_size, greedy=greedy,
                           environment=environment, max_turns=max_turns, seeds=seeds, sampling_seeds=sampling_seeds)
     try:
-        request = next(turns)
-        while True:
-            request = turns.send(sampler(request.seqs, request.budgets, greedy=request.greedy, seeds=request.seeds))
+        with getattr(sampler, "holding", nullcontext)():  # the same weights for every turn: made once
+            request = next(turns)
+            while True:
+                request = turns.send(sampler(request.seqs, request.budgets, greedy=request.greedy,
+                                             seeds=request.seeds))
     except StopIteration as done:
         return done.value
 
