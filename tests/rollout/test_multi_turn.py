@@ -399,9 +399,9 @@ def _fail_on_second_turn(turn, action, row):
 @pytest.mark.parametrize("max_output_tokens, packs", [(4, False), (7, False), (8, True), (32, True)])
 def test_float32_packing_waits_for_a_rollout_long_enough_to_repay_it(policy, toy_dir, monkeypatch,
                                                                      max_output_tokens, packs):
-    """Packing a float32 weight costs 1-3 of its matmuls: a rollout of fewer than FLOAT32_PACK_MIN_NEW_TOKENS new
+    """Packing a float32 weight costs 1-3 of its matmuls: a rollout of fewer than PACK_MIN_NEW_TOKENS new
     tokens runs the weights as they are."""
     holds = _counting_weights(monkeypatch)
     sampling = env_spec(toy_dir).sampling.model_copy(update={"max_output_tokens": max_output_tokens})
     generate(policy, ROWS[:1], sampling, group_size=2)
-    assert [h["pack_float32"] for h in holds] == [packs]
+    assert [h["pack"] for h in holds] == [packs]

@@ -158,7 +158,7 @@ def test_the_packed_kernel_is_within_float32_rounding_of_f_linear(rows):
     torch.manual_seed(0)
     k = 896
     weight, bias = torch.randn(320, k), torch.randn(320)
-    packed = packed_linears.packed_float32(weight)
+    packed = packed_linears.packed_copy(weight)
     layer = torch.nn.Linear(k, 320)
     forward = packed_linears.packed_forward(layer, packed)
     inputs = [torch.randn(rows, k), torch.randn(rows, 1, k), torch.randn(rows, 3, k)[:, -1:],
@@ -208,12 +208,12 @@ def test_a_float32_rollout_packs_only_large_weights_and_drops_the_copies_after(m
     packed_names, copies = [], []
 
     def recording(weight):
-        copy = packed_linears.packed_float32(weight)
+        copy = packed_linears.packed_copy(weight)
         packed_names.append(names[id(weight)])
         copies.append(weakref.ref(copy))
         return copy
 
-    monkeypatch.setattr(effective_weights, "packed_float32", recording)
+    monkeypatch.setattr(effective_weights, "packed_copy", recording)
     policy = SimpleNamespace(model=model, tokenizer=SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD),
                              lm_head_float32=False, device=CPU)
     sample = transformers_sampler(policy, SamplingSpec(max_output_tokens=8, max_model_len=64), logprobs=True)
@@ -233,7 +233,7 @@ def test_float32_packed_logits_are_within_rounding_of_the_unpacked(monkeypatch):
     model = _wide_mlp_lora_model()
     ids = torch.tensor(prompts(2)[0])[None]
     with torch.no_grad():
-        with rollout_weights(model, pack_float32=True) as rolled:
+        with rollout_weights(model, pack=True) as rolled:
             down = model.get_base_model().model.layers[0].mlp.down_proj.base_layer
             assert "forward" in down.__dict__
             packed = rolled(input_ids=ids).logits
@@ -242,3 +242,55 @@ def test_float32_packed_logits_are_within_rounding_of_the_unpacked(monkeypatch):
             plain = rolled(input_ids=ids).logits
     assert not torch.equal(packed, plain)  # the packed kernel did run
     torch.testing.assert_close(packed, plain, rtol=0, atol=1e-5)
+
+
+def test_a_bfloat16_model_decodes_on_packed_copies_for_one_rollout_with_the_same_tokens(toy_dir, monkeypatch):
+    """A model loaded in bfloat16 casts nothing, so no cast copy is there to pack: with `pack` each of its linears
+    runs on a packed copy made for the rollout (the same kernel, so the same tokens, log-probs and logits bit for
+    bit), and the copies are freed when it ends (kept, they would add the weights' size to the update's peak)."""
+    import gc
+    import weakref
+
+    from peft import LoraConfig, get_peft_model
+
+    import worker.rollout.effective_weights as effective_weights
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=BF16),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # the adapter changes the tokens, so it takes part in what is compared
+    base = model.get_base_model()
+    names = {id(m.weight): n for n, m in base.named_modules() if type(m) is torch.nn.Linear}
+    packed_names, copies = [], []
+
+    def recording(weight):
+        copy = packed_linears.packed_copy(weight)
+        packed_names.append(names[id(weight)])
+        copies.append(weakref.ref(copy))
+        return copy
+
+    monkeypatch.setattr(effective_weights, "packed_copy", recording)
+    rows = [p for p in prompts(3) for _ in range(2)]
+    spec = SamplingSpec(max_output_tokens=10, max_model_len=64, temperature=0.9)
+
+    def sample(pack: bool):
+        with torch.no_grad(), rollout_weights(model, pack=pack) as rolled:
+            tokens, logprobs = decode.sample_tokens(rolled, rows, max_new=10, sampling=spec, greedy=False,
+                                                    eos_id=EOS, pad_id=PAD, device=CPU, logprobs=True,
+                                                    seeds=list(range(len(rows))))
+            return tokens, logprobs, rolled(input_ids=torch.tensor(rows[0])[None]).logits
+
+    packed = sample(True)
+    linears = {n for n, m in base.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in f".{n}"}
+    assert sorted(packed_names) == sorted(linears) and len(linears) > 10  # every base linear and the head
+    gc.collect()
+    assert all(ref() is None for ref in copies)
+    assert not any("forward" in m.__dict__ for m in base.modules())
+    made = len(packed_names)
+    plain = sample(False)
+    assert len(packed_names) == made  # nothing packed without `pack`
+    assert packed[0] == plain[0] and packed[1] == plain[1] and torch.equal(packed[2], plain[2])
+    assert all(p.dtype == BF16 and not p.is_mkldnn for n, p in base.named_parameters() if ".lora_" not in n)

@@ -14,9 +14,10 @@
   bfloat16 sampling for a float32 job): the weights are cast once per
   rollout into kept copies, not at every step as autocast would;
 - CPU linears run on oneDNN-prepacked weights (worker/rollout/packed_linears.py):
-  bfloat16 copies kept like the cast ones, float32 copies (`pack_float32`,
-  rollouts only) made on entry and dropped on exit, since each is as large as
-  its weight.
+  the cast bfloat16 copies are kept packed; weights running in their own
+  dtype (float32, or a bfloat16 model's) get packed copies (`pack`, rollouts
+  only) made on entry and dropped on exit, since each is as large as its
+  weight.
 Copies are kept between rollouts (`kept_copies`) so that tensor addresses stay
 put and CUDA graphs replay instead of re-recording; worker/rollout/rollout_state.py
 frees them when they grow large.
@@ -33,7 +34,7 @@ from torch import Tensor
 from torch.nn.modules import module as nn_module
 
 from worker.model.lora_forward import vanilla_adapters
-from worker.rollout.packed_linears import packable, packed_float32, packed_forward, packed_weight
+from worker.rollout.packed_linears import packable, packed_copy, packed_forward, packed_weight
 
 __all__ = ["rollout_weights", "kept_copies"]
 
@@ -42,7 +43,7 @@ kept_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -
 
 @contextmanager
 def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bool = False,
-                    pack_float32: bool = False):
+                    pack: bool = False):
     """Run `model` as a plain causal LM on its effective weights: active LoRA adapters applied, cast to `dtype`.
 
     Each adapted linear runs base(x) + B(A(x)) * scaling through a lean
@@ -58,10 +59,11 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
     untouched. Buffers (rotary frequencies) stay as they are. With
     `head_float32` the LM head runs on a float32 copy of its weight and its
     input is cast up (training.lm_head_float32), so sampling sees the logits
-    the trainer scores. With `pack_float32` in a float32 rollout, plain CPU
-    Linears with weights large enough to pay (packed_linears.packable) run on
-    packed copies made here and dropped on exit (a rollout's decode repays the
-    packing; a short forward may not).
+    the trainer scores. With `pack`, plain CPU Linears that run in their
+    weight's own dtype (no cast copy above) and can pay (packed_linears.packable:
+    float32 ones large enough, any bfloat16 one) run on packed copies made here
+    and dropped on exit (a rollout's decode repays the packing; a short forward
+    may not).
     """
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
@@ -139,16 +141,16 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
                 head._parameters["weight"] = copy.copy_(own)
                 swapped.append((head, "weight", current))
                 hooks.append(head.register_forward_pre_hook(lambda _m, args: (args[0].float(), *args[1:])))
-            if pack_float32 and dtype in (None, torch.float32):
+            if pack:
                 for name, module in model.named_modules():
                     weight = module._parameters.get("weight")
-                    if (weight is None or weight.dtype is not torch.float32 or weight.is_mkldnn
+                    if (weight is None or weight.is_mkldnn or (dtype is not None and weight.dtype != dtype)
                             or "forward" in module.__dict__ or (peft and ".lora_" in f".{name}")
-                            or not packable(module, weight, torch.float32)):
+                            or not packable(module, weight, weight.dtype)):
                         continue
                     # Held by this forward only: `del module.forward` on exit frees it (not kept between
-                    # rollouts: a float32 copy would add the weight's own size to the update's peak).
-                    module.forward = packed_forward(module, packed_float32(weight))
+                    # rollouts: a copy would add the weight's own size to the update's peak).
+                    module.forward = packed_forward(module, packed_copy(weight))
                     packed.append(module)
         if peft:
             with model.disable_adapter():

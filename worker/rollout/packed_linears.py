@@ -15,6 +15,10 @@ the weight they came from (the optimizer's in-place steps and load_state_dict
 bump it), so frozen base weights (LoRA) are cast and reordered once, not at
 every rollout. In-place writes through `.data` do not bump a tensor's
 version; nothing in the worker writes the trained model's weights that way.
+Those cast copies replace plain ones the rollout needs anyway; a model
+already in bfloat16 (dtype bfloat16 on a CPU) casts nothing, so its linears
+get packed copies for one rollout only, as float32 ones do below (kept, they
+would add the weights' size to the update's peak).
 
 float32: F.linear runs MKL's sgemm, which repacks the weight at every call
 (the 0.5B decode's base linears ran at 2.3x their FLOP floor, bench/README.md);
@@ -35,7 +39,7 @@ rollout only (worker/rollout/effective_weights.py drops it on exit): the
 peak stays the update's, at the cost of repacking per rollout (1.1 s for the
 0.5B shape's 169 weights against ~6 s saved over a 32-token decode): once for
 all the turns of a multi-turn rollout, and not at all for a rollout of fewer
-than FLOAT32_PACK_MIN_NEW_TOKENS new tokens (worker/rollout/rollout.py).
+than PACK_MIN_NEW_TOKENS new tokens (worker/rollout/rollout.py).
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ import weakref
 import torch
 from torch import Tensor
 
-__all__ = ["packable", "packed_weight", "packed_float32", "packed_forward", "PACK_ROWS", "FLOAT32_PACK_MIN_ELEMENTS",
-           "FLOAT32_PACK_MIN_NEW_TOKENS"]
+__all__ = ["packable", "packed_weight", "packed_copy", "packed_forward", "PACK_ROWS", "FLOAT32_PACK_MIN_ELEMENTS",
+           "PACK_MIN_NEW_TOKENS"]
 
 PACK_ROWS = 16  # oneDNN's batch-size hint for the blocked layout (any row count gives the same outputs)
 # The smallest float32 weight (elements) worth packing. One thread, 16 rows, min of 5 (load 2.2): sgemm / packed
@@ -54,9 +58,10 @@ PACK_ROWS = 16  # oneDNN's batch-size hint for the blocked layout (any row count
 # shape's k/v projections), 1.21x at 512x512, 1.37x at 896x896, 2.2-2.3x at 4864x896 and 32768x896; packing
 # costs ~1-3 calls' time, so it pays from 2**18 elements (1 MiB) on.
 FLOAT32_PACK_MIN_ELEMENTS = 2**18
-# The fewest new tokens a float32 rollout must decode for packing to pay: packing the 0.5B shape's weights took
-# 1.1 s against ~6 s saved over 32 decode steps (~0.19 s a step), so it breaks even near 6 steps.
-FLOAT32_PACK_MIN_NEW_TOKENS = 8
+# The fewest new tokens a rollout must decode for packing its weights' own-dtype copies to pay: the 0.5B shape's
+# float32 weights took 1.1 s to pack against ~6 s saved over 32 decode steps (~0.19 s a step), so it breaks even
+# near 6 steps (bfloat16 sooner: its unpacked kernel reorders the weight at every call).
+PACK_MIN_NEW_TOKENS = 8
 
 _sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (weight's id, version, address)
 
@@ -73,8 +78,9 @@ def packable(module: torch.nn.Module, weight: Tensor, dtype: torch.dtype | None)
     return dtype is torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def packed_float32(weight: Tensor) -> Tensor:
-    """A float32 weight reordered for the packed kernel: a copy as large as the weight, for one rollout."""
+def packed_copy(weight: Tensor) -> Tensor:
+    """A weight reordered for the packed kernel, in its own dtype: a copy as large as the weight, for one
+    rollout."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
 

@@ -51,7 +51,7 @@ from service.job_spec.sampling import SamplingSpec
 from worker.envs.protocol import Environment
 from worker.rollout.decode import sample_tokens
 from worker.rollout.effective_weights import rollout_weights
-from worker.rollout.packed_linears import FLOAT32_PACK_MIN_NEW_TOKENS
+from worker.rollout.packed_linears import PACK_MIN_NEW_TOKENS
 from worker.model.policy import Policy
 from worker.model.streams import stream_seed
 from worker.model.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
@@ -138,7 +138,7 @@ class TransformersSampler:
     @contextmanager
     def holding(self):
         """Keep the weights the first call inside makes until the end (that call's token budget decides whether
-        float32 packing pays: see FLOAT32_PACK_MIN_NEW_TOKENS)."""
+        packing pays: see PACK_MIN_NEW_TOKENS)."""
         if self._held:  # inside an outer hold
             yield
             return
@@ -158,7 +158,7 @@ class TransformersSampler:
                 model.eval()
                 self._generator = self._weights.enter_context(rollout_weights(
                     model, self.dtype, head_float32=self.policy.lm_head_float32,
-                    pack_float32=max(budgets, default=0) >= FLOAT32_PACK_MIN_NEW_TOKENS))
+                    pack=max(budgets, default=0) >= PACK_MIN_NEW_TOKENS))
             tok = self.policy.tokenizer
             return sample_tokens(self._generator, seqs, max_new=max(budgets), sampling=self.sampling,
                                  greedy=greedy, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
