@@ -57,8 +57,7 @@ from worker.model.streams import stream_seed
 from worker.model.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
 
 __all__ = ["Rollout", "TokenSampler", "TurnRequest", "generate", "rollout_turns", "TransformersSampler",
-           "transformers_sampler",
-           "encode_prompt"]
+           "transformers_sampler", "encode_prompt"]
 
 
 class TokenSampler(Protocol):
@@ -124,8 +123,8 @@ class TransformersSampler:
     """Sampling in the policy's own model by worker/rollout/decode.py: its effective weights (LoRA folded in),
     in `dtype` (None: the weights' own), with each token's log-prob when `logprobs`.
 
-    No autocast here: the weights are cast (float32: packed) once per `holding()` instead of at every decode
-    step. generate() holds them across a rollout's turns, which all sample the same weights; a call outside a
+    No autocast here: the weights are cast and packed (worker/rollout/effective_weights.py) once per
+    `holding()` instead of at every decode step. generate() holds them across a rollout's turns, which all sample the same weights; a call outside a
     hold holds them for that call."""
 
     def __init__(self, policy: Policy, sampling: SamplingSpec, *, dtype: torch.dtype | None = None,
