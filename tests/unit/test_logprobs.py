@@ -27,7 +27,7 @@ def _naive(head, hidden, targets, temperature):
 
 
 CASES = pytest.mark.parametrize(
-    "chunk_size,temperature", [(c, t) for c in (1, 3, 7, 64) for t in (1.0, 0.7)]
+    "chunk_size,temperature", [(c, t) for c in (1, 3, 7, 64) for t in (1.0, 0.7, 2.0)]
 )
 
 
@@ -199,6 +199,28 @@ def test_a_float32_head_under_bf16_autocast_is_exact_and_so_is_its_gradient():
     torch.testing.assert_close(exact.double(), ref, rtol=0, atol=1e-4)
     (grad,) = torch.autograd.grad(exact.sum(), hidden)
     torch.testing.assert_close(grad.double(), ref_grad.double(), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_bf16_models_head_with_head_dtype_float32_is_scored_in_float32(bias):
+    """A bfloat16 model with training.lm_head_float32 (no autocast: the weights are bf16 themselves): the head's
+    weight, bias and input are cast up, so log-probs and the gradients of the hidden states and the head match a
+    float64 computation on the same bf16 values to float32's precision, and the gradients come back in bf16."""
+    torch.manual_seed(3)
+    head = torch.nn.Linear(16, 50, bias=bias).to(torch.bfloat16)
+    hidden = (3 * torch.randn(1, 40, 16)).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 50, (1, 40))
+    logits = hidden.double() @ head.weight.double().T + (head.bias.double() if bias else 0)
+    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
+    params = [hidden, head.weight] + ([head.bias] if bias else [])
+    want = torch.autograd.grad(ref.sum(), params)
+    logp, _ = token_logprobs(head, hidden, targets, temperature=0.7, chunk_size=7, head_dtype=torch.float32)
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp.double(), ref, rtol=0, atol=1e-5)
+    got = torch.autograd.grad(logp.sum(), params)
+    for g, w, p in zip(got, want, params):
+        assert g.dtype == torch.bfloat16 and g.abs().sum() > 0
+        torch.testing.assert_close(g.double(), w.to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
 
 
 def test_head_without_bias_as_lm_heads_are():
