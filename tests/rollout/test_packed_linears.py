@@ -192,18 +192,13 @@ def _wide_mlp_lora_model():
     return model.eval()
 
 
-def test_a_float32_rollout_packs_only_large_weights_and_drops_the_copies_after(monkeypatch):
-    """The rollout sampler packs the float32 weights large enough to pay, through the LoRA base layers, for the
-    rollout only: the copies are freed when it ends, so they never add to the update's peak memory."""
-    import gc
+def _record_packing(monkeypatch, base) -> tuple[list[str], list]:
+    """The names of the base model's linears that rollouts pack own-dtype copies of, and weak references to the
+    copies (to see them freed)."""
     import weakref
-    from types import SimpleNamespace
 
     import worker.rollout.effective_weights as effective_weights
-    from worker.rollout.rollout import transformers_sampler
 
-    model = _wide_mlp_lora_model()
-    base = model.get_base_model()
     names = {id(m.weight): n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
     packed_names, copies = [], []
 
@@ -214,6 +209,20 @@ def test_a_float32_rollout_packs_only_large_weights_and_drops_the_copies_after(m
         return copy
 
     monkeypatch.setattr(effective_weights, "packed_copy", recording)
+    return packed_names, copies
+
+
+def test_a_float32_rollout_packs_only_large_weights_and_drops_the_copies_after(monkeypatch):
+    """The rollout sampler packs the float32 weights large enough to pay, through the LoRA base layers, for the
+    rollout only: the copies are freed when it ends, so they never add to the update's peak memory."""
+    import gc
+    from types import SimpleNamespace
+
+    from worker.rollout.rollout import transformers_sampler
+
+    model = _wide_mlp_lora_model()
+    base = model.get_base_model()
+    packed_names, copies = _record_packing(monkeypatch, base)
     policy = SimpleNamespace(model=model, tokenizer=SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD),
                              lm_head_float32=False, device=CPU)
     sample = transformers_sampler(policy, SamplingSpec(max_output_tokens=8, max_model_len=64), logprobs=True)
@@ -249,11 +258,8 @@ def test_a_bfloat16_model_decodes_on_packed_copies_for_one_rollout_with_the_same
     runs on a packed copy made for the rollout (the same kernel, so the same tokens, log-probs and logits bit for
     bit), and the copies are freed when it ends (kept, they would add the weights' size to the update's peak)."""
     import gc
-    import weakref
 
     from peft import LoraConfig, get_peft_model
-
-    import worker.rollout.effective_weights as effective_weights
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=BF16),
@@ -263,16 +269,7 @@ def test_a_bfloat16_model_decodes_on_packed_copies_for_one_rollout_with_the_same
             if "lora_B" in name:
                 p.normal_(0, 0.5)  # the adapter changes the tokens, so it takes part in what is compared
     base = model.get_base_model()
-    names = {id(m.weight): n for n, m in base.named_modules() if type(m) is torch.nn.Linear}
-    packed_names, copies = [], []
-
-    def recording(weight):
-        copy = packed_linears.packed_copy(weight)
-        packed_names.append(names[id(weight)])
-        copies.append(weakref.ref(copy))
-        return copy
-
-    monkeypatch.setattr(effective_weights, "packed_copy", recording)
+    packed_names, copies = _record_packing(monkeypatch, base)
     rows = [p for p in prompts(3) for _ in range(2)]
     spec = SamplingSpec(max_output_tokens=10, max_model_len=64, temperature=0.9)
 
