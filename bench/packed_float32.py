@@ -68,7 +68,7 @@ def main() -> None:
     w = workload_from(args)
     from worker.rollout import _sampling_dtype
     from worker.rollout.effective_weights import rollout_weights
-    from worker.rollout.rollout import transformers_sampler
+    from worker.rollout.rollout import TransformersSampler
     from worker.rollout import packed_linears
 
     # The sampler now packs float32 weights itself (worker/rollout/packed_linears.py): off here, so the "sgemm"
@@ -80,7 +80,7 @@ def main() -> None:
         policy = trainer.policy
         if policy.model.get_output_embeddings().weight.dtype != torch.float32:
             raise SystemExit("a float32 model only (--dtype float32)")
-        sampler = transformers_sampler(policy, trainer.spec.sampling, dtype=_sampling_dtype(trainer.spec, policy),
+        sampler = TransformersSampler(policy, trainer.spec.sampling, dtype=_sampling_dtype(trainer.spec, policy),
                                        logprobs=True)
         prompts = [policy.tokenizer(line)["input_ids"] for line in _prompt_lines(trainer, w)]
         rows = [p for p in prompts for _ in range(w.group)]

@@ -25,7 +25,7 @@ from worker.multi.lora import SharedBase
 from worker.multi.rollout import RolloutRequest, generate_jobs
 from worker.model.policy import Policy
 from worker.model.streams import stream_seed
-from worker.rollout.rollout import generate, transformers_sampler
+from worker.rollout.rollout import generate, TransformersSampler
 from worker.toy.__main__ import toy_spec
 from worker.toy.task import reward as toy_reward
 from worker.toy.two_turn import environment_spec, plain_chat_model
@@ -110,7 +110,7 @@ def shared(toy_dir) -> SharedBase:
 def _alone(toy_dir, shared, tokenizer, req: RolloutRequest, environment=None):
     policy = Policy(alone(toy_dir, shared, req.name).eval(), tokenizer, CPU)
     return generate(policy, req.rows, req.sampling, group_size=req.group_size, greedy=req.greedy,
-                    sampler=transformers_sampler(policy, req.sampling), sampling_seeds=req.sampling_seeds,
+                    sampler=TransformersSampler(policy, req.sampling), sampling_seeds=req.sampling_seeds,
                     environment=environment, max_turns=req.max_turns, seeds=req.seeds)
 
 

@@ -17,7 +17,7 @@ from worker.multi.lora import SharedBase, segments_of
 from worker.multi.rollout import RolloutRequest, generate_jobs
 from worker.rollout.decode import sample_tokens
 from worker.rollout.effective_weights import rollout_weights
-from worker.rollout.rollout import generate, transformers_sampler
+from worker.rollout.rollout import generate, TransformersSampler
 from worker.model.policy import Policy
 from worker.model.streams import stream_seed
 
@@ -99,7 +99,7 @@ def test_rollouts_of_several_jobs_equal_each_job_generated_alone(toy_dir, tokeni
     for req, rollout in zip(requests, rollouts):
         policy = Policy(alone(toy_dir, shared, req.name).eval(), tokenizer, CPU)
         want = generate(policy, req.rows, req.sampling, group_size=req.group_size,
-                        sampler=transformers_sampler(policy, req.sampling), sampling_seeds=req.sampling_seeds)
+                        sampler=TransformersSampler(policy, req.sampling), sampling_seeds=req.sampling_seeds)
         assert rollout.token_ids == want.token_ids, req.name
         assert rollout.action_mask == want.action_mask
         assert rollout.completions == want.completions and rollout.truncated == want.truncated

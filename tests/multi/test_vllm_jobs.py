@@ -26,7 +26,7 @@ from worker.multi.cycle import run_cycle
 from worker.multi.job import ResidentJob
 from worker.multi.lora import SharedBase
 from worker.multi.rollout import RolloutRequest, generate_jobs
-from worker.rollout.rollout import generate, transformers_sampler
+from worker.rollout.rollout import generate, TransformersSampler
 from worker.toy.task import reward as toy_reward
 from worker.trainer.loop import Trainer
 
@@ -143,7 +143,7 @@ def test_an_environment_job_on_the_shared_vllm_engine_samples_what_it_samples_al
 def _hf(root, shared, tokenizer, req):
     policy = Policy(alone(root, shared, req.name).eval(), tokenizer, CPU)
     return generate(policy, req.rows, req.sampling, group_size=1, greedy=True,
-                    sampler=transformers_sampler(policy, req.sampling))
+                    sampler=TransformersSampler(policy, req.sampling))
 
 
 def test_vllm_jobs_on_a_shared_base_end_where_each_ends_alone_with_vllm(vllm_toy_dir, alone_engine, shared_engine,

@@ -27,7 +27,7 @@ def _spec(toy_dir: Path, nodes: int = 2, **training):
 
 
 def _sampler_pids() -> list[int]:
-    """This machine's sampler actors and the sampler children they host."""
+    """This cluster's running sampler actors and the sampler children they host."""
     pids = _actor_pids("SamplerActor")
     for pid in list(pids):
         try:

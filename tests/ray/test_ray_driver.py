@@ -52,7 +52,7 @@ def _actor_pids(*classes: str) -> list[int]:
 
 
 def _rank_pids() -> list[int]:
-    """This machine's processes of rank actors and the channel's queues."""
+    """This cluster's running processes of rank actors and the channel's queues."""
     return _actor_pids("RankActor", "_QueueActor")
 
 

@@ -218,14 +218,14 @@ def test_a_float32_rollout_packs_only_large_weights_and_drops_the_copies_after(m
     import gc
     from types import SimpleNamespace
 
-    from worker.rollout.rollout import transformers_sampler
+    from worker.rollout.rollout import TransformersSampler
 
     model = _wide_mlp_lora_model()
     base = model.get_base_model()
     packed_names, copies = _record_packing(monkeypatch, base)
     policy = SimpleNamespace(model=model, tokenizer=SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD),
                              lm_head_float32=False, device=CPU)
-    sample = transformers_sampler(policy, SamplingSpec(max_output_tokens=8, max_model_len=64), logprobs=True)
+    sample = TransformersSampler(policy, SamplingSpec(max_output_tokens=8, max_model_len=64), logprobs=True)
     rows = [p for p in prompts(3) for _ in range(2)]
     tokens, _ = sample(rows, [8] * len(rows), greedy=False, seeds=list(range(len(rows))))
     assert all(len(t) > 0 for t in tokens)

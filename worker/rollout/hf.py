@@ -7,7 +7,7 @@ import torch
 from service.job_spec.sampling import SamplingSpec
 from worker.envs.protocol import Environment
 from worker.model.policy import Policy
-from worker.rollout.rollout import Rollout, generate, transformers_sampler
+from worker.rollout.rollout import Rollout, generate, TransformersSampler
 
 
 class HFEngine:
@@ -26,7 +26,7 @@ class HFEngine:
     def generate(self, policy: Policy, rows: list[dict], sampling: SamplingSpec, *, group_size: int,
                  greedy: bool = False, environment: Environment | None = None, max_turns: int = 1,
                  seeds: list[int] | None = None, sampling_seeds: list[int] | None = None) -> Rollout:
-        sampler = transformers_sampler(policy, sampling, dtype=self.dtype, logprobs=self.report_logprobs)
+        sampler = TransformersSampler(policy, sampling, dtype=self.dtype, logprobs=self.report_logprobs)
         return generate(policy, rows, sampling, group_size=group_size, greedy=greedy, environment=environment,
                         max_turns=max_turns, seeds=seeds, sampling_seeds=sampling_seeds, sampler=sampler)
 

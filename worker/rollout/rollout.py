@@ -57,7 +57,7 @@ from worker.model.streams import stream_seed
 from worker.model.turns import as_messages, chat_ids, encode_prompt, environment_turn_ids, first_messages
 
 __all__ = ["Rollout", "TokenSampler", "TurnRequest", "generate", "rollout_turns", "TransformersSampler",
-           "transformers_sampler", "encode_prompt"]
+           "encode_prompt"]
 
 
 class TokenSampler(Protocol):
@@ -120,12 +120,12 @@ class _Episode:
 
 
 class TransformersSampler:
-    """Sampling in the policy's own model by worker/rollout/decode.py: its effective weights (LoRA folded in),
-    in `dtype` (None: the weights' own), with each token's log-prob when `logprobs`.
+    """A TokenSampler on the policy's own model, by worker/rollout/decode.py: its effective weights (active
+    adapters applied), in `dtype` (None: the weights' own), with each token's log-prob when `logprobs`.
 
     No autocast here: the weights are cast and packed (worker/rollout/effective_weights.py) once per
-    `holding()` instead of at every decode step. generate() holds them across a rollout's turns, which all sample the same weights; a call outside a
-    hold holds them for that call."""
+    `holding()`, not at every decode step. generate() holds them across a rollout's turns, which all sample the
+    same weights; a call outside a hold holds them for that call."""
 
     def __init__(self, policy: Policy, sampling: SamplingSpec, *, dtype: torch.dtype | None = None,
                  logprobs: bool = False):
@@ -165,12 +165,6 @@ class TransformersSampler:
                                  logprobs=self.logprobs, seeds=seeds)
 
 
-def transformers_sampler(policy: Policy, sampling: SamplingSpec, *, dtype: torch.dtype | None = None,
-                         logprobs: bool = False) -> TransformersSampler:
-    """The policy's own model as a TokenSampler (TransformersSampler)."""
-    return TransformersSampler(policy, sampling, dtype=dtype, logprobs=logprobs)
-
-
 @dataclass
 class TurnRequest:
     """What one turn of a rollout asks its sampler for (a TokenSampler's arguments)."""
@@ -196,7 +190,7 @@ def generate(
 ) -> Rollout:
     """`seeds`: each row's environment reset seed; `sampling_seeds`: each row's sampling seed (see the module
     docstring; None: drawn from torch's global RNG)."""
-    sampler = sampler or transformers_sampler(policy, sampling, dtype=policy.compute_dtype)
+    sampler = sampler or TransformersSampler(policy, sampling, dtype=policy.compute_dtype)
     turns = rollout_turns(policy.tokenizer, rows, sampling, group_size=group_size, greedy=greedy,
                           environment=environment, max_turns=max_turns, seeds=seeds, sampling_seeds=sampling_seeds)
     try:
