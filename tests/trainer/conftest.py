@@ -33,3 +33,28 @@ def forward_shapes(model):
         yield shapes
     finally:
         hook.remove()
+
+
+def saved_for_backward(output: torch.Tensor, *, skip: set[int] = frozenset()) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor the autograd graph behind `output` keeps for backward, once per storage (storages in `skip`,
+    e.g. the parameters', left out), with the node that keeps it."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for attr in dir(node):  # built-in nodes name each saved tensor _saved_*; autograd Functions': saved_tensors
+            if not (attr.startswith("_saved_") or attr == "saved_tensors"):
+                continue
+            value = getattr(node, attr)
+            for t in value if isinstance(value, (tuple, list)) else [value]:
+                if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in skip:
+                    found.setdefault(t.untyped_storage().data_ptr(), (node.name(), t))
+        stack.extend(n for n, _ in node.next_functions)
+    return list(found.values())
+
+
+def parameter_storages(model: torch.nn.Module) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}

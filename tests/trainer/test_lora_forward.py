@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -71,3 +73,33 @@ def _logprobs(model, batch):
 
     logp, entropy = sequence_logprobs(model, batch, temperature=1.0, chunk_size=16)
     return logp, entropy, None
+
+
+def test_under_autocast_the_adapters_keep_their_layer_s_input_not_copies(toy_dir):
+    """A bf16 base with float32 adapters under bf16 autocast (the policy's mixed precision): q, k and v (and gate
+    and up) keep one input for backward between them, as PEFT's cast to float32 and back made one copy each."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.trainer.conftest import parameter_storages, saved_for_backward
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).train()
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
+    batch = collate_sequences(*groups(), pad_id=PAD, device=CPU)
+    hidden, layers = model.config.hidden_size, model.config.num_hidden_layers
+
+    def inputs_kept(fused: bool):
+        with torch.autocast("cpu", dtype=torch.bfloat16), (fused_lora_linears(model) if fused else nullcontext()):
+            logp, _, _ = _logprobs(model, batch)
+        kept = saved_for_backward(logp.sum(), skip=parameter_storages(model))
+        # the inputs of the rank-r matmuls (mm's first operand, at the model's width)
+        return logp, sum(name == "MmBackward0" and t.dim() == 2 and t.shape[-1] == hidden and t.shape[0] > 4
+                         for name, t in kept)
+
+    want, peft_copies = inputs_kept(fused=False)
+    got, fused_copies = inputs_kept(fused=True)
+    assert peft_copies == 6 * layers  # q, k, v, o, gate, up: a copy each
+    assert fused_copies == 3 * layers  # the attention's input, o's, the MLP's
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05)  # bf16 rounding of the addmm against PEFT's three ops

@@ -47,9 +47,15 @@ def _fused_forward(module):
             return peft_forward(x, *args, **kwargs)
         result = module.base_layer(x, *args, **kwargs)
         result_dtype, shape = result.dtype, result.shape
+        autocast = torch.is_autocast_enabled(x.device.type)
         for adapter in adapters:
-            lora_a = module.lora_A[adapter]
-            h = lora_a(module.lora_dropout[adapter](module._cast_input_dtype(x, lora_a.weight.dtype)))
+            lora_a, dropout = module.lora_A[adapter], module.lora_dropout[adapter]
+            # Under autocast the adapter's matmul casts x to the compute dtype anyway: PEFT's cast to the adapter's
+            # dtype first (bf16 -> float32 -> bf16, exact) would make each adapted linear save its own copy of x
+            # for backward, where q, k and v (gate and up) read one input. (Dropout keeps PEFT's cast: its random
+            # mask is drawn in the input's dtype.)
+            keep = autocast and isinstance(dropout, torch.nn.Identity)
+            h = lora_a(dropout(x if keep else module._cast_input_dtype(x, lora_a.weight.dtype)))
             result = torch.addmm(result.reshape(-1, shape[-1]), h.reshape(-1, h.shape[-1]),
                                  module.lora_B[adapter].weight.t(), alpha=module.scaling[adapter]).view(shape)
         return result.to(result_dtype)
