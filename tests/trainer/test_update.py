@@ -404,3 +404,21 @@ def test_asynchronous_rollouts_take_logp_old_from_the_sampler(toy_dir):
     updater._frozen_logprobs = lambda *a, **kw: frozen.append(kw) or {}  # noqa: E731
     stats = updater.run(rollout, advantages, kept)
     assert frozen == [] and len(stats.step_losses) == 2
+
+
+def test_the_update_s_mlps_recompute_their_activation_and_are_restored_after(toy_dir):
+    """The update runs its forwards with recomputed SwiGLU MLPs (worker/model/swiglu.py: one MLP-width tensor less
+    kept per layer), and the model's own MLPs afterwards."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    spec = _spec(toy_dir)
+    policy = _policy(spec)
+    rollout, advantages = _batch_without_actions_in(3)
+    mlps = [m for m in policy.model.modules() if isinstance(m, LlamaMLP)]
+    patched: list[bool] = []
+    hooks = [m.register_forward_hook(lambda m, _a, _o: patched.append("forward" in m.__dict__)) for m in mlps]
+    Updater(policy, Recording(policy.model.named_parameters(), lr=LR), spec).run(rollout, advantages, [0, 1, 2])
+    for hook in hooks:
+        hook.remove()
+    assert patched and all(patched)
+    assert not any("forward" in m.__dict__ for m in mlps)
