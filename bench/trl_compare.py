@@ -118,7 +118,10 @@ def build_model(out: Path, w: Workload) -> Path:
     )
     model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = 0
-    model.save_pretrained(out)
+    # Stored in the workload's dtype, as a hub checkpoint of a bf16 model is: both sides load it in that dtype, and
+    # building bf16 weights from a float32 file maps the whole file beside them (a load-time peak neither side has
+    # with a real bf16 checkpoint).
+    model.to(getattr(torch, w.dtype)).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
