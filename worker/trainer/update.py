@@ -41,7 +41,7 @@ from worker.distributed.shard import unsharded
 from worker.trainer.metrics import UpdateStats
 from worker.model.lora_forward import fused_lora_linears
 from worker.model.policy import Policy
-from worker.model.swiglu import recomputed_swiglu
+from worker.model.lean_backward import lean_backward
 from worker.rollout.rollout import Rollout
 from worker.trainer.packing import collate_packed, pack_rows
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
@@ -155,7 +155,7 @@ class Updater:
         `advantages` holds, per sequence, one value per action token (or one value per sequence).
         Sequences without action tokens (an episode whose reset failed) carry no gradient and are skipped.
         """
-        with self._lora_forward(), recomputed_swiglu(self.policy.model):
+        with self._lora_forward(), lean_backward(self.policy.model, norms=not group.active()):
             return self._run(rollout, advantages, indices, step)
 
     def _lora_forward(self):
