@@ -12,15 +12,20 @@ from transformers import AutoModelForCausalLM
 
 @pytest.fixture(scope="module")
 def lora_model(toy_dir):
-    """The toy model with a LoRA whose B matrices are far from zero, so the adapter changes what it computes."""
+    return toy_lora_model(toy_dir).eval()
+
+
+def toy_lora_model(toy_dir, dtype: torch.dtype = torch.float32):
+    """The toy model in `dtype` with a LoRA (float32, as PEFT keeps adapters) whose B matrices are far from zero, so
+    the adapter changes what it computes."""
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=dtype)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
-    return model.eval()
+    return model
 
 
 @contextmanager

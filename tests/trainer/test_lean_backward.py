@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from tests.trainer.conftest import parameter_storages, saved_for_backward
+from tests.trainer.conftest import parameter_storages, saved_for_backward, toy_lora_model
 from tests.trainer.test_scoring import CPU, PAD, groups, score
 from worker.model.lean_backward import lean_backward, silu_mul
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
@@ -80,18 +80,12 @@ def test_only_llama_style_silu_mlps_are_patched_and_the_block_restores_them(lora
 
 
 def _bf16_model(toy_dir, *, lora: bool):
-    from peft import LoraConfig, get_peft_model
+    """The toy model in bf16: whole, or with float32 adapters (as the policy keeps them, under a bf16 autocast)."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.bfloat16)
-    if lora:  # float32 adapters, as the policy keeps them, under a bf16 autocast
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.5)
-    return model.train()
+    if lora:
+        return toy_lora_model(toy_dir, torch.bfloat16).train()
+    return AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.bfloat16).train()
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full bf16", "bf16 base, float32 LoRA, autocast"])

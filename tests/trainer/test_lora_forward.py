@@ -78,14 +78,9 @@ def _logprobs(model, batch):
 def test_under_autocast_the_adapters_keep_their_layer_s_input_not_copies(toy_dir):
     """A bf16 base with float32 adapters under bf16 autocast (the policy's mixed precision): q, k and v (and gate
     and up) keep one input for backward between them, as PEFT's cast to float32 and back made one copy each."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from tests.trainer.conftest import parameter_storages, saved_for_backward, toy_lora_model
 
-    from tests.trainer.conftest import parameter_storages, saved_for_backward
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.bfloat16)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).train()
+    model = toy_lora_model(toy_dir, torch.bfloat16).train()
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
     batch = collate_sequences(*groups(), pad_id=PAD, device=CPU)
     hidden, layers = model.config.hidden_size, model.config.num_hidden_layers
