@@ -22,6 +22,7 @@ copies of it) are patched, MLPs only with a SiLU; any other runs as is.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -82,9 +83,10 @@ def lean_backward(model: torch.nn.Module, *, norms: bool = True):
     for module in model.modules():
         if "forward" in module.__dict__:
             continue
-        if _runs_code_of(module, "LlamaMLP") and _silu(module):
+        kind = _kind(type(module))
+        if kind == "mlp" and _silu(module):
             module.forward = _mlp_forward(module)
-        elif norms and _runs_code_of(module, "LlamaRMSNorm"):
+        elif kind == "norm" and norms:
             module.forward = _norm_forward(module)
         else:
             continue
@@ -116,11 +118,23 @@ def _norm_forward(module):
     return forward
 
 
-def _runs_code_of(module: torch.nn.Module, llama_class: str) -> bool:
-    """Whether `module`'s class forward is the Llama class's own code (the same bytecode and names)."""
+_kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module class -> "mlp", "norm" or None
+
+
+def _kind(cls: type) -> str | None:
+    """Whether instances of `cls` run LlamaMLP's or LlamaRMSNorm's forward, decided once per class (every update
+    walks all of a model's modules)."""
+    if cls not in _kinds:
+        mlp, norm = _runs_code_of(cls, "LlamaMLP"), _runs_code_of(cls, "LlamaRMSNorm")
+        _kinds[cls] = "mlp" if mlp else "norm" if norm else None
+    return _kinds[cls]
+
+
+def _runs_code_of(cls: type, llama_class: str) -> bool:
+    """Whether `cls`'s forward is the Llama class's own code (the same bytecode and names)."""
     from transformers.models.llama import modeling_llama
 
-    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
     llama = getattr(modeling_llama, llama_class).forward.__code__
     return code is not None and code.co_code == llama.co_code and code.co_names == llama.co_names
 
