@@ -7,6 +7,7 @@ from contextlib import nullcontext
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.trainer.conftest import parameter_storages, saved_for_backward, toy_lora_model
 from tests.trainer.test_scoring import CPU, PAD, groups, score
 from worker.model.lora_forward import fused_lora_linears
 from worker.trainer.scoring import collate_sequences
@@ -78,8 +79,6 @@ def _logprobs(model, batch):
 def test_under_autocast_the_adapters_keep_their_layer_s_input_not_copies(toy_dir):
     """A bf16 base with float32 adapters under bf16 autocast (the policy's mixed precision): q, k and v (and gate
     and up) keep one input for backward between them, as PEFT's cast to float32 and back made one copy each."""
-    from tests.trainer.conftest import parameter_storages, saved_for_backward, toy_lora_model
-
     model = toy_lora_model(toy_dir, torch.bfloat16).train()
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
     batch = collate_sequences(*groups(), pad_id=PAD, device=CPU)

@@ -407,8 +407,8 @@ def test_asynchronous_rollouts_take_logp_old_from_the_sampler(toy_dir):
 
 
 def test_the_update_s_mlps_recompute_their_activation_and_are_restored_after(toy_dir):
-    """The update runs its forwards with recomputed SwiGLU MLPs (worker/model/lean_backward.py: one MLP-width tensor less
-    kept per layer), and the model's own MLPs afterwards."""
+    """The update runs its forwards with recomputed SwiGLU MLPs (worker/model/lean_backward.py: one MLP-width tensor
+    less kept per layer), and the model's own MLPs afterwards."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     spec = _spec(toy_dir)
