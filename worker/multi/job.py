@@ -40,6 +40,7 @@ from worker.trainer.data import PromptSampler, load_splits
 from worker.trainer.feedback import assign_advantages, batch_reward_std, collect_feedback, feedback_source
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message
 from worker.trainer.loop import Trainer
+from worker.trainer.optimizer import adamw
 from worker.trainer.metrics import UpdateStats
 from worker.model.policy import Policy
 from worker.trainer.prompt_filter import retire_solved
@@ -75,9 +76,7 @@ class ResidentJob(Trainer):
             self.params = shared.add(name, spec.lora)
         self.policy = Policy(shared.model, tokenizer, device, compute_dtype=next(shared.base.parameters()).dtype)
         self.rank, self.world = 0, 1
-        opt = spec.optimizer
-        self.optimizer = torch.optim.AdamW(self.params, lr=opt.lr, betas=opt.betas, eps=opt.eps,
-                                           weight_decay=opt.weight_decay)
+        self.optimizer = adamw(self.params, spec.optimizer)
         self.sampler = PromptSampler(self.train_rows, seed=spec.seed)
         self.step = 0
         if resumed is not None:

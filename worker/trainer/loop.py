@@ -51,6 +51,7 @@ from worker.distributed import group
 from worker.distributed.shard import unsharded
 from worker.distributed.state import full_model_state, full_optimizer_state, load_full_optimizer_state
 from worker.trainer.data import PromptSampler, load_splits
+from worker.trainer.optimizer import adamw
 from worker.trainer.metrics import UpdateStats
 from worker.rollout.rollout_state import release_rollout_state
 from worker.rollout.static_decode import take_compile_fallbacks
@@ -137,10 +138,7 @@ class Trainer:
                                                  if resumed is not None else ""))
         self.policy: Policy = load_policy(spec, resume_from=resumed, warm_start=warm)
         self.rank, self.world = group.rank(), group.world_size()
-        opt = spec.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.policy.trainable_parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
-        )
+        self.optimizer = adamw(self.policy.trainable_parameters(), spec.optimizer)
         self.sampler = PromptSampler(self.train_rows, seed=spec.seed)
         self.step = 0
         if resumed is not None:
