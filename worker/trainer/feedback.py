@@ -97,8 +97,9 @@ def assign_advantages(rollout: Rollout, feedback: Feedback, spec: AdvantageSpec,
             torch.cat(per_turn[p * group_size:(p + 1) * group_size]).eq(0).all()
             for p in range(len(per_turn) // group_size)
         ])
-    else:
-        flat = episode_PG.flatten()
-        per_turn = [flat[i].repeat(max(rollout.turns[i], 1)) for i in range(len(rollout))]
-    per_token = [per_turn[i][torch.tensor(rollout.action_turns[i], dtype=torch.long)] for i in range(len(rollout))]
+        per_token = [per_turn[i][torch.tensor(rollout.action_turns[i], dtype=torch.long)]
+                     for i in range(len(rollout))]
+    else:  # every action token of a sequence carries its episode's advantage: one op, not two per sequence
+        counts = [len(turns) for turns in rollout.action_turns]
+        per_token = list(episode_PG.flatten().repeat_interleave(torch.tensor(counts)).split(counts))
     return Advantages(per_token=per_token, episode_PG=episode_PG, zero_P=zero_P)
