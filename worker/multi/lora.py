@@ -181,8 +181,10 @@ class SharedBase:
             self.model.add_adapter(name, lora_config(spec))
         self.specs[name] = spec
         self._route_all()
-        for job in self.specs:  # PEFT leaves only its active adapter trainable; every job's adapter trains
-            for param in self.parameters(job):
+        # PEFT leaves only its active adapter trainable; every job's adapter trains (one walk over the model's
+        # parameters, not one per resident job: a join would cost more with every job already resident)
+        for param_name, param in self.model.named_parameters():
+            if ".lora_" in param_name:
                 param.requires_grad_(True)
         return self.parameters(name)
 
