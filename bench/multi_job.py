@@ -141,7 +141,7 @@ def child(mode: str, k: int, steps: int, toy_dir: Path, threads: int, width: int
 
     from worker.model import precision
     from worker.model.policy import pick_device
-    from worker.multi.cycle import run_cycle
+    from worker.multi.cycle import run_cycle, start_jobs
     from worker.multi.job import ResidentJob
     from worker.multi.lora import SharedBase
     from worker.trainer.loop import Trainer
@@ -173,8 +173,8 @@ def child(mode: str, k: int, steps: int, toy_dir: Path, threads: int, width: int
         shared = SharedBase(AutoModelForCausalLM.from_pretrained(specs[0].model, dtype=dtype).to(device), slots=k)
         jobs = [ResidentJob(spec, out / f"job-{i}", shared, tok, device, name=f"job-{i}", reward_fn=reward,
                             callbacks=count) for i, (spec, count) in enumerate(zip(specs, counts))]
-        for job in jobs:
-            job.start()
+        if failures := start_jobs(shared, jobs, device=device):
+            raise RuntimeError(f"jobs failed to start: {failures}")
         while live := [job for job in jobs if not job.done]:
             failures = run_cycle(shared, live, device=device, autocast=lambda: precision.autocast(device, dtype))
             if failures:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.job_spec.spec import JobSpec
-from worker.multi.cycle import run_cycle
+from worker.multi.cycle import run_cycle, start_jobs
 from worker.multi.job import ResidentJob
 from worker.multi.lora import SharedBase
 from worker.toy.__main__ import toy_spec
@@ -71,8 +71,7 @@ def test_jobs_on_one_base_end_where_each_ends_alone(toy_dir, tokenizer, tmp_path
     jobs = {name: ResidentJob(spec, tmp_path / f"shared-{name}", shared, tokenizer, CPU, name=name, reward_fn=fn,
                               callbacks=Recorder()) for name, (spec, fn) in specs.items()}
     start = {name: {k: v.clone() for k, v in shared.adapter_state(name).items()} for name in jobs}
-    for job in jobs.values():
-        job.start()
+    assert start_jobs(shared, list(jobs.values()), device=CPU) == {}
     while live := [job for job in jobs.values() if not job.done]:
         assert run_cycle(shared, live, device=CPU) == {}
     for name, (spec, fn) in specs.items():
@@ -112,3 +111,64 @@ def test_a_resident_job_resumes_from_its_checkpoint_like_a_job_alone(toy_dir, to
     whole = Trainer(spec, tmp_path / "whole", reward_fn=toy_reward).run(Recorder())
     got, want = _adapter(resumed.last_checkpoint), _adapter(whole.last_checkpoint)
     assert max(float((got[k] - want[k]).abs().max()) for k in got) <= 1e-3 * spec.optimizer.lr * 6
+
+
+def test_due_evaluations_of_resident_jobs_are_decoded_together(toy_dir, tokenizer, tmp_path, monkeypatch):
+    """Jobs starting together, and jobs whose evaluation falls due at the same step, decode their evaluation rows
+    in one shared decode (as their rollouts), not one decode a job; each job's evaluation reports what it reports
+    alone (the first test checks the same against jobs alone). A job due on its own decodes its own."""
+    from worker.multi import rollout as shared_rollout
+
+    decodes: list[list[tuple[str, int, bool]]] = []  # per shared decode: (job, rows, greedy) of each job in it
+    real = shared_rollout.sample_jobs
+
+    def counted(model, router, jobs, **kwargs):
+        decodes.append([(job.name, len(job.prompts), job.greedy) for job in jobs])
+        return real(model, router, jobs, **kwargs)
+
+    monkeypatch.setattr(shared_rollout, "sample_jobs", counted)
+    specs = {"x": _spec(toy_dir, steps=2, eval_interval=1, preflight_groups=0),
+             "y": _spec(toy_dir, seed=5, steps=2, eval_interval=1, preflight_groups=0),
+             "z": _spec(toy_dir, seed=9, steps=2, eval_interval=2, checkpoint_interval=0, preflight_groups=0)}
+    shared = SharedBase(toy_base(toy_dir))
+    jobs = {name: ResidentJob(spec, tmp_path / name, shared, tokenizer, CPU, name=name, reward_fn=toy_reward,
+                              callbacks=Recorder()) for name, spec in specs.items()}
+    assert start_jobs(shared, list(jobs.values()), device=CPU) == {}
+    assert decodes == [[("x", 4, True), ("y", 4, True), ("z", 4, True)]]  # three step-0 evaluations, one decode
+    decodes.clear()
+    assert run_cycle(shared, list(jobs.values()), device=CPU) == {}
+    # step 1: one rollout of the three, then x and y (eval_interval 1) evaluate together; z is not due;
+    # step 2 (the last): every job evaluates, in one decode
+    assert [[(name, greedy) for name, _, greedy in d] for d in decodes] == [
+        [("x", False), ("y", False), ("z", False)], [("x", True), ("y", True)]]
+    assert [s for s, _ in jobs["z"].callbacks.evals] == [0]
+    decodes.clear()
+    assert run_cycle(shared, list(jobs.values()), device=CPU) == {}
+    assert [[name for name, _, _ in d] for d in decodes] == [["x", "y", "z"], ["x", "y", "z"]]
+    for name, job in jobs.items():
+        assert [s for s, _ in job.callbacks.evals] == ([0, 1, 2] if name != "z" else [0, 2])
+        assert job.engine.prepared is None  # each evaluation took what was decoded for it
+        assert all(m["eval_rows"] == 4.0 for _, m in job.callbacks.evals)
+
+
+def test_a_prepared_evaluation_answers_only_its_own_call(toy_dir, tokenizer, tmp_path):
+    """What decode_evaluations leaves in a job's engine answers that evaluation's call once; any other call (a
+    pre-flight, other rows) decodes afresh and leaves it waiting; the job's next step drops it (new weights)."""
+    from worker.multi.engine import decode_evaluations
+
+    shared = SharedBase(toy_base(toy_dir))
+    jobs = [ResidentJob(_spec(toy_dir, seed=s, preflight_groups=0), tmp_path / f"j{s}", shared, tokenizer, CPU,
+                        name=f"j{s}", reward_fn=toy_reward, callbacks=Recorder()) for s in (1, 2)]
+    decode_evaluations(shared, tokenizer, CPU, jobs)
+    job = jobs[0]
+    request, prepared = job.engine.prepared
+    other = job.engine.generate(job.policy, request.rows[:2], request.sampling, group_size=1, greedy=True)
+    assert other is not prepared and len(other) == 2 and job.engine.prepared[1] is prepared
+    assert job.engine.generate(job.policy, list(request.rows), request.sampling, group_size=1,
+                               greedy=True) is prepared
+    assert job.engine.prepared is None
+    decode_evaluations(shared, tokenizer, CPU, jobs)
+    jobs[1].begin_step()
+    assert jobs[1].engine.prepared is None
+    fresh = jobs[0].eval_rows(jobs[0].eval_source_rows())  # what the job's own evaluation reports, from it
+    assert fresh.completions == [r["completion"] for r in fresh.as_results()] and len(fresh.rewards) == 4

@@ -2,7 +2,8 @@
 
     begin_step (each job: lr, prompts, streams) -> one shared rollout (worker/multi/rollout.py)
     -> take_rollout (each job: rewards, advantages) -> one batched update (worker/multi/update.py)
-    -> end_step (each job: metrics, evaluation, checkpoint)
+    -> end_step (each job: metrics reported) -> the due evaluations, decoded together (worker/multi/engine.py)
+    -> finish_step (each job: its evaluation, checkpoint)
 
 A job's own failure (its reward's error rate, a bad prompt, NaN logits in its
 rows, its callbacks) removes that job only: it is returned among the
@@ -17,12 +18,32 @@ import time
 
 import torch
 
+from worker.multi.engine import decode_evaluations
 from worker.multi.job import ResidentJob
 from worker.multi.lora import SharedBase
 from worker.multi.rollout import generate_jobs
 from worker.multi.update import batched_update
 
 log = logging.getLogger(__name__)
+
+
+def start_jobs(shared: SharedBase, jobs: list[ResidentJob], *, device: torch.device) -> dict[str, BaseException]:
+    """Start jobs joining together (each one's pre-flight and step-0 evaluation, ResidentJob.start), their
+    evaluations decoded in one batch where they may go first; returns {job name: what stopped it}."""
+    failures: dict[str, BaseException] = {}
+    if jobs:
+        try:
+            decode_evaluations(shared, jobs[0].policy.tokenizer, device,
+                               [job for job in jobs if job.evaluation_may_lead()])
+        except Exception:  # noqa: BLE001 - then each evaluation decodes alone and meets its own error
+            log.exception("decoding %d starting jobs' evaluations together failed", len(jobs))
+    for job in jobs:
+        try:
+            job.start()
+        except Exception as e:  # noqa: BLE001 - this job's own start; the others go on
+            log.warning("resident job %s failed to start: %s", job.name, e, exc_info=True)
+            failures[job.name] = e
+    return failures
 
 
 def run_cycle(shared: SharedBase, jobs: list[ResidentJob], *, device: torch.device,
@@ -65,6 +86,12 @@ def run_cycle(shared: SharedBase, jobs: list[ResidentJob], *, device: torch.devi
         failures.update({job.name: e for job, _ in updates})
         return failures
     update_s = time.perf_counter() - started
-    for (job, _), job_stats in zip(updates, stats):
-        guarded(job, lambda job=job, job_stats=job_stats: job.end_step(job_stats, update_s))
+    stepped = [job for (job, _), job_stats in zip(updates, stats)
+               if guarded(job, lambda job=job, job_stats=job_stats: job.end_step(job_stats, update_s)) is not None]
+    try:  # the evaluations due now, in one decode (each job's own evaluate() in finish_step takes its part)
+        decode_evaluations(shared, tokenizer, device, [job for job in stepped if job.eval_due(job.step)])
+    except Exception:  # noqa: BLE001 - then each evaluation decodes alone and meets its own error
+        log.exception("decoding %d jobs' evaluations together failed", len(stepped))
+    for job in stepped:
+        guarded(job, job.finish_step)
     return failures

@@ -37,6 +37,7 @@ from worker.rewards.engine import ScoringContext
 from worker.rollout.rollout import Rollout
 from worker.trainer.callbacks import Callbacks, NoCallbacks
 from worker.trainer.data import PromptSampler, load_splits
+from worker.trainer.evaluation import eval_seeds
 from worker.trainer.feedback import assign_advantages, batch_reward_std, collect_feedback, feedback_source
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message
 from worker.trainer.loop import Trainer
@@ -110,10 +111,16 @@ class ResidentJob(Trainer):
             self.first_eval = self.last_eval = self.evaluate()
             self.callbacks.on_eval(0, self.first_eval)
 
+    def evaluation_may_lead(self) -> bool:
+        """Whether start()'s step-0 evaluation may be decoded before the rest of its start (beside other starting
+        jobs'): a fresh run whose pre-flight, if any, runs no environment episodes (those keep their order)."""
+        return self.step == 0 and not (self.spec.training.preflight_groups and self.environment is not None)
+
     # -- one cycle: Trainer.train_step split around the shared rollout and update --
 
     def begin_step(self) -> RolloutRequest:
         spec, tc = self.spec, self.spec.training
+        self.engine.forget()  # an evaluation decoded for the last weights, never asked for (its job stopped early)
         lr = spec.optimizer.lr * lr_multiplier(spec.schedule, self.step, tc.steps)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
@@ -145,7 +152,8 @@ class ResidentJob(Trainer):
                          self.step)
 
     def end_step(self, stats: UpdateStats, update_s: float) -> dict[str, float]:
-        """The step's metrics (the trainer's names), then the trainer's end of step: evaluation, checkpoint."""
+        """The step's metrics (the trainer's names), reported, and the learning signal watched; finish_step
+        follows (after the due evaluations of all jobs are decoded together)."""
         tc, state = self.spec.training, self._step_state
         rollout, feedback, advantages = state.rollout, state.feedback, state.advantages
         rewards, sequences = feedback.rewards, len(rollout)
@@ -176,27 +184,33 @@ class ResidentJob(Trainer):
             **retired,
         }
         self._step_state = None
-        self._after_step(metrics)
-        return metrics
-
-    def _after_step(self, metrics: dict[str, float]) -> None:
-        """Trainer._run's end of a step: report, watch the learning signal, evaluate and checkpoint when due."""
-        cb, tc = self.callbacks, self.spec.training
-        cb.on_step(self.step, metrics)
+        cb = self.callbacks
+        cb.on_step(self.step, metrics)  # Trainer._run's end of a step, to the checkpoint
         if self.watch.update(metrics["zero_advantage_group_fraction"]):
             if tc.fail_on_no_signal:
                 raise NoLearningSignal(f"{no_signal_message(self.step, self.watch.streak)} "
                                        "(training.fail_on_no_signal is set)")
             if (warn := getattr(cb, "on_no_signal", None)) is not None:
                 warn(self.step, self.watch.streak)
-        final = self.done
-        due = final or (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0)
-        if due or (tc.eval_interval and self.step % tc.eval_interval == 0):
+        return metrics
+
+    def finish_step(self) -> None:
+        """The rest of Trainer._run's end of a step: evaluate and checkpoint when due, ask whether to stop."""
+        cb = self.callbacks
+        due = self.checkpoint_due(self.step)
+        if self.eval_due(self.step):
             self.last_eval = self.evaluate()
             cb.on_eval(self.step, self.last_eval)
         self.stopped = cb.should_stop()
         if due or self.stopped:
             cb.on_checkpoint(self.step, self.save())
+
+    def evaluation_request(self) -> RolloutRequest:
+        """What this job's next evaluation decodes (Trainer.eval_rows' call of the engine), for worker/multi/engine.py
+        to decode beside other jobs' evaluations."""
+        rows = self.eval_source_rows()
+        return RolloutRequest(self.name, rows, self.spec.sampling, 1, greedy=True, engine=self.spec.rollout.engine,
+                              **self._episodes(eval_seeds(self.spec.seed, len(rows))))
 
     def save(self) -> Path:
         """This job's adapter, optimizer and data position, in the format a job alone writes."""

@@ -66,6 +66,7 @@ class Resident:
     reporter: ResidentReporter
     work: Path
     job: object | None = None  # its ResidentJob, once admitted
+    started: bool = False  # its pre-flight and step-0 evaluation done (start_admitted)
 
 
 def waiting_jobs_of_base(session: Session, model: str, weights: dict[str, float], limit: int) -> list[tuple[str, dict]]:
@@ -121,7 +122,8 @@ class SharedWorker:
     # -- joining and leaving --------------------------------------------------
 
     def admit(self, job_id: str) -> None:
-        """Claim the job and start it beside the others; a job whose start fails ends at once, alone."""
+        """Claim the job and set it up beside the others (start_admitted starts it); a job whose set-up fails
+        ends at once, alone."""
         claimed = job_runner._claim(self.sessions, job_id, self.owner, self.settings)
         if not isinstance(claimed, job_runner.Claimed):
             self.outcomes[job_id] = claimed
@@ -147,11 +149,26 @@ class SharedWorker:
             resident.job = ResidentJob(local_spec, run_dir, self.shared, self.tokenizer, self.device, name=job_id,
                                        scoring=ScoringContext.from_settings(self.settings, claimed.secrets),
                                        callbacks=reporter)
-            resident.job.start()  # the pre-flight and the step-0 evaluation
-            if resident.job.done or reporter.should_stop():  # resumed at its last step, or stopped meanwhile
-                self._finish(resident)
-        except Exception as e:  # noqa: BLE001 - this job's start; the others go on
+        except Exception as e:  # noqa: BLE001 - this job's set-up; the others go on
             self._fail(resident, e)
+
+    def start_admitted(self) -> None:
+        """Start the jobs admitted since the last cycle: their step-0 evaluations decoded together, then each
+        job's pre-flight and evaluation (worker/multi/job.py); a job whose start fails ends at once, alone."""
+        from worker.multi.cycle import start_jobs
+
+        starting = [r for r in self.residents.values() if r.job is not None and not r.started]
+        failures = start_jobs(self.shared, [r.job for r in starting], device=self.device)
+        for resident in starting:
+            resident.started = True
+            if resident.job_id in failures:
+                self._fail(resident, failures[resident.job_id])
+                continue
+            try:
+                if resident.job.done or resident.reporter.should_stop():  # resumed at its last step, or stopped
+                    self._finish(resident)
+            except Exception as e:  # noqa: BLE001 - this job's end; the others go on
+                self._fail(resident, e)
 
     def fill(self) -> None:
         """Take queued jobs of this base into the free slots, in fair-share order, while they fit in memory."""
@@ -247,6 +264,7 @@ class SharedWorker:
         try:
             while self.residents:
                 self.fill()
+                self.start_admitted()
                 live = [r for r in self.residents.values() if r.job is not None]
                 if not live:
                     break

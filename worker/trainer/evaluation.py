@@ -32,6 +32,11 @@ class EvalRows:
                 for p, c, r in zip(self.prompts, self.completions, self.rewards, strict=True)]
 
 
+def eval_seeds(job_seed: int, rows: int) -> list[int]:
+    """Each evaluated row's episode seed: the same episodes at every evaluation of a job."""
+    return [(job_seed + i) % 2**31 for i in range(rows)]
+
+
 def generate_and_score(engine, policy, scorer, rows: list[dict], sampling, *, failure_score: float,
                        episodes: dict, multi_turn: bool) -> dict[str, list]:
     """One rank's greedy rollout of `rows` (group size 1) and its scores, as lists to gather."""

@@ -64,7 +64,7 @@ from worker.envs import Environment, describe_environment
 from worker.trainer.feedback import Feedback, assign_advantages, batch_reward_std, collect_feedback, feedback_source
 from worker.rollout import RolloutEngine, make_engine, refuse_unavailable_engine
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message, preflight_rows
-from worker.trainer.evaluation import EvalRows, eval_rows_metrics, generate_and_score
+from worker.trainer.evaluation import EvalRows, eval_rows_metrics, eval_seeds, generate_and_score
 from worker.trainer.prompt_filter import retire_solved
 from worker.trainer.samples import pick_samples
 from worker.trainer import supervised
@@ -169,7 +169,7 @@ class Trainer:
 
     def eval_rows(self, rows: list[dict]) -> EvalRows:
         """Greedy completions of `rows`, scored, in row order (worker/trainer/evaluation.py)."""
-        seeds = [(self.spec.seed + i) % 2**31 for i in range(len(rows))]  # the same episodes at every evaluation
+        seeds = eval_seeds(self.spec.seed, len(rows))
         mine = list(range(self.rank, len(rows), self.world))  # the ranks split the rows
         local = {name: [] for name in ("rewards", "errors", "lengths", "turns", "prompts", "completions")}
         with unsharded(self.policy.model):
@@ -183,10 +183,25 @@ class Trainer:
         back = sorted(range(len(order)), key=order.__getitem__)
         return EvalRows(**{k: [v[j] for j in back] if k != "errors" else v for k, v in every.items()})
 
+    def eval_source_rows(self) -> list[dict]:
+        """The rows every evaluation runs: the held-out rows, or the first training rows when there are none."""
+        return (self.val_rows or self.train_rows)[: self.spec.training.eval_max_rows]
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a scheduled checkpoint follows step `step` (the last step always has one)."""
+        tc = self.spec.training
+        return step >= tc.steps or bool(tc.checkpoint_interval and step % tc.checkpoint_interval == 0)
+
+    def eval_due(self, step: int) -> bool:
+        """Whether an evaluation follows step `step`: every scheduled checkpoint carries one (not a cancel's or
+        pause's: those stop promptly), and every eval_interval steps."""
+        tc = self.spec.training
+        return self.checkpoint_due(step) or bool(tc.eval_interval and step % tc.eval_interval == 0)
+
     def evaluate(self) -> dict[str, float]:
         """Greedy completions on the held-out rows (or the first training rows when there are none), with the
         interval and the paired difference to the step-0 baseline; a supervised job's eval_loss too."""
-        rows = (self.val_rows or self.train_rows)[: self.spec.training.eval_max_rows]
+        rows = self.eval_source_rows()
         metrics: dict[str, float] = {}
         if self.supervised:
             examples = [supervised.encode_conversation(self.policy.tokenizer, r["messages"]) for r in rows]
@@ -463,10 +478,8 @@ class Trainer:
                                            "(training.fail_on_no_signal is set)")
                 if (warn := getattr(cb, "on_no_signal", None)) is not None:
                     warn(self.step, watch.streak)
-            final = self.step == tc.steps
-            due = final or (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0)
-            # Every scheduled checkpoint carries its eval (not a cancel's or pause's: those stop promptly).
-            if due or (tc.eval_interval and self.step % tc.eval_interval == 0):
+            due = self.checkpoint_due(self.step)
+            if self.eval_due(self.step):
                 last_eval = self.evaluate()
                 cb.on_eval(self.step, last_eval)
             stopped = cb.should_stop()
