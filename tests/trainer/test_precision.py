@@ -136,6 +136,36 @@ def test_auto_dtype_on_a_cpu_is_bf16_for_half_checkpoints_where_its_matmuls_have
     assert precision.compute_dtype("auto", str(tmp_path), torch.device("cpu")) == expected
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_a_bf16_job_is_warned_where_the_cpu_emulates_bf16(toy_dir, tmp_path, monkeypatch, native):
+    """dtype bfloat16 (or rollout.dtype) on a CPU without AVX512-BF16 or AMX runs emulated, tens of times slower
+    than float32 (bench/README.md): the job says so once, at its start, and names what to set; not where the CPU
+    has bf16 matmuls, nor for a float32 job."""
+    from worker.model import precision
+    from worker.trainer.loop import Trainer
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    warnings = []
+
+    class Warned:
+        def on_warning(self, step, message):
+            warnings.append((step, message))
+
+        def __getattr__(self, name):
+            return lambda *a, **k: False if name == "should_stop" else None
+
+    Trainer(bf16_spec(toy_dir, lora=True, steps=1, checkpoint_interval=0), tmp_path / "run").run(Warned())
+    if native:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0][0] == 0
+        assert "emulated" in warnings[0][1] and "'auto'" in warnings[0][1]
+    cpu = torch.device("cpu")
+    assert precision.emulated_bf16_warning({torch.float32}, cpu) is None
+    assert (precision.emulated_bf16_warning({torch.float32, torch.bfloat16}, cpu) is None) == native
+
+
 def test_tf32_matmuls_on_cuda_only():
     from worker.model import precision
 

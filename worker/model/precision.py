@@ -58,6 +58,18 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
+def emulated_bf16_warning(dtypes: set[torch.dtype], device: torch.device) -> str | None:
+    """A warning for a job that asked for bfloat16 (dtype or rollout.dtype) on a device without native bfloat16
+    matmuls, where torch emulates it: on a CPU without AVX512-BF16 or AMX a large bfloat16 matmul runs tens of
+    times slower than float32 (1.5 against 69 GFLOP/s on an AVX2 EPYC, bench/README.md)."""
+    if torch.bfloat16 not in dtypes or bf16_supported(device):
+        return None
+    what = ("a CPU without bfloat16 matmul instructions (AVX512-BF16 or AMX)" if device.type == "cpu"
+            else f"a {device.type} device without native bfloat16")
+    return (f"bfloat16 runs emulated on {what}, many times slower than float32; set dtype and rollout.dtype to "
+            "'auto' (float32 on this device) or 'float32'")
+
+
 def enable_fast_matmul(device: torch.device) -> None:
     """TF32 for the float32 matmuls on CUDA (master-weight forwards, float32 jobs): ~8x their speed on Ampere
     and later, at bfloat16-like input rounding with float32 accumulation. Nothing changes on a CPU."""

@@ -105,6 +105,7 @@ class ResidentJob(Trainer):
 
     def start(self) -> None:
         """The pre-flight and the step-0 evaluation of a fresh run (Trainer._run's start)."""
+        self._warn_emulated_bf16()
         if self.step == 0:
             if self.spec.training.preflight_groups:
                 self._check_preflight(self.callbacks)

@@ -458,9 +458,18 @@ class Trainer:
         if self._owns_engine and self.engine is not None:
             self.engine.close()
 
+    def _warn_emulated_bf16(self) -> None:
+        from worker.rollout import _sampling_dtype
+
+        dtypes = {self.policy.compute_dtype, _sampling_dtype(self.spec, self.policy)}
+        message = precision.emulated_bf16_warning(dtypes, self.policy.device)
+        if message and (warn := getattr(self.callbacks, "on_warning", None)) is not None:
+            warn(self.step, message)
+
     def _run(self, callbacks: Callbacks | None) -> TrainResult:
         cb = self.callbacks = callbacks or NoCallbacks()
         tc = self.spec.training
+        self._warn_emulated_bf16()
         first_eval = last_eval = None
         if self.step == 0:
             if tc.preflight_groups and not self.supervised:
