@@ -86,6 +86,10 @@ def test_jobs_on_one_base_end_where_each_ends_alone(toy_dir, tokenizer, tmp_path
         assert [s for s, _ in mine.evals] == [s for s, _ in alone.evals]
         for (_, got), (_, want) in zip(mine.evals, alone.evals):
             assert got["eval_reward_mean"] == want["eval_reward_mean"], name
+        # the same files (a job moves between kinds of worker; a user downloads the same thing from either)
+        assert sorted(p.name for p in (jobs[name].last_checkpoint / "adapter").iterdir()) == \
+            sorted(p.name for p in (result.last_checkpoint / "adapter").iterdir()) == \
+            ["adapter_config.json", "adapter_model.safetensors"]
         got, want = _adapter(jobs[name].last_checkpoint), _adapter(result.last_checkpoint)
         assert set(got) == set(want)
         diff = max(float((got[k] - want[k]).abs().max()) for k in got)
