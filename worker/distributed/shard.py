@@ -50,7 +50,11 @@ def _transformer(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def units(model: torch.nn.Module | None) -> list[FSDPModule]:
-    return [] if model is None else [m for m in model.modules() if isinstance(m, FSDPModule)]
+    """The FSDP units of a model shard_model sharded (its root is always one); none, without walking the modules
+    (hundreds; several walks a step), for a model it did not."""
+    if model is None or not isinstance(_transformer(model), FSDPModule):
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 @contextmanager

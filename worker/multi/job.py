@@ -186,7 +186,7 @@ class ResidentJob(Trainer):
         }
         self._step_state = None
         cb = self.callbacks
-        cb.on_step(self.step, metrics)  # Trainer._run's end of a step, to the checkpoint
+        cb.on_step(self.step, metrics)  # Trainer._run's end of a step, up to its evaluation (finish_step)
         if self.watch.update(metrics["zero_advantage_group_fraction"]):
             if tc.fail_on_no_signal:
                 raise NoLearningSignal(f"{no_signal_message(self.step, self.watch.streak)} "
