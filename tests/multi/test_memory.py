@@ -24,12 +24,12 @@ SHAPE = memory.BaseShape(linears=LLAMA_LINEARS, layers=2, hidden=64, q_width=64,
                          heads=4, vocab=40, dtype_bytes=4)
 
 
-def _spec(toy_dir, target_modules, r=4) -> JobSpec:
+def _spec(toy_dir, target_modules, r=4, eval_max_rows=8) -> JobSpec:
     raw = toy_spec(toy_dir)
     raw["lora"] = {"r": r, "alpha": 8, "target_modules": target_modules}
     raw["sampling"].update({"max_model_len": 32, "max_output_tokens": 16})
     raw["training"].update({"batch_size": 2, "group_size": 4, "micro_batch_size": 4, "mini_batches": 1,
-                            "logprob_chunk_size": 64})
+                            "logprob_chunk_size": 64, "eval_max_rows": eval_max_rows})
     return JobSpec.model_validate(raw)
 
 
@@ -47,6 +47,15 @@ def test_the_estimate_on_hand_computed_numbers(toy_dir):
     assert est.peak == 16384 + 16384 + 1_200_128
     # all-linear: per layer 4 attention linears * 4 * 128 + gate, up and down * 4 * 192 = 4352; 2 layers.
     assert memory.adapter_parameters(_spec(toy_dir, "all-linear"), SHAPE) == 8704
+
+
+def test_an_evaluation_with_more_rows_than_a_rollout_sets_the_kv_cache(toy_dir):
+    """An evaluation decodes eval_max_rows rows (with the other due jobs' together): when they outnumber the
+    rollout's 8, they are what the decode holds: 64 rows of 32 tokens, 64 wide in 2 layers, float32, and one
+    decode step's logits for 64 rows."""
+    est = memory.estimate(_spec(toy_dir, ["q_proj", "v_proj"], eval_max_rows=64), SHAPE)
+    assert est.kv_cache == 64 * 32 * 2 * 2 * 64 * 4 + 64 * 40 * 4 == 2_107_392
+    assert est.peak == 16384 + 16384 + 2_107_392  # now the larger phase
 
 
 def test_jobs_together_need_their_states_and_the_larger_of_their_summed_phases():

@@ -18,10 +18,12 @@ Per job (bytes):
   none, so this over-estimates there); plus one LM-head chunk's float32 logits
   and their gradient (2 * chunk * vocab * 4). LoRA's own rank-wide
   intermediates are left out: a rank is far below those widths;
-- kv_cache: the rollout's keys and values for every sampled row at full
-  length (batch_size * group_size rows of max_model_len tokens), plus one
-  decode step's float32 logits. None for a job with rollout.engine 'vllm':
-  its rows' keys and values live in the vLLM engine's own cache.
+- kv_cache: the keys and values of the job's larger decode at full length
+  (max_model_len tokens a row): its rollout's batch_size * group_size rows,
+  or an evaluation's eval_max_rows (due evaluations of several jobs decode
+  together, as their rollouts do), plus one decode step's float32 logits.
+  None for a job with rollout.engine 'vllm': its rows' keys and values live
+  in the vLLM engine's own cache.
 
 Per worker, once, when any resident job samples with vLLM: the shared vLLM
 engine (worker/multi/vllm_engine.py), which holds its own copy of the
@@ -115,8 +117,9 @@ def estimate(spec: JobSpec, shape: BaseShape) -> MemoryEstimate:
         + shape.heads * length
     activations = micro_tokens * shape.layers * per_token_layer * shape.dtype_bytes \
         + 2 * min(micro_tokens, tc.logprob_chunk_size) * shape.vocab * FLOAT32
+    decoded = max(rows, tc.eval_max_rows)
     kv_cache = 0 if spec.rollout.engine == "vllm" else \
-        rows * length * shape.layers * 2 * shape.kv_width * shape.dtype_bytes + rows * shape.vocab * FLOAT32
+        decoded * length * shape.layers * 2 * shape.kv_width * shape.dtype_bytes + decoded * shape.vocab * FLOAT32
     return MemoryEstimate(adapter=2 * FLOAT32 * params, optimizer=2 * FLOAT32 * params, activations=activations,
                           kv_cache=kv_cache)
 
