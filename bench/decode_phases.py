@@ -153,7 +153,11 @@ def charge(events, rank: int) -> tuple[dict[str, float], dict[str, float], dict[
 
 
 def _phase(label: str | None, op: str, shapes, rank: int) -> str:
+    if op.startswith("mkldnn::_reorder_linear_weight"):  # the rollout packing its weights (packed_linears.py)
+        return "packing weights"
     if label == "lora_linear":  # the lean forward calls F.linear on the base weight itself: tell it by its shape
+        if op.startswith("mkldnn::_linear_pointwise"):  # a packed base weight (adapters are never packed)
+            return "base_linear"
         weight = shapes[1] if op == "aten::linear" and len(shapes) > 1 else None
         return "base_linear" if weight and min(weight) > rank else "lora adapter"
     if label == "pick":
@@ -238,7 +242,7 @@ def _group(phase: str) -> str:
         return "attention+cache"
     if phase in ("sampling", "logprob", "finite_guard"):
         return "sampling+logprob+guard"
-    if phase in ("base_linear", "lm_head", "lora adapter"):
+    if phase in ("base_linear", "lm_head", "lora adapter", "packing weights"):
         return phase
     return "other ops (norms, activation, residual, rotary, loop)"
 

@@ -25,3 +25,16 @@ def test_decode_phases_smoke_splits_a_step_into_phases_that_add_up():
     assert {"base_linear", "lm_head", "lora adapter", "attention:sdpa", "sampling", "python:lora_linear"} <= set(rows)
     assert abs(sum(map(float, rows.values())) - 100) < 1, rows
     assert re.search(r"by kind \(ms/step\): .*base_linear [0-9.]+", text), text
+
+
+def test_packed_base_linears_and_the_packing_itself_are_charged_as_such():
+    """A packed base weight's call (oneDNN's kernel, no aten::linear to read a shape from) is the base linear's,
+    not the adapter's; reordering the weights for the rollout is its own phase, not the loop's."""
+    sys.path.insert(0, str(ROOT))
+    from bench.decode_phases import _group, _phase
+
+    assert _phase("lora_linear", "mkldnn::_linear_pointwise", [[16, 896], []], 16) == "base_linear"
+    assert _phase("lora_linear", "aten::linear", [[16, 896], [16, 896]], 16) == "lora adapter"
+    assert _phase("lora_linear", "aten::linear", [[16, 896], [4864, 896]], 16) == "base_linear"
+    assert _phase(None, "mkldnn::_reorder_linear_weight", [[4864, 896], []], 16) == "packing weights"
+    assert _group("packing weights") == "packing weights"
