@@ -166,6 +166,7 @@ def test_a_prepared_evaluation_answers_only_its_own_call(toy_dir, tokenizer, tmp
     decode_evaluations(shared, tokenizer, CPU, jobs)
     job = jobs[0]
     request, prepared = job.engine.prepared
+    together = list(prepared.completions)
     other = job.engine.generate(job.policy, request.rows[:2], request.sampling, group_size=1, greedy=True)
     assert other is not prepared and len(other) == 2 and job.engine.prepared[1] is prepared
     assert job.engine.generate(job.policy, list(request.rows), request.sampling, group_size=1,
@@ -174,5 +175,7 @@ def test_a_prepared_evaluation_answers_only_its_own_call(toy_dir, tokenizer, tmp
     decode_evaluations(shared, tokenizer, CPU, jobs)
     jobs[1].begin_step()
     assert jobs[1].engine.prepared is None
-    fresh = jobs[0].eval_rows(jobs[0].eval_source_rows())  # what the job's own evaluation reports, from it
-    assert fresh.completions == [r["completion"] for r in fresh.as_results()] and len(fresh.rewards) == 4
+    assert jobs[0].eval_rows(jobs[0].eval_source_rows()).completions == together  # took the prepared one
+    assert jobs[0].engine.prepared is None
+    alone = jobs[0].eval_rows(jobs[0].eval_source_rows())  # nothing prepared: decoded alone
+    assert alone.completions == together and len(alone.rewards) == 4  # beside another job's rows, the same

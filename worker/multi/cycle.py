@@ -32,11 +32,7 @@ def start_jobs(shared: SharedBase, jobs: list[ResidentJob], *, device: torch.dev
     evaluations decoded in one batch where they may go first; returns {job name: what stopped it}."""
     failures: dict[str, BaseException] = {}
     if jobs:
-        try:
-            decode_evaluations(shared, jobs[0].policy.tokenizer, device,
-                               [job for job in jobs if job.evaluation_may_lead()])
-        except Exception:  # noqa: BLE001 - then each evaluation decodes alone and meets its own error
-            log.exception("decoding %d starting jobs' evaluations together failed", len(jobs))
+        decode_evaluations(shared, jobs[0].policy.tokenizer, device, [job for job in jobs if job.evaluation_may_lead()])
     for job in jobs:
         try:
             job.start()
@@ -88,10 +84,8 @@ def run_cycle(shared: SharedBase, jobs: list[ResidentJob], *, device: torch.devi
     update_s = time.perf_counter() - started
     stepped = [job for (job, _), job_stats in zip(updates, stats)
                if guarded(job, lambda job=job, job_stats=job_stats: job.end_step(job_stats, update_s)) is not None]
-    try:  # the evaluations due now, in one decode (each job's own evaluate() in finish_step takes its part)
-        decode_evaluations(shared, tokenizer, device, [job for job in stepped if job.eval_due(job.step)])
-    except Exception:  # noqa: BLE001 - then each evaluation decodes alone and meets its own error
-        log.exception("decoding %d jobs' evaluations together failed", len(stepped))
+    # the evaluations due now, in one decode (each job's own evaluate() in finish_step takes its part)
+    decode_evaluations(shared, tokenizer, device, [job for job in stepped if job.eval_due(job.step)])
     for job in stepped:
         guarded(job, job.finish_step)
     return failures

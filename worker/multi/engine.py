@@ -12,12 +12,16 @@ other call is decoded alone as before, so the trainer's evaluation code stays th
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from service.job_spec.sampling import SamplingSpec
 from worker.multi.lora import SharedBase
 from worker.multi.rollout import RolloutRequest, generate_jobs
 from worker.rollout.rollout import Rollout
+
+log = logging.getLogger(__name__)
 
 
 class JobEngine:
@@ -51,11 +55,17 @@ class JobEngine:
 
 def decode_evaluations(shared: SharedBase, tokenizer, device: torch.device, jobs: list) -> None:
     """Decode the next evaluation of every job in `jobs` (ResidentJobs) in one shared decode; each result waits in
-    its job's engine for that evaluation. A single job is left to decode its own; a job whose decode failed is
-    left to fail in its own evaluation, as it would alone."""
+    its job's engine for that evaluation. A single job is left to decode its own. Never raises: a job whose
+    decode failed (or all of them, if the batch itself did) decodes alone in its own evaluation and meets its
+    own error there, as it would alone."""
     if len(jobs) < 2:
         return
-    requests = [job.evaluation_request() for job in jobs]
-    for job, request, out in zip(jobs, requests, generate_jobs(shared, tokenizer, device, requests), strict=True):
+    try:
+        requests = [job.evaluation_request() for job in jobs]
+        outs = generate_jobs(shared, tokenizer, device, requests)
+    except Exception:  # noqa: BLE001 - each evaluation then decodes alone
+        log.exception("decoding %d jobs' evaluations together failed", len(jobs))
+        return
+    for job, request, out in zip(jobs, requests, outs, strict=True):
         if not isinstance(out, Exception):
             job.engine.prepared = (request, out)
