@@ -155,8 +155,8 @@ def test_an_update_that_needs_no_frozen_logprobs_switches_the_model_mode_once(to
                                spec.training.group_size, sampling_seeds=[1, 2]) for name, spec in specs.items()]
     rollouts = dict(zip(specs, generate_jobs(shared, tokenizer, CPU, requests)))
     switches = []
-    switch = shared.model.train
-    monkeypatch.setattr(shared.model, "train", lambda mode=True: switches.append(mode) or switch(mode))
+    switch = shared.set_training
+    monkeypatch.setattr(shared, "set_training", lambda mode: switches.append(mode) or switch(mode))
     batched_update(shared, [
         JobUpdate(name, spec, _optimizer(shared.parameters(name), spec), shared.parameters(name), rollouts[name],
                   torch.randn(len(rollouts[name])), list(range(len(rollouts[name]))), 0)

@@ -104,9 +104,9 @@ def _decode_ours(shared: SharedBase, tokenizer, device, requests: list[RolloutRe
                     greedy=state[i].greedy, seeds=state[i].seeds, logprobs=logprobs) for i in pending]
     model = shared.model
     was_training = model.training
-    model.eval()
+    shared.set_training(False)
     try:
         return list(zip(pending, sample_jobs(model, shared.router, jobs, eos_id=tokenizer.eos_token_id,
                                              pad_id=tokenizer.pad_token_id, device=device)))
     finally:
-        model.train(was_training)
+        shared.set_training(was_training)

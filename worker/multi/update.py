@@ -152,7 +152,7 @@ def _frozen_logprobs(shared: SharedBase, jobs: list[JobUpdate], *, reference: bo
     micros = [micro_batches(job.indices, job.lengths, job.spec.training.micro_batch_size) for job in jobs]
     model = shared.model
     was_training = model.training
-    model.eval()
+    shared.set_training(False)
     with torch.no_grad():
         for k in range(max(map(len, micros), default=0)):
             parts = [(j, micros[j][k]) for j in range(len(jobs)) if k < len(micros[j])]
@@ -164,7 +164,7 @@ def _frozen_logprobs(shared: SharedBase, jobs: list[JobUpdate], *, reference: bo
                 mask = batch.action_mask_BT[rows].bool()
                 lengths = mask.sum(-1).long().tolist()
                 results[j].update(zip(micro, logp[mask].split(lengths)))
-    model.train(was_training)
+    shared.set_training(was_training)
     return results
 
 
@@ -189,8 +189,7 @@ def batched_update(shared: SharedBase, jobs: list[JobUpdate], *, pad_id: int, de
     for job, ref in zip(needs_ref, _frozen_logprobs(shared, needs_ref, reference=True, pad_id=pad_id,
                                                      device=device, autocast=autocast)):
         job.ref = ref
-    model = shared.model
-    model.train()
+    shared.set_training(True)
     for r in range(max((len(job.plan) for job in trained), default=0)):
         _round(shared, [job for job in trained if r < len(job.plan)], r, pad_id, device, autocast)
     for job in jobs:
