@@ -162,7 +162,9 @@ class SharedBase:
         self.specs: dict[str, LoraSpec] = {}
         self.slots = slots  # how many jobs the worker holds at most
         self.vllm = None  # the vLLM engine of the jobs that sample with one (worker/multi/vllm_engine.py)
-        self._modules: list[torch.nn.Module] | None = None  # the model's modules, for set_training (None: stale)
+        # set_training's module list: None until the next switch lists them (after a join or leave); [] where some
+        # module's train() does more than set its flag, so the model's own train() runs
+        self._modules: list[torch.nn.Module] | None = None
 
     def close(self) -> None:
         """Free what outlives the adapters: the vLLM engine, whose state is process-wide."""
