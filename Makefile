@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 DEMO   := runs/demo
 
-.PHONY: demo demo-local test mutate install vllm clean
+.PHONY: demo demo-local test check mutate install vllm clean
 
 # pip shows what it collects and installs (no -q: a silent first install looked hung); no progress bars,
 # so a log stays readable.
@@ -57,6 +57,11 @@ demo-local: install
 TEST_WORKERS ?= 3
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+
+# The fast tier for the inner loop: the suite less the tests that train over seeds (`slow`) and those that start
+# whole stacks of processes or the vLLM engine (`heavy`, tests/conftest.py). `make test` is what CI runs.
+check: install
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not heavy"
 
 # Mutation testing (mutmut) of the modules where a bug costs most; slow, so never part of `test` or CI.
 # MODULES picks some (names in bench/mutate.py, e.g. cispo-loss egress access); the scores go in docs/TESTING.md's mutation table.

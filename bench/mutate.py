@@ -137,6 +137,7 @@ def run(name: str, *, survivors: bool) -> dict:
     # Every forked mutant run is a new pytest session: without this each would pretrain the toy model again.
     env.setdefault("CISPO_TEST_TOY_DIR", str(WORK / "toy"))
     env["CISPO_TEST_SQLITE_TEMPLATE"] = str(where / ".schema.sqlite")  # migrated once, not per mutant
+    env["CISPO_TEST_DATABASES"] = "sqlite"  # every selection on SQLite (tests/conftest.py databases_for)
     # mutmut forks each mutant's run from a process that already ran the tests: torch's OpenMP worker threads do
     # not survive a fork, and the child's first parallel kernel waits for them forever (seen: log_softmax stuck
     # in gomp_team_barrier_wait_end, 0 s of CPU), which mutmut then counts as a timeout, i.e. as killed.

@@ -186,9 +186,31 @@ def make_database(kind: str, tmp_path: Path) -> tuple[str, callable]:
     return _postgres_url(name), lambda: _drop_postgres(name)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+# Which databases a test that asks for `database_url` runs on. The repositories (tests/service/) hold the SQL whose
+# dialect matters, so their tests run on both. Worker and shared-base tests lease, fence and claim jobs across real
+# processes: on PostgreSQL, as production runs them. API tests exercise routes over the repositories: on SQLite,
+# the embedded default and the cheaper copy. CISPO_TEST_DATABASES (comma-separated) overrides the choice for every
+# test: bench/mutate.py runs SQLite alone; `CISPO_TEST_DATABASES=sqlite,postgresql` runs everything on both.
+DATABASES_BY_FOLDER = {"service": ("sqlite", "postgresql"), "worker": ("postgresql",), "multi": ("postgresql",)}
+DEFAULT_DATABASES = ("sqlite",)
+
+
+def databases_for(test_path: Path) -> tuple[str, ...]:
+    forced = os.environ.get("CISPO_TEST_DATABASES")
+    if forced:
+        return tuple(kind.strip() for kind in forced.split(",") if kind.strip())
+    folder = test_path.relative_to(Path(__file__).parent).parts[0]
+    return DATABASES_BY_FOLDER.get(folder, DEFAULT_DATABASES)
+
+
+def pytest_generate_tests(metafunc):
+    if "database_url" in metafunc.fixturenames:
+        metafunc.parametrize("database_url", databases_for(Path(metafunc.definition.path)), indirect=True)
+
+
+@pytest.fixture
 def database_url(request, tmp_path) -> str:
-    """A fresh database built by `alembic upgrade head`, on SQLite and on the real PostgreSQL."""
+    """A fresh database built by `alembic upgrade head`, of the kinds databases_for picks for the test's folder."""
     url, drop = make_database(request.param, tmp_path)
     yield url
     from service.db.session import session_factory
@@ -298,8 +320,23 @@ def xdist_group_of(item) -> str | None:
     return None
 
 
+# `make check`, the fast tier for the inner loop, leaves out what `make test` alone runs: whole stacks of processes
+# (tests/e2e, the fault and serving stacks, Ray clusters, the benches' scripts, two-process training) and the vLLM
+# engine. Tests that train over seeds are marked `slow` where they are written.
+HEAVY_PATHS = ("e2e/", "ray/", "bench/", "trainer/test_distributed.py", "worker/test_faults.py",
+               "serving/test_serving.py")
+
+
+def is_heavy(item) -> bool:
+    where = Path(item.path).relative_to(Path(__file__).parent).as_posix()
+    return where.startswith(HEAVY_PATHS) or any(name in item.fixturenames for name in SESSION_GROUPS)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids it schedules by
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if is_heavy(item):
+            item.add_marker(pytest.mark.heavy)
     if not WORKER:  # single-process: nothing to distribute (and xdist's marker may not be registered)
         return
     for item in items:
