@@ -22,7 +22,7 @@ import math
 
 from pydantic import ValidationError
 
-from service.errors import InvalidRequest, Unprocessable, unprocessable
+from service.errors import InvalidRequest, InvalidValue, invalid_value
 from service.models.start import Start
 from service.schemas import graders
 from service.job_spec.request import JobCreate, ReinforcementMethod
@@ -167,11 +167,11 @@ def build_spec(body: JobCreate, *, seed: int, training_rows: int, reward: dict |
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
-        raise unprocessable(e, data, path=lambda p: _request_path(method.type, p)) from None
+        raise invalid_value(e, data, path=lambda p: _request_path(method.type, p)) from None
     # Pydantic lets NaN and infinity through bounds such as ge=0; neither JSON columns nor the trainer can use them.
     if (where := _non_finite(spec.model_dump())) is not None:
         param = _request_path(method.type, where)
-        raise Unprocessable(f"{param}: must be a finite number", param=param)
+        raise InvalidValue(f"{param}: must be a finite number", param=param)
     return spec
 
 

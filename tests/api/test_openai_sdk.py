@@ -44,7 +44,7 @@ def test_sdk_round_trip_with_reinforcement_and_string_check(api, sdk):
 
 def test_sdk_sees_typed_errors_and_does_not_retry_an_illegal_change(api, sdk):
     f = sdk.files.create(file=("t.jsonl", io.BytesIO(jsonl(TRAIN_ROWS))), purpose="fine-tune")
-    with pytest.raises(openai.UnprocessableEntityError) as bad:
+    with pytest.raises(openai.BadRequestError) as bad:
         sdk.fine_tuning.jobs.create(model="m", training_file=f.id, extra_body={"method": {
             "type": "cispo", "cispo": {"reward": {"type": "contains"},
                                        "hyperparameters": {"training": {"group_size": 1}}}}})
