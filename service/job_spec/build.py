@@ -191,7 +191,9 @@ def public_hyperparameters(spec: dict, training_rows: int | None) -> dict:
     """OpenAI's hyperparameters summary of a stored spec (n_epochs is None once the file is gone)."""
     training = spec.get("training", {})
     steps, batch = training.get("steps", 0), training.get("batch_size", 1)
-    epochs = round(steps * batch / training_rows, 2) if training_rows else None
+    # A whole number, as OpenAI's SDK types it (its model_dump warns on 1.2): the passes over the file, rounded
+    # half up, at least 1; n_epochs 3 of 5 rows in batches of 2 is 8 steps (3.2 passes), reported as 3.
+    epochs = max(1, math.floor(steps * batch / training_rows + 0.5)) if training_rows else None
     return {
         "batch_size": batch,
         "learning_rate_multiplier": round(spec.get("optimizer", {}).get("lr", BASE_LR) / BASE_LR, 8),

@@ -28,7 +28,7 @@ def test_create_stores_a_queued_job_and_enqueues_its_id_once_after_commit(api):
     assert (job["total_steps"], job["steps_done"], job["fine_tuned_model"], job["error"]) == (3, 0, None, None)
     assert job["metadata"] == {"team": "rl"} and job["user_provided_suffix"] == "v1"
     assert job["hyperparameters"] == {"batch_size": 2, "learning_rate_multiplier": 1.0,
-                                      "n_epochs": round(3 * 2 / len(TRAIN_ROWS), 2)}
+                                      "n_epochs": 1}  # 3 steps of 2 rows over 5 rows: 1.2 passes
     assert job["method"]["type"] == "cispo" and job["reward_function"] is None
     assert (job["result_files"], job["integrations"], job["estimated_finish"]) == ([], [], None)
     assert api.enqueued.ids == [job["id"]]
