@@ -29,9 +29,10 @@ def adapter_tar(payload: bytes = b"lora weights") -> bytes:
 
 
 def train(database_url: str, store, job_id: str, *, status: str | None = "succeeded",
-          steps: int = 3, checkpoint_step: int | None = 3, samples: dict[int, list[dict]] | None = None) -> dict:
+          steps: int = 3, checkpoint_step: int | None = 3, samples: dict[int, list[dict]] | None = None,
+          tar: bytes | None = None) -> dict:
     """Run the job's records through `steps` steps (with `samples` per step, if given); returns the lease
-    epoch and the checkpoint's id, sha256, tar bytes and storage prefix."""
+    epoch and the checkpoint's id, sha256, tar bytes (`tar`, or a one-file adapter) and storage prefix."""
     sessions = session_factory(database_url)
     with sessions.begin() as s:
         epoch = job_lease.claim(s, job_id, "test-worker", ttl_s=600)
@@ -47,7 +48,7 @@ def train(database_url: str, store, job_id: str, *, status: str | None = "succee
                 assert job_outputs.add_samples(s, job_id, epoch, step, samples[step])
     out: dict = {"epoch": epoch}
     if checkpoint_step:
-        tar = adapter_tar()
+        tar = tar or adapter_tar()
         prefix = f"jobs/{job_id}/checkpoints/step-{checkpoint_step}"
         sha = store.put_bytes(f"{prefix}/adapter.tar", tar)
         with sessions.begin() as s:
