@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from service.unsupported_fields import unknown_field_message
+
 MAX_REPORTED_ERRORS = 5
 
 
@@ -52,8 +54,10 @@ class InUse(Conflict):
                          param=param, code=f"{param.removesuffix('_id')}_in_use")
 
 
-class Unprocessable(ServiceError):
-    status = 422
+class InvalidValue(InvalidRequest):
+    """A field whose value fails validation. 400 like every invalid request (OpenAI's convention, which its SDK
+    raises as BadRequestError), whichever layer found it: the request model, the JobSpec, or a service check."""
+
     code = "invalid_value"
 
 
@@ -107,7 +111,7 @@ def _message(err: dict) -> str:
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)
     if err.get("type") == "extra_forbidden":
-        msg = "unknown field (not part of this request; check the spelling)"
+        msg = unknown_field_message((err.get("loc") or ("",))[-1])
     return msg
 
 
@@ -130,7 +134,7 @@ def describe_validation(errors: Iterable[dict], data: Any = _MISSING, *,
     return "; ".join(parts), (items[0][0] or None) if items else None
 
 
-def unprocessable(err: ValidationError, data: Any = _MISSING, *,
-                  path: Callable[[str], str] = lambda p: p) -> Unprocessable:
+def invalid_value(err: ValidationError, data: Any = _MISSING, *,
+                  path: Callable[[str], str] = lambda p: p) -> InvalidValue:
     message, param = describe_validation(err.errors(), data, path=path)
-    return Unprocessable(message, param=param)
+    return InvalidValue(message, param=param)

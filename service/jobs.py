@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Checkpoint, File, Job
 from service.job_spec.backend import check_backend
-from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, Unprocessable
+from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, InvalidValue
 from service.dry_run import check_reward_fields
 from service.row_shapes import check_rows_fit_method
 from service.environments import resolve_for_job
@@ -136,8 +136,8 @@ def replay(session: Session, project_id: str, key: str, digest: str) -> Job | No
     """The job an earlier request with this Idempotency-Key created, if any."""
     job = jobs_repo.find_by_idempotency_key(session, project_id, key)
     if job is not None and job.request_sha256 != digest:
-        raise Unprocessable(f"{IDEMPOTENCY_HEADER}: this key was already used with a different request body; "
-                            "use a new key for a new job", param=IDEMPOTENCY_HEADER, code="idempotency_key_reused")
+        raise InvalidValue(f"{IDEMPOTENCY_HEADER}: this key was already used with a different request body; "
+                           "use a new key for a new job", param=IDEMPOTENCY_HEADER, code="idempotency_key_reused")
     return job
 
 

@@ -28,7 +28,7 @@ def check_rows_fit_method(session: Session, store: ObjectStore, project_id: str,
                 problems.append((file_param, f"{file_param} line {line}: {problem}"))
     if problems:
         more = f" (and {count - len(problems)} more)" if count > len(problems) else ""
-        kind = "supervised" if spec.method == "supervised" else "this method's"
-        raise InvalidRequest(f"{problems[0][0]}: {count} row(s) unusable for a {kind} job: "
+        kind = "a supervised" if spec.method == "supervised" else "a cispo or reinforcement"
+        raise InvalidRequest(f"{problems[0][0]}: {count} row(s) unusable for {kind} job: "
                              + "; ".join(p for _, p in problems) + more, param=problems[0][0],
                              code="invalid_rows_for_method")

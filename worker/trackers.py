@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 from service.schemas.integrations import Integration, MlflowSettings, WandbSettings
 from service.settings import Settings
 from service.tracking_targets import check_tracking_uri
+from worker.tracker_location import location
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class Trackers:
                 self.live[name] = KINDS[name](getattr(integration, name), job_id, settings, config)
             except Exception as e:  # noqa: BLE001 - any failure of a tracker only switches it off
                 self._switch_off(name, "could not start", e)
+            else:
+                self._say_where(name, getattr(integration, name))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for name, tracker in list(self.live.items()):
@@ -132,6 +135,15 @@ class Trackers:
             except Exception as e:  # noqa: BLE001
                 self._switch_off(name, "could not close its run", e)
         self.live.clear()
+
+    def _say_where(self, name: str, cfg) -> None:
+        """An info event naming where the run went (worker/tracker_location.py)."""
+        try:
+            where = location(name, self.live[name], cfg)
+            if where:
+                self.event(f"The {name} integration logs to {where}", level="info", data={"integration": name})
+        except Exception:  # noqa: BLE001 - a courtesy, like the failure event
+            log.warning("could not say where the %s run went", name, exc_info=True)
 
     def _switch_off(self, name: str, what: str, error: Exception) -> None:
         self.live.pop(name, None)

@@ -61,7 +61,7 @@ async def _validation(request: Request, exc: RequestValidationError) -> JSONResp
     located = [{**e, "path": field_path(_strip_source(e.get("loc", ())),
                                         body if e.get("loc", ("",))[0] == "body" else None)} for e in errors]
     message, param = describe_validation(located)
-    return error_response(422, message, param=param, code="invalid_value")
+    return error_response(400, message, param=param, code="invalid_value")  # as InvalidValue: one code for bad input
 
 
 def service_error_response(exc: ServiceError) -> JSONResponse:

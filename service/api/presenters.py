@@ -44,7 +44,7 @@ def page(items: list, has_more: bool) -> ListObject:
 
 def file(row: File) -> FileObject:
     return FileObject(id=row.id, bytes=row.bytes, created_at=row.created_at, filename=row.filename,
-                      purpose=row.purpose)
+                      purpose=row.purpose, sha256=row.sha256)
 
 
 def reward_function(row: RewardFunction) -> RewardFunctionObject:

@@ -19,7 +19,11 @@ EXIT_JOB_ENDED_BADLY, EXIT_USAGE, EXIT_API_ERROR, EXIT_UNREACHABLE = 1, 2, 3, 4
 
 
 class UsageError(Exception):
-    pass
+    """Bad usage (exit 2); `usage`, when given, is the command's usage line, printed before the message."""
+
+    def __init__(self, message: str, usage: str | None = None):
+        super().__init__(message)
+        self.usage = usage
 
 
 class ApiError(Exception):
@@ -60,7 +64,26 @@ def print_json(value: Any) -> None:
     print(json.dumps(value, indent=2))
 
 
-def upload_file(client: Client, path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def uploaded_copy(client: Client, path: Path) -> str | None:
+    """The id of a dataset file of the project with the same bytes as `path` (the newest), if there is one."""
+    sha = file_sha256(path)
+    found = client.get("/files", sha256=sha, purpose="fine-tune", limit=1)["data"]
+    # Checked here too: a server that does not know the sha256 filter would list every file.
+    if found and found[0].get("sha256") == sha:
+        print(f"reusing {found[0]['id']} for {path} (already uploaded: same sha256)", file=sys.stderr)
+        return found[0]["id"]
+    return None
+
+
+def upload_new(client: Client, path: Path) -> str:
     with path.open("rb") as f:
         uploaded = client.post("/files", files={"file": (path.name, f, "application/jsonl")},
                                data={"purpose": "fine-tune"})
@@ -68,15 +91,43 @@ def upload_file(client: Client, path: Path) -> str:
     return uploaded["id"]
 
 
-def parse_mapping(text: str, what: str) -> dict:
+def upload_file(client: Client, path: Path) -> str:
+    """A file id for the local dataset `path`: the uploaded copy of the same bytes, else a new upload."""
+    return uploaded_copy(client, path) or upload_new(client, path)
+
+
+def read_text(path: str, what: str) -> str:
+    """A local file's text; a path that cannot be read is a usage error naming it (exit 2), not a traceback."""
+    try:
+        return Path(path).expanduser().read_text()
+    except FileNotFoundError:
+        raise UsageError(f"{what}: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{what}: cannot read {path} ({e.__class__.__name__}: {e})") from None
+
+
+MAPPING_FORMS = ("a JSON object ('{\"type\": \"exact_match\", \"field\": \"answer\"}'), YAML flow "
+                 "('{type: exact_match, field: answer}': a space after each colon), or a bare type name "
+                 "(json_valid)")
+
+
+def parse_mapping(text: str, what: str, *, typed: bool = False) -> dict:
+    """A mapping given on the command line as JSON, YAML or (typed: a spec with a `type`) a bare type name."""
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise UsageError(f"{what}: not valid YAML or JSON ({e})") from None
+        raise UsageError(f"{what}: not valid YAML or JSON ({e}); give {MAPPING_FORMS}") from None
     if isinstance(value, str):  # a bare type name, e.g. --reward json_valid
         value = {"type": value}
     if not isinstance(value, dict):
-        raise UsageError(f"{what}: expected a mapping of fields, got {type(value).__name__}")
+        raise UsageError(f"{what}: expected a mapping of fields, got {type(value).__name__}; give {MAPPING_FORMS}")
+    # YAML reads '{type:exact}' as the one key 'type:exact' with no value: never what was meant.
+    glued = [k for k, v in value.items() if v is None and isinstance(k, str) and ":" in k]
+    if glued:
+        raise UsageError(f"{what}: {glued[0]!r} reads as one field name (no space after the colon), and {text!r} "
+                         f"is not valid JSON; give {MAPPING_FORMS}")
+    if typed and "type" not in value:
+        raise UsageError(f"{what}: no 'type' field (the kind of spec, e.g. exact_match); give {MAPPING_FORMS}")
     return value
 
 

@@ -45,7 +45,7 @@ def build_eval_request(args, client: Client) -> dict:
     if args.reward and args.reward_function:
         raise UsageError("give at most one of --reward and --reward-function")
     if args.reward:
-        body["reward"] = parse_mapping(args.reward, "--reward")
+        body["reward"] = parse_mapping(args.reward, "--reward", typed=True)
     elif args.reward_function:
         body["reward_function"] = args.reward_function
     elif args.base:
@@ -55,14 +55,21 @@ def build_eval_request(args, client: Client) -> dict:
 
 def result_line(run: dict) -> str:
     result, counts = run["result"], run["result_counts"]
-    low, high = result["interval"]
-    return (f"{run['model']}: mean reward {result['mean']:.4f} +/- {(high - low) / 2:.4f} "
-            f"(95% interval [{low:.4f}, {high:.4f}], {result['method']}, n={result['n']}, "
-            f"{counts['errored']} errored); per-row results: {', '.join(run['result_files'])}")
+    mean, (low, high) = result["mean"], result["interval"]
+    # "+/-" only for an interval centred on the mean: a Wilson interval of a pass rate near 0 or 1 is not.
+    spread = f" +/- {high - mean:.4f}" if f"{high - mean:.4f}" == f"{mean - low:.4f}" else ""
+    files = ", ".join(run["result_files"])
+    return (f"{run['model']}: mean reward {mean:.4f}{spread} (95% interval [{low:.4f}, {high:.4f}], "
+            f"{result['method']}, n={result['n']}, {counts['errored']} errored); per-row results: {files} "
+            f"(cispo files content {run['result_files'][0] if run['result_files'] else 'FILE'})")
 
 
 def cmd_eval(args, client: Client) -> int:
-    run = client.post("/evals", json=build_eval_request(args, client))
+    return wait_for(client, client.post("/evals", json=build_eval_request(args, client)), args)
+
+
+def wait_for(client: Client, run: dict, args) -> int:
+    """Show an eval run's progress until a worker has run it, then its result (exit 1 if it failed)."""
     started, shown = time.monotonic(), None
     while run["status"] not in ("succeeded", "failed"):
         if run["status"] != shown:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 from service.cli.client import EXIT_JOB_ENDED_BADLY, Client, UsageError, checkpoint_id, download_verified
@@ -48,6 +50,13 @@ def _verify(root: Path, listed: dict, within: str = "") -> str | None:
     return None
 
 
+def _stamp(root: Path, when: float) -> None:
+    """Give every unpacked file and directory the time `when`: the API's tars are reproducible (every mtime 0),
+    and files dated 1970 look broken and confuse tools that compare times (make, rsync --update)."""
+    for path in (root, *root.rglob("*")):
+        os.utime(path, (when, when), follow_symlinks=False)
+
+
 def cmd_export(args, client: Client) -> int:
     ckpt_id = checkpoint_id(client, args.job, args.checkpoint)
     kind = "merged" if args.merge else "adapter"
@@ -72,6 +81,7 @@ def cmd_export(args, client: Client) -> int:
             print(f"error: {problem}; nothing was saved", file=sys.stderr)
             return EXIT_JOB_ENDED_BADLY
         result = unpacked if args.merge else unpacked / "adapter"
+        _stamp(result, time.time())
         if dest.exists():
             dest.rmdir()  # empty (checked above)
         result.rename(dest)

@@ -14,6 +14,7 @@ refused the request (its message is printed); 4 the API could not be reached.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -25,7 +26,7 @@ import httpx
 
 from service.cli.client import (DEFAULT_API_URL, EXIT_API_ERROR, EXIT_JOB_ENDED_BADLY, EXIT_UNREACHABLE, EXIT_USAGE,
                                 TERMINAL, ApiError, Client, UsageError, checkpoint_id, download_verified,
-                                parse_mapping, positive, print_json, upload_file)
+                                parse_mapping, positive, print_json, read_text, upload_new, uploaded_copy)
 from service.cli.evals import add_eval_arguments, cmd_eval
 from service.cli.export import add_export_command
 
@@ -62,9 +63,10 @@ def _event_line(event: dict) -> str:
 # -- commands ------------------------------------------------------------------------------------
 
 
-def build_request(args, client: Client) -> dict:
-    """The POST /v1/fine_tuning/jobs body: SPEC (YAML or JSON) with the flags on top; local files uploaded."""
-    body = parse_mapping(Path(args.spec).read_text(), f"SPEC {args.spec}") if args.spec else {}
+def build_request(args) -> tuple[dict, dict[str, Path]]:
+    """The POST /v1/fine_tuning/jobs body (SPEC, YAML or JSON, with the flags on top) and its local dataset
+    files by field, which the caller resolves to file ids (or, for a dry run, sends along)."""
+    body = parse_mapping(read_text(args.spec, "SPEC"), f"SPEC {args.spec}") if args.spec else {}
     for field in ("model", "training_file", "validation_file", "suffix", "seed"):
         if getattr(args, field) is not None:
             body[field] = getattr(args, field)
@@ -76,19 +78,26 @@ def build_request(args, client: Client) -> dict:
                              f"{method.get('type')!r}")
         cispo = method.setdefault("cispo", {})
         if args.reward is not None:
-            cispo["reward"] = parse_mapping(args.reward, "--reward")
+            cispo["reward"] = parse_mapping(args.reward, "--reward", typed=True)
         if args.reward_function is not None:
             cispo["reward_function"] = args.reward_function
         if args.steps is not None:
             cispo.setdefault("hyperparameters", {}).setdefault("training", {})["steps"] = args.steps
+    local = {}
     for field in ("training_file", "validation_file"):
         value = body.get(field)
         if isinstance(value, str) and not value.startswith("file-"):
             path = Path(value).expanduser()
             if not path.is_file():
                 raise UsageError(f"{field}: {value} is neither a file id (file-...) nor a readable local file")
-            body[field] = upload_file(client, path)
-    return body
+            local[field] = path
+    missing = [flag for field, flag in (("model", "--model"), ("training_file", "--training-file"),
+                                        ("method", "--reward, --reward-function or a SPEC's method"))
+               if body.get(field) in (None, "")]
+    if missing:
+        raise UsageError(f"a job needs {', '.join(missing)} (from a SPEC file or flags)",
+                         usage=args.jobs_parser.format_usage())
+    return body, local
 
 
 def _print_dry_run(report: dict) -> None:
@@ -98,15 +107,33 @@ def _print_dry_run(report: dict) -> None:
     print(f"estimated duration: {f'about {seconds} s' if seconds is not None else 'unknown'}")
 
 
+def _dry_run(client: Client, body: dict, local: dict[str, Path]) -> dict:
+    """The job checked, nothing created: local files with no uploaded copy are sent for this check only."""
+    if not local:
+        return client.post("/fine_tuning/jobs", json=body, params={"dry_run": "true"})
+    with contextlib.ExitStack() as stack:
+        files = {field: (path.name, stack.enter_context(path.open("rb")), "application/jsonl")
+                 for field, path in local.items()}
+        return client.post("/fine_tuning/jobs/dry_run", data={"job": json.dumps(body)}, files=files)
+
+
 def cmd_create(args, client: Client) -> int:
+    if args.dry_run and args.watch:
+        raise UsageError("--dry-run creates no job, so there is nothing to --watch")
+    body, local = build_request(args)
+    for field, path in list(local.items()):
+        found = uploaded_copy(client, path)
+        if found is not None:
+            body[field] = found
+            del local[field]
     if args.dry_run:
-        if args.watch:
-            raise UsageError("--dry-run creates no job, so there is nothing to --watch")
-        report = client.post("/fine_tuning/jobs", json=build_request(args, client), params={"dry_run": "true"})
+        report = _dry_run(client, body, local)
         print_json(report) if args.json else _print_dry_run(report)
         return 0
+    for field, path in local.items():
+        body[field] = upload_new(client, path)
     headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
-    job = client.post("/fine_tuning/jobs", json=build_request(args, client), headers=headers)
+    job = client.post("/fine_tuning/jobs", json=body, headers=headers)
     if args.json:
         print_json(job)
     else:
@@ -225,6 +252,8 @@ def _run(args) -> int:
             raise UsageError("no API key: pass --api-key or set CISPO_API_KEY (create one: cispo keys create)")
         return args.jobs_func(args, Client(url, key))
     except UsageError as e:
+        if e.usage:
+            print(e.usage, end="", file=sys.stderr)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except ApiError as e:
@@ -235,24 +264,36 @@ def _run(args) -> int:
         return EXIT_UNREACHABLE
 
 
-def add_jobs_command(sub: argparse._SubParsersAction) -> None:
+def client_group(sub: argparse._SubParsersAction, name: str, help_: str):
+    """`cispo NAME ...`, a group of HTTP client commands; returns command(name, func, help) that adds one, with
+    the options every client command takes (--api-url, --api-key, --json)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--api-url", help=f"the API's base URL (default: $CISPO_API_URL or {DEFAULT_API_URL})")
     common.add_argument("--api-key", help="a project API key (default: $CISPO_API_KEY)")
     common.add_argument("--json", action="store_true", help="print the API's JSON instead of text")
-    jobs = sub.add_parser("jobs", help="fine-tuning jobs on a running API (HTTP client)")
-    jobs.set_defaults(func=_run)
-    cmds = jobs.add_subparsers(dest="jobs_command", required=True)
+    group = sub.add_parser(name, help=help_)
+    group.set_defaults(func=_run)
+    cmds = group.add_subparsers(dest=f"{name}_command", required=True)
+
+    def command(name: str, func, help_: str, **kwargs) -> argparse.ArgumentParser:
+        p = cmds.add_parser(name, parents=[common], help=help_, description=help_, **kwargs)
+        p.set_defaults(jobs_func=func, jobs_parser=p)
+        return p
+    return command
+
+
+def add_jobs_command(sub: argparse._SubParsersAction) -> None:
+    client_command = client_group(sub, "jobs", "fine-tuning jobs on a running API (HTTP client)")
 
     def command(name: str, func, help_: str, *, job: bool = True, **kwargs) -> argparse.ArgumentParser:
-        p = cmds.add_parser(name, parents=[common], help=help_, description=help_, **kwargs)
+        p = client_command(name, func, help_, **kwargs)
         if job:
             p.add_argument("job", help="the job id (ftjob-...)")
-        p.set_defaults(jobs_func=func)
         return p
 
     create = command("create", cmd_create, "create a job from a SPEC file (the request body as YAML or JSON) "
-                     "and/or flags; local training files are uploaded first", job=False)
+                     "and/or flags; a local training file is uploaded first, unless the project already has "
+                     "a file with the same bytes (sha256), which is reused", job=False)
     create.add_argument("spec", nargs="?", help="YAML/JSON file with the POST /v1/fine_tuning/jobs body")
     create.add_argument("--model")
     create.add_argument("--training-file", help="a file id or a local JSONL path to upload")
@@ -264,7 +305,8 @@ def add_jobs_command(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--seed", type=int)
     create.add_argument("--idempotency-key", help="retrying with the same key never creates a second job")
     create.add_argument("--dry-run", action="store_true", help="check the job (model, reward fields, prompt "
-                        "lengths, engine) and estimate its duration; creates nothing")
+                        "lengths, engine) and estimate its duration; creates nothing and uploads nothing (local "
+                        "files are sent for the check only, and kept nowhere)")
     create.add_argument("--watch", action="store_true", help="then watch it until it ends")
     create.add_argument("--interval", type=positive(float), default=2.0, help="seconds between polls with --watch")
 

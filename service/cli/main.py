@@ -1,5 +1,5 @@
 """Service-side commands of `cispo`: database migrations, API keys, the API server, the embedded stack, and
-the `jobs` client (service/cli/jobs.py).
+the HTTP client: `jobs` (service/cli/jobs.py), `files`, `models`, `evals` (service/cli/resources.py).
 
 Nothing here imports torch; `cispo up` starts the worker as a separate process.
 """
@@ -13,6 +13,7 @@ import os
 import sys
 
 from service.cli.jobs import utc_time, add_jobs_command
+from service.cli.resources import add_resource_commands
 from service.settings import get_settings
 
 
@@ -144,6 +145,7 @@ def exit_without_teardown(code: int) -> None:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     add_jobs_command(sub)  # `cispo jobs ...`: the HTTP client
+    add_resource_commands(sub)  # `cispo files|models|evals ...`: the same client
     db = sub.add_parser("db", help="database migrations").add_subparsers(dest="db_command", required=True)
     db.add_parser("upgrade", help="apply all migrations (alembic upgrade head)").set_defaults(func=cmd_db_upgrade)
 

@@ -1,8 +1,10 @@
 """GET /dashboard: one static page (no build step, nothing fetched from outside the API).
 
-The page asks for the API key and keeps it in the browser's localStorage; it
-sends it only as an Authorization header to /v1, so it never lands in a URL
-or an access log. Every response carries a strict Content-Security-Policy:
+The page asks for the API key, or takes it from the address's fragment
+(`/dashboard#key=sk-...`, which browsers never send to the server), and keeps
+it in the browser's localStorage, removing it from the address at once; it
+sends it only as an Authorization header to /v1, so it never lands in an
+access log. Every response carries a strict Content-Security-Policy:
 scripts and styles from this origin only, no inline code, no framing, so an
 injected string that slipped past the page's escaping still cannot run.
 """
@@ -16,10 +18,10 @@ from fastapi.responses import FileResponse
 
 from service.errors import NotFound
 
-router = APIRouter(prefix="/dashboard", include_in_schema=False)
+router = APIRouter(include_in_schema=False)
 
 STATIC = Path(__file__).parent / "static"
-ASSETS = {"app.js": "text/javascript", "app.css": "text/css"}
+ASSETS = {"app.js": "text/javascript", "app.css": "text/css", "favicon.svg": "image/svg+xml"}
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
                                "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
@@ -29,12 +31,18 @@ SECURITY_HEADERS = {
 }
 
 
-@router.get("")
+@router.get("/dashboard")
 def dashboard() -> FileResponse:
     return FileResponse(STATIC / "index.html", media_type="text/html", headers=SECURITY_HEADERS)
 
 
-@router.get("/static/{name}")
+@router.get("/favicon.ico")
+def favicon() -> FileResponse:
+    """What browsers ask every site for: the dashboard's icon (browsers take an SVG at this path too)."""
+    return asset("favicon.svg")
+
+
+@router.get("/dashboard/static/{name}")
 def asset(name: str) -> FileResponse:
     if name not in ASSETS:  # a fixed list: no path from the URL ever reaches the file system
         raise NotFound(f"no dashboard asset {name!r}", param="name")

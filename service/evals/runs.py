@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db.models import EvalRun, Job
-from service.errors import InvalidRequest, NotFound, unprocessable
+from service.errors import InvalidRequest, NotFound, invalid_value
 from service.jobs import _dataset
 from service.models import start as starts
 from service.models.source import check_model
@@ -68,7 +68,7 @@ def create(session: Session, store: ObjectStore, project_id: str, body: EvalCrea
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
-        raise unprocessable(e, data, path=lambda p: "sampling" if p.startswith("sampling") else
+        raise invalid_value(e, data, path=lambda p: "sampling" if p.startswith("sampling") else
                             ("reward" if p.startswith("reward") else "model")) from None
     check_reward_references(session, project_id, spec.reward, param=reward_param, settings=settings)
     check_rows_fit_method(session, store, project_id, spec)

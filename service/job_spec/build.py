@@ -22,7 +22,7 @@ import math
 
 from pydantic import ValidationError
 
-from service.errors import InvalidRequest, Unprocessable, unprocessable
+from service.errors import InvalidRequest, InvalidValue, invalid_value
 from service.models.start import Start
 from service.schemas import graders
 from service.job_spec.request import JobCreate, ReinforcementMethod
@@ -167,11 +167,11 @@ def build_spec(body: JobCreate, *, seed: int, training_rows: int, reward: dict |
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
-        raise unprocessable(e, data, path=lambda p: _request_path(method.type, p)) from None
+        raise invalid_value(e, data, path=lambda p: _request_path(method.type, p)) from None
     # Pydantic lets NaN and infinity through bounds such as ge=0; neither JSON columns nor the trainer can use them.
     if (where := _non_finite(spec.model_dump())) is not None:
         param = _request_path(method.type, where)
-        raise Unprocessable(f"{param}: must be a finite number", param=param)
+        raise InvalidValue(f"{param}: must be a finite number", param=param)
     return spec
 
 
@@ -191,7 +191,9 @@ def public_hyperparameters(spec: dict, training_rows: int | None) -> dict:
     """OpenAI's hyperparameters summary of a stored spec (n_epochs is None once the file is gone)."""
     training = spec.get("training", {})
     steps, batch = training.get("steps", 0), training.get("batch_size", 1)
-    epochs = round(steps * batch / training_rows, 2) if training_rows else None
+    # A whole number, as OpenAI's SDK types it (its model_dump warns on 1.2): the passes over the file, rounded
+    # half up, at least 1; n_epochs 3 of 5 rows in batches of 2 is 8 steps (3.2 passes), reported as 3.
+    epochs = max(1, math.floor(steps * batch / training_rows + 0.5)) if training_rows else None
     return {
         "batch_size": batch,
         "learning_rate_multiplier": round(spec.get("optimizer", {}).get("lr", BASE_LR) / BASE_LR, 8),

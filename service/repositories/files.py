@@ -20,10 +20,14 @@ def get(session: Session, project_id: str, file_id: str) -> File | None:
 
 
 def page(session: Session, project_id: str, *, after: str | None, limit: int, purpose: str | None,
-         ascending: bool) -> Page[File]:
+         ascending: bool, sha256: str | None = None) -> Page[File]:
+    """A page of the project's files; with `sha256`, only those with that content (a client reuses one instead
+    of uploading the same bytes again)."""
     stmt = select(File).where(File.project_id == project_id)
     if purpose:
         stmt = stmt.where(File.purpose == purpose)
+    if sha256:
+        stmt = stmt.where(File.sha256 == sha256)
     return paginate(session, stmt, File, after=after, limit=limit, ascending=ascending)
 
 

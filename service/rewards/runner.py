@@ -33,7 +33,7 @@ class RunnerFailed(ServiceError):
 
 
 class RewardLoadFailed(ServiceError):
-    status = 422
+    status = 400
     code = "reward_load_error"
 
 

@@ -55,6 +55,8 @@ class FileObject(BaseModel):
     created_at: int
     filename: str
     purpose: str
+    sha256: str | None = Field(None, description="The content's SHA-256 (ours): GET /v1/files?sha256= finds an "
+                               "uploaded copy of a local file")
     status: str = "processed"
     expires_at: int | None = None
     status_details: str | None = None
@@ -157,11 +159,13 @@ class JobError(BaseModel):
 
 
 class JobHyperparameters(BaseModel):
-    """OpenAI's summary, derived from the resolved spec (n_epochs: steps * batch_size / training rows)."""
+    """OpenAI's summary, derived from the resolved spec."""
 
     batch_size: int
-    learning_rate_multiplier: float
-    n_epochs: float | None
+    learning_rate_multiplier: float = Field(description="optimizer.lr over the base learning rate, 1e-5 (so 1.0 "
+                                            "is lr 1e-5, the default; 10 is 1e-4)")
+    n_epochs: int | None = Field(description="passes over the training file, steps * batch_size / training rows "
+                                 "rounded to a whole number (at least 1); null once the file is deleted")
 
 
 class JobObject(BaseModel):

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from service.errors import InvalidRequest, unprocessable
+from service.errors import InvalidRequest, invalid_value
 from service.schemas.formula import FormulaError, compile_formula
 from service.schemas.reward_remote import JudgeSampling
 from service.schemas.python_source import MAX_SOURCE_BYTES
@@ -171,7 +171,7 @@ _MODELS = {"string_check": StringCheckGrader, "text_similarity": TextSimilarityG
 
 
 def parse_grader(raw: Any, *, param: str, nested: bool = False) -> _Grader:
-    """The validated grader; InvalidRequest / Unprocessable name the field (under ``param``) that is wrong."""
+    """The validated grader; InvalidRequest / InvalidValue name the field (under ``param``) that is wrong."""
     if not isinstance(raw, dict):
         raise InvalidRequest(f"{param}: must be a grader object", param=param)
     kind = raw.get("type")
@@ -183,7 +183,7 @@ def parse_grader(raw: Any, *, param: str, nested: bool = False) -> _Grader:
     try:
         grader = _MODELS[kind].model_validate(raw)
     except ValidationError as e:
-        raise unprocessable(e, raw, path=lambda p: f"{param}.{p}" if p else param) from None
+        raise invalid_value(e, raw, path=lambda p: f"{param}.{p}" if p else param) from None
     if isinstance(grader, MultiGrader):
         for key, sub in grader.graders.items():
             if not key.isidentifier() or len(key) > 40:

@@ -42,7 +42,9 @@ def populated(tmp_path):
             done, running = (client.post("/v1/fine_tuning/jobs", json=cispo_body(upload["id"])).json()
                              for _ in range(2))
         ckpt = train(live.database_url, live.store, done["id"],
-                     samples={2: [_sample("beta", 0.0)], 3: [_sample(XSS_COMPLETION, 1.0)]})
+                     samples={2: [_sample("beta", 0.0)], 3: [_sample(XSS_COMPLETION, 1.0)]},
+                     checkpoint_metrics={"reward_mean": 0.6, "eval_reward_mean": 0.5, "eval_reward_ci_low": 0.3,
+                                         "eval_reward_ci_high": 0.7, "eval_rows": 10})
         lease = train(live.database_url, live.store, running["id"], status=None, steps=2, checkpoint_step=None)
         with session_factory(live.database_url).begin() as s:
             jobs_repo.add_event(s, done["id"], XSS_EVENT, level="warn")
@@ -82,19 +84,34 @@ def test_dashboard_renders_a_jobs_curves_samples_events_and_checkpoints(populate
         browser.call("Page.navigate", {"url": f"{live.base}/dashboard#{done}"})
         browser.wait_for("document.readyState === 'complete'")
         assert "Enter your API key" in browser.wait_for("document.getElementById('notice').textContent")
-        browser.evaluate(f"localStorage.setItem('cispo.apiKey', {json.dumps(live.key)})")
-        browser.call("Page.reload")
+        # A link that carries the key in its fragment: the page takes it, keeps it, and drops it from the address.
+        browser.call("Page.navigate", {"url": f"{live.base}/dashboard#key={live.key}&job={done}"})
         browser.wait_for("document.body.dataset.loaded === 'true' && document.querySelectorAll('.sample').length")
+        assert browser.evaluate("[location.hash, localStorage.getItem('cispo.apiKey')]") == [f"#{done}", live.key]
+        assert live.key not in json.dumps(browser.evaluate("[location.href, history.length]"))
 
         rows = browser.evaluate("[...document.querySelectorAll('#jobs tbody tr')].map(r => [r.dataset.job, "
                                 "r.querySelector('.status').textContent, r.querySelector('.progress').textContent])")
         assert rows[1:] == [[running, "running", " 2/3"], [done, "succeeded", " 3/3"]]
         assert browser.evaluate("(p => p.scrollWidth <= p.clientWidth)(document.getElementById('jobs-panel'))")
+        with live.client() as client:
+            fine_tuned = client.get(f"/v1/fine_tuning/jobs/{done}").json()["fine_tuned_model"]
+        assert browser.evaluate(f"document.querySelector('#jobs tr[data-job={json.dumps(done)}] .fine-tuned')"
+                                ".textContent") == fine_tuned
+        # Each row's progress stays inside its cell, left of Created; Created shows its whole 24-hour time.
+        layout = browser.evaluate("[...document.querySelectorAll('#jobs tbody tr')].map(r => ({progress: "
+                                  "r.querySelector('.progress').getBoundingClientRect().right, created: "
+                                  "r.cells[3].getBoundingClientRect().left, text: r.cells[3].textContent, "
+                                  "fits: r.cells[3].scrollWidth <= r.cells[3].clientWidth}))")
+        for row in layout:
+            assert row["progress"] <= row["created"] and row["fits"], row
+            assert re.fullmatch(r"\w+ \d+, \d\d:\d\d", row["text"]), row
 
         charts = browser.evaluate("[...document.querySelectorAll('#charts figure')].map(f => ({metric: "
                                   "f.dataset.metric, d: f.querySelector('path').getAttribute('d'), points: "
                                   "[...f.querySelectorAll('circle title')].map(t => t.textContent)}))")
         assert [c["metric"] for c in charts] == ["reward_mean", "eval_reward_mean", "kl_old", "clip_fraction", "loss"]
+        assert browser.evaluate("[...document.querySelectorAll('#charts .tick')].every(t => t.getBBox().x >= 0)")
         assert charts[1]["points"] == ["step 0: 0.25", "step 3: 0.5"]
         titles = browser.evaluate("[...document.querySelectorAll('#charts figcaption')].map(c => c.textContent)")
         assert titles[2].startswith("KL to the rollout policy (kl_old)")  # not "to reference": kl_old is not that
@@ -117,7 +134,8 @@ def test_dashboard_renders_a_jobs_curves_samples_events_and_checkpoints(populate
         assert browser.evaluate("window.__csp") == []
         checkpoints = browser.evaluate("[...document.querySelectorAll('#checkpoints tbody tr')].map(r => "
                                        "[...r.cells].map(c => c.textContent))")
-        assert checkpoints == [["3", ckpt["checkpoint"], "0.6", "Download adapter"]]
+        # The checkpoint's own eval (reward 0.5 and its interval), not its step's training reward (0.6).
+        assert checkpoints == [["3", ckpt["checkpoint"], "reward 0.5 [0.3, 0.7]", "Download adapter"]]
         assert browser.evaluate("[document.getElementById('pause').disabled, "
                                 "document.getElementById('cancel').disabled]") == [True, True]
 
@@ -166,3 +184,6 @@ def test_dashboard_assets_are_a_fixed_list(populated):
         assert client.get("/dashboard/static/app.js").headers["content-type"].startswith("text/javascript")
         for name in ("index.html", "..%2Froutes.py", "../routes.py"):
             assert client.get(f"/dashboard/static/{name}").status_code == 404
+        icon = client.get("/favicon.ico")  # what every browser asks for first
+        assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+        assert icon.content.startswith(b"<svg")

@@ -64,3 +64,36 @@ def test_the_eval_chart_draws_each_evals_interval(api, tmp_path):
     widths = [high - low for _, low, high in EVALS.values()]
     assert [h / heights[0] for h in heights] == pytest.approx([w / widths[0] for w in widths], rel=1e-3)
     assert drawn["reward_mean"]["intervals"] == []  # the train reward has no interval to draw
+
+
+def test_a_supervised_job_draws_its_losses_and_no_empty_reinforcement_charts(tmp_path):
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed")
+    job = {"id": "job", "method": {"type": "supervised", "supervised": {"hyperparameters": {}}}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    (tmp_path / "answers.json").write_text("{}")
+    [url] = json.loads(subprocess.run(["node", str(SCRIPT), str(APP_JS), str(tmp_path / "answers.json"),
+                                       str(tmp_path / "job.json")], capture_output=True, text=True,
+                                      timeout=60).stdout.strip().splitlines()[-1])["asked"]
+    names = {unquote(p.split("=", 1)[1]) for p in url.split("?", 1)[1].split("&") if p.startswith("name=")}
+    assert names == {"loss", "eval_loss"}
+    served = {"object": "list", "has_more": False, "data": [
+        {"step": s, "name": n, "value": v} for s, n, v in ((1, "loss", 2.0), (2, "loss", 1.5), (2, "eval_loss", 1.7))]}
+    (tmp_path / "answers.json").write_text(json.dumps({url: served}))
+    out = subprocess.run(["node", str(SCRIPT), str(APP_JS), str(tmp_path / "answers.json"), str(tmp_path / "job.json")],
+                         capture_output=True, text=True, timeout=60)
+    charts = json.loads(out.stdout.strip().splitlines()[-1])["charts"]
+    assert [(c["metric"], len(c["dots"])) for c in charts] == [("loss", 2), ("eval_loss", 1)]
+
+
+def test_an_axis_label_of_a_large_value_is_short_and_fits_its_margin(tmp_path):
+    """A kl_old peak of 111.4895 was labelled "11.4895": the label ran past the chart's fixed left margin."""
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed")
+    [url] = _draw(tmp_path, {})["asked"]
+    served = {"object": "list", "has_more": False, "data": [
+        {"step": s, "name": "kl_old", "value": v} for s, v in ((1, 0.02), (2, 22.1), (3, 111.4895))]}
+    [kl] = [c for c in _draw(tmp_path, {url: served})["charts"] if c["metric"] == "kl_old"]
+    assert [t["text"] for t in kl["ticks"]] == ["0.02", "55.75", "111.5"]
+    for label in kl["ticks"]:  # right-aligned at x: 11px digits need under 7px each to its left
+        assert label["x"] >= 7 * len(label["text"]), label

@@ -58,17 +58,17 @@ def test_create_get_list_delete(api):
 
 
 @pytest.mark.parametrize("spec, status, param, needle", [
-    ({**PYTHON_ENV, "source": "class Game(:\n"}, 422, "spec.source", "line 1"),
-    ({**PYTHON_ENV, "class_name": "Other"}, 422, "spec", "class 'Other' is not defined"),
-    ({**PYTHON_ENV, "source": "class Game:\n    def reset(self, seed, row):\n        return ''\n"}, 422, "spec",
+    ({**PYTHON_ENV, "source": "class Game(:\n"}, 400, "spec.source", "line 1"),
+    ({**PYTHON_ENV, "class_name": "Other"}, 400, "spec", "class 'Other' is not defined"),
+    ({**PYTHON_ENV, "source": "class Game:\n    def reset(self, seed, row):\n        return ''\n"}, 400, "spec",
      "must define step"),
-    ({**PYTHON_ENV, "class_name": "not valid"}, 422, "spec.class_name", "not a Python identifier"),
-    ({**PYTHON_ENV, "timeout_s": 0}, 422, "spec.timeout_s", "greater than 0"),
-    ({**PYTHON_ENV, "colour": "red"}, 422, "spec.colour", "unknown field"),
-    ({"type": "lua", "source": "x"}, 422, "spec", "'python', 'http'"),
-    ({"type": "http", "url": "ftp://env.example.com"}, 422, "spec.url", "http(s) URL"),
-    ({"type": "http", "url": "https://env.example.com/?token=1"}, 422, "spec.url", "query"),
-    ({"type": "http", "url": "https://user:pw@env.example.com"}, 422, "spec.url", "credentials"),
+    ({**PYTHON_ENV, "class_name": "not valid"}, 400, "spec.class_name", "not a Python identifier"),
+    ({**PYTHON_ENV, "timeout_s": 0}, 400, "spec.timeout_s", "greater than 0"),
+    ({**PYTHON_ENV, "colour": "red"}, 400, "spec.colour", "unknown field"),
+    ({"type": "lua", "source": "x"}, 400, "spec", "'python', 'http'"),
+    ({"type": "http", "url": "ftp://env.example.com"}, 400, "spec.url", "http(s) URL"),
+    ({"type": "http", "url": "https://env.example.com/?token=1"}, 400, "spec.url", "query"),
+    ({"type": "http", "url": "https://user:pw@env.example.com"}, 400, "spec.url", "credentials"),
     ({"type": "http", "url": "http://127.0.0.1:9/env"}, 400, "spec.url", "non-public address"),
     ({"type": "http", "url": "https://env.example.com", "auth_secret": "nope"}, 400, "spec.auth_secret",
      "secret 'nope'"),
@@ -116,16 +116,16 @@ def test_job_environment_errors_name_the_field(api):
     body = env_job_body(file_id, "env-missing")
     assert_error(api.client.post(JOBS, json=body), 400, "method.cispo.environment", "env-missing")
     body = env_job_body(file_id, {**PYTHON_ENV, "source": "class Game(:\n"})
-    error = assert_error(api.client.post(JOBS, json=body), 422, "line 1")
+    error = assert_error(api.client.post(JOBS, json=body), 400, "line 1")
     assert error["param"] == "method.cispo.environment.source"
     body = env_job_body(file_id, PYTHON_ENV)
     body["method"]["cispo"]["reward"] = {"type": "contains"}
-    assert_error(api.client.post(JOBS, json=body), 422, "exactly one of", "environment")
+    assert_error(api.client.post(JOBS, json=body), 400, "exactly one of", "environment")
     body = env_job_body(file_id, PYTHON_ENV, max_turns=65)
-    assert_error(api.client.post(JOBS, json=body), 422, "method.cispo.hyperparameters.training.max_turns")
+    assert_error(api.client.post(JOBS, json=body), 400, "method.cispo.hyperparameters.training.max_turns")
     body = cispo_body(file_id)
     body["method"]["cispo"]["hyperparameters"]["training"]["max_turns"] = 2
-    error = assert_error(api.client.post(JOBS, json=body), 422, "max_turns is 2", "environment")
+    error = assert_error(api.client.post(JOBS, json=body), 400, "max_turns is 2", "environment")
     assert error["param"] == "method.cispo"
     body = env_job_body(file_id, {"type": "http", "url": "http://10.0.0.1/env"})
     error = assert_error(api.client.post(JOBS, json=body), 400, "non-public address")

@@ -19,8 +19,8 @@ def test_malformed_json_is_400(api):
     assert r.status_code == 400 and "error" in r.json()
 
 
-def test_a_non_object_body_is_422(api):
-    assert_error(api.client.post(JOBS, json=[1, 2, 3]), 422, "body")
+def test_a_non_object_body_is_400(api):
+    assert_error(api.client.post(JOBS, json=[1, 2, 3]), 400, "body")
 
 
 def test_unknown_routes_and_methods_use_the_envelope(api):
@@ -72,9 +72,9 @@ def test_an_unexpected_failure_is_a_generic_500_without_details(api, monkeypatch
 def test_nul_characters_are_refused_before_they_reach_the_database(api):
     assert_error(api.client.get("/v1/files/file-%00"), 400, "NUL")
     assert_error(api.client.get("/v1/fine_tuning/jobs", params={"after": "x\x00"}), 400, "NUL")
-    assert_error(api.client.post(JOBS, json=cispo_body(uploaded(api.client), model="m\x00")), 422, "model", "NUL")
+    assert_error(api.client.post(JOBS, json=cispo_body(uploaded(api.client), model="m\x00")), 400, "model", "NUL")
     r = api.client.post("/v1/reward_functions", json={"name": "a\x00", "spec": {"type": "contains"}})
-    assert_error(r, 422, "name", "NUL")
+    assert_error(r, 400, "name", "NUL")
 
 
 def test_non_finite_numbers_are_refused_naming_the_field(api):
@@ -85,7 +85,7 @@ def test_non_finite_numbers_are_refused_naming_the_field(api):
                b'{"type": "contains"}, "hyperparameters": {"%s": {"%s": %s}}}}}'
                % (file_id.encode(), section.encode(), field.encode(), literal))
         r = api.client.post(JOBS, content=raw, headers={"content-type": "application/json"})
-        assert_error(r, 422, f"method.cispo.hyperparameters.{section}.{field}", "finite")
+        assert_error(r, 400, f"method.cispo.hyperparameters.{section}.{field}", "finite")
     with api.session() as s:
         assert s.scalar(select(func.count()).select_from(Job)) == 0
 
@@ -94,7 +94,7 @@ def test_param_names_the_field_at_fault(api):
     """Not the union tag twice, not the enclosing object, not null."""
     def error(path: str, body: dict) -> dict:
         r = api.client.post(path, json=body)
-        assert r.status_code in (400, 422), r.text
+        assert r.status_code == 400, r.text
         return r.json()["error"]
 
     bad_schema = {"type": "json_schema", "json_schema": {"type": 12}}
@@ -140,7 +140,7 @@ def test_no_mutation_of_a_valid_body_causes_a_server_error(api):
             if r.status_code != 200:
                 assert "error" in r.json() and r.json()["error"]["message"], (path, odd)
             statuses.add(r.status_code)
-    assert {200, 422} <= statuses
+    assert {200, 400} <= statuses
 
 
 def test_an_unreachable_database_is_503_not_500(tmp_path):
@@ -149,3 +149,42 @@ def test_an_unreachable_database_is_503_not_500(tmp_path):
     r = TestClient(app, raise_server_exceptions=False).get("/v1/files", headers={"Authorization": "Bearer sk-x"})
     assert_error(r, 503, "database")
     assert r.headers["retry-after"] == "5"
+
+
+def test_a_real_field_sent_where_it_is_not_supported_says_what_to_use_instead(api):
+    """Not "check the spelling" for fields the client chose on purpose; a typo still gets that hint."""
+    chat = {"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}]}
+    error = assert_error(api.client.post("/v1/chat/completions", json={**chat, "logprobs": True}), 400,
+                         "logprobs: not supported here", "no log-probabilities")
+    assert error["param"] == "logprobs" and "spelling" not in error["message"]
+    file_id = uploaded(api.client)
+    supervised = {"model": "tiny-model", "training_file": file_id, "method": {"type": "supervised", "supervised": {
+        "hyperparameters": {"optimizer": {"lr": 1e-4}}}}}
+    error = assert_error(api.client.post(JOBS, json=supervised), 400,
+                         "method.supervised.hyperparameters.optimizer: not supported here",
+                         "method.cispo.hyperparameters", "learning_rate_multiplier")
+    assert error["param"] == "method.supervised.hyperparameters.optimizer"
+    assert_error(api.client.post(JOBS, json=cispo_body(file_id, init_from="/ckpt")), 400,
+                 "init_from: not supported here", "as `model`")
+    assert_error(api.client.post(JOBS, json=cispo_body(file_id, sufix="x")), 400, "sufix: unknown field",
+                 "check the spelling")
+
+
+def test_every_invalid_field_is_the_same_400_on_every_route(api):
+    """The request models' errors (once 422) and the service's checks (400) are one kind of error: one status."""
+    file_id = uploaded(api.client)
+    chat = {"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}], "colour": 1}
+    for response in (api.client.post(JOBS, json=cispo_body(file_id, colour=1)),
+                     api.client.post("/v1/chat/completions", json=chat),
+                     api.client.post("/v1/reward_functions", json={"name": "r", "spec": {"type": "contains"},
+                                                                   "colour": 1}),
+                     api.client.post("/v1/evals", json={"model": "tiny-model", "file": file_id, "colour": 1})):
+        error = assert_error(response, 400, "colour: unknown field")
+        assert (error["param"], error["code"], error["type"]) == ("colour", "invalid_value", "invalid_request_error")
+
+
+def test_rows_that_do_not_fit_the_method_name_it_in_plain_words(api):
+    chats = [{"messages": [{"role": "user", "content": "a="}, {"role": "assistant", "content": "a"}]}] * 2
+    r = api.client.post(JOBS, json=cispo_body(uploaded(api.client, chats)))
+    error = assert_error(r, 400, "2 row(s) unusable for a cispo or reinforcement job", "training_file line 1")
+    assert "a this" not in error["message"] and error["code"] == "invalid_rows_for_method"

@@ -87,7 +87,7 @@ def test_unsupported_graders_are_refused_by_name_through_the_sdk(api):
         _create(sdk, {"type": "label_model", "name": "l", "model": "m", "input": [], "labels": ["a"],
                       "passing_labels": ["a"]})
     assert "label_model" in info.value.message and info.value.param == "method.reinforcement.grader.type"
-    with pytest.raises(openai.UnprocessableEntityError) as info:
+    with pytest.raises(openai.BadRequestError) as info:
         _create(sdk, {**SIMILAR, "evaluation_metric": "cosine"})
     assert "cosine" in info.value.message and info.value.param == "method.reinforcement.grader.evaluation_metric"
     with pytest.raises(openai.BadRequestError) as info:
@@ -142,10 +142,10 @@ def test_graders_validate_through_the_sdk(api):
     valid = sdk.fine_tuning.alpha.graders.validate(grader=STRING_CHECK)
     assert valid.grader.type == "string_check" and valid.grader.name == "exact"
     assert sdk.fine_tuning.alpha.graders.validate(grader=MULTI).grader.type == "multi"
-    with pytest.raises(openai.UnprocessableEntityError) as info:
+    with pytest.raises(openai.BadRequestError) as info:
         sdk.fine_tuning.alpha.graders.validate(grader={**PYTHON, "source": "def other():\n    pass\n"})
     assert info.value.param == "grader.source" and "def grade" in info.value.message
-    with pytest.raises(openai.UnprocessableEntityError) as info:
+    with pytest.raises(openai.BadRequestError) as info:
         sdk.fine_tuning.alpha.graders.validate(grader={**STRING_CHECK,
                                                        "reference": "{{ item.a }} {{ sample.choices }}"})
     assert "sample.choices" in info.value.message

@@ -30,8 +30,8 @@ def test_nodes_and_ray_backend_are_refused_without_a_ray_cluster(api):
     # the dry run says so too; a one-node local job is untouched
     assert_error(api.client.post(JOBS, params={"dry_run": "true"}, json=_body(api, nodes=2)), 400, "nodes")
     assert api.client.post(JOBS, json=_body(api, nodes=1, backend="local")).status_code == 200
-    assert_error(api.client.post(JOBS, json=_body(api, backend="slurm")), 422, f"{HP}.resources.backend")
-    assert_error(api.client.post(JOBS, json=_body(api, nodes=0)), 422, f"{HP}.resources.nodes")
+    assert_error(api.client.post(JOBS, json=_body(api, backend="slurm")), 400, f"{HP}.resources.backend")
+    assert_error(api.client.post(JOBS, json=_body(api, nodes=0)), 400, f"{HP}.resources.nodes")
 
 
 def test_a_deployment_with_a_ray_cluster_takes_the_job(database_url, tmp_path):

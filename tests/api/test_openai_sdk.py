@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import openai
 import pytest
 
-from tests.api.conftest import TRAIN_ROWS, jsonl
+from tests.api.conftest import TRAIN_ROWS, cispo_body, jsonl
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def test_sdk_round_trip_with_reinforcement_and_string_check(api, sdk):
 
 def test_sdk_sees_typed_errors_and_does_not_retry_an_illegal_change(api, sdk):
     f = sdk.files.create(file=("t.jsonl", io.BytesIO(jsonl(TRAIN_ROWS))), purpose="fine-tune")
-    with pytest.raises(openai.UnprocessableEntityError) as bad:
+    with pytest.raises(openai.BadRequestError) as bad:
         sdk.fine_tuning.jobs.create(model="m", training_file=f.id, extra_body={"method": {
             "type": "cispo", "cispo": {"reward": {"type": "contains"},
                                        "hyperparameters": {"training": {"group_size": 1}}}}})
@@ -62,3 +63,16 @@ def test_sdk_sees_typed_errors_and_does_not_retry_an_illegal_change(api, sdk):
     assert len(sent) == 1  # x-should-retry: false stopped the SDK's default retries
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(api_key="sk-wrong", base_url="http://testserver/v1", http_client=api.anonymous).files.list()
+
+
+def test_the_sdk_reads_a_job_without_type_warnings(api, sdk):
+    """n_epochs is an int in OpenAI's model: 3 steps of 2 rows over 5 rows (1.2 passes) is reported as 1."""
+    f = sdk.files.create(file=("t.jsonl", io.BytesIO(jsonl(TRAIN_ROWS))), purpose="fine-tune")
+    body = cispo_body(f.id)
+    job = sdk.fine_tuning.jobs.create(model=body.pop("model"), training_file=body.pop("training_file"),
+                                      extra_body=body)
+    retrieved = sdk.fine_tuning.jobs.retrieve(job.id)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pydantic's "Expected `int` but got `float`" serializer warning
+        dumped = retrieved.model_dump()
+    assert dumped["hyperparameters"] == {"batch_size": 2, "learning_rate_multiplier": 1.0, "n_epochs": 1}

@@ -30,7 +30,7 @@ def _with(api, section: str, values: dict, model: str = "tiny-model") -> dict:
     ("training", {"pack_tokens": 0}, f"{HYPER}.training.pack_tokens"),
 ])
 def test_bad_knob_values_are_refused_naming_the_field(api, section, values, field):
-    error = assert_error(api.client.post(JOBS, json=_with(api, section, values)), 422, field)
+    error = assert_error(api.client.post(JOBS, json=_with(api, section, values)), 400, field)
     assert error["param"] == field
 
 
@@ -49,6 +49,6 @@ def test_qlora_needs_bitsandbytes_and_the_dry_run_says_so(api, toy_dir):
 
 
 def test_a_packing_budget_below_the_model_length_is_refused_naming_both_fields(api):
-    error = assert_error(api.client.post(JOBS, json=_with(api, "training", {"pack_tokens": 100})), 422,
+    error = assert_error(api.client.post(JOBS, json=_with(api, "training", {"pack_tokens": 100})), 400,
                          "training.pack_tokens (100)", "sampling.max_model_len")
     assert error["param"] == "method.cispo"  # a cross-field rule: the message names both fields

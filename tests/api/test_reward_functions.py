@@ -33,7 +33,7 @@ def test_create_get_list_delete_python_reward(api):
 def test_python_source_that_does_not_compile_names_the_line(api):
     bad = "def reward(completion, **row):\n    return (\n\ndef other(:\n"
     r = api.client.post("/v1/reward_functions", json={"name": "bad", "spec": {"type": "python", "source": bad}})
-    error = assert_error(r, 422, "spec.source", "line")
+    error = assert_error(r, 400, "spec.source", "line")
     assert error["param"] == "spec.source"
     assert _count(api) == 0
 
@@ -41,20 +41,20 @@ def test_python_source_that_does_not_compile_names_the_line(api):
 def test_python_source_must_define_the_entry_point(api):
     r = api.client.post("/v1/reward_functions",
                         json={"name": "x", "spec": {"type": "python", "source": "def grade(s, i):\n    return 1\n"}})
-    assert_error(r, 422, "spec", "'reward' is not defined")
+    assert_error(r, 400, "spec", "'reward' is not defined")
 
 
 def test_import_type_is_refused_and_unknown_fields_are_named(api):
     r = api.client.post("/v1/reward_functions", json={"name": "x", "spec": {"type": "import", "path": "os:system"}})
-    assert_error(r, 422, "spec", "import", "local CLI")
+    assert_error(r, 400, "spec", "import", "local CLI")
     r = api.client.post("/v1/reward_functions",
                         json={"name": "x", "spec": {"type": "contains", "field": "a", "case_sensitiv": True}})
-    assert_error(r, 422, "spec.case_sensitiv", "unknown field")
+    assert_error(r, 400, "spec.case_sensitiv", "unknown field")
     r = api.client.post("/v1/reward_functions", json={"name": "x", "colour": "red",
                                                       "spec": {"type": "contains"}})
-    assert_error(r, 422, "colour", "unknown field")
+    assert_error(r, 400, "colour", "unknown field")
     r = api.client.post("/v1/reward_functions", json={"name": "x", "spec": {"type": "regex", "pattern": "(("}})
-    assert_error(r, 422, "spec.pattern", "invalid regular expression")
+    assert_error(r, 400, "spec.pattern", "invalid regular expression")
     assert _count(api) == 0
 
 

@@ -57,10 +57,10 @@ def test_secrets_are_created_listed_and_deleted_without_their_value(api):
     assert created["id"].startswith("secret-") and created["name"] == "grader-key"
     assert_error(c.post("/v1/secrets", json={"name": "grader-key", "value": "other", "hosts": ["h"]}), 409,
                  "already exists")
-    assert_error(c.post("/v1/secrets", json={"name": "bad name!", "value": "x", "hosts": ["h"]}), 422, "name")
-    assert_error(c.post("/v1/secrets", json={"name": "empty", "value": "", "hosts": ["h"]}), 422, "value")
-    assert_error(c.post("/v1/secrets", json={"name": "unbound", "value": "x"}), 422, "hosts")
-    assert_error(c.post("/v1/secrets", json={"name": "url", "value": "x", "hosts": ["https://h/x"]}), 422, "hosts")
+    assert_error(c.post("/v1/secrets", json={"name": "bad name!", "value": "x", "hosts": ["h"]}), 400, "name")
+    assert_error(c.post("/v1/secrets", json={"name": "empty", "value": "", "hosts": ["h"]}), 400, "value")
+    assert_error(c.post("/v1/secrets", json={"name": "unbound", "value": "x"}), 400, "hosts")
+    assert_error(c.post("/v1/secrets", json={"name": "url", "value": "x", "hosts": ["https://h/x"]}), 400, "hosts")
     listed = c.get("/v1/secrets").json()
     assert [s["name"] for s in listed["data"]] == ["grader-key"] and "value" not in listed["data"][0]
 
@@ -94,9 +94,9 @@ def test_reward_test_endpoint_reports_scores_errors_by_kind_and_timing(api):
                               json={"samples": [{"completion": "ab", "row": {"x": 1}}]}).json()
     assert samples["scores"] == [0.2]
     assert_error(api.client.post(f"/v1/reward_functions/{fn['id']}/test", json={"completions": ["a"], "rows": []}),
-                 422, "rows")
+                 400, "rows")
     assert_error(api.client.post(f"/v1/reward_functions/{fn['id']}/test", json={"completions": ["a"] * 33}),
-                 422, "completions")
+                 400, "completions")
     assert_error(api.other.post(f"/v1/reward_functions/{fn['id']}/test", json={"completions": ["a"]}), 404)
 
 
@@ -111,7 +111,7 @@ def test_inline_reward_test_gives_sub_scores_and_names_load_errors(api):
     r = api.client.post("/v1/reward_functions/test", json={
         "spec": {"type": "python", "source": "import nonexistent_module_xyz\ndef reward(c, **r):\n    return 1\n"},
         "completions": ["a"]})
-    assert_error(r, 422, "could not start", "nonexistent_module_xyz")
+    assert_error(r, 400, "could not start", "nonexistent_module_xyz")
 
 
 def test_http_reward_gets_the_secret_and_no_response_shows_it(loopback_api):
@@ -140,7 +140,7 @@ def test_user_code_is_refused_when_the_operator_turned_the_sandbox_off(database_
     with running_api(database_url, tmp_path, sandbox="off") as off:
         r = off.client.post("/v1/reward_functions/test", json={"completions": ["a"], "spec": {
             "type": "python", "source": "def reward(completion, **row):\n    return 1.0\n"}})
-        assert_error(r, 422, "could not start", "sandbox is turned off")
+        assert_error(r, 400, "could not start", "sandbox is turned off")
         builtin = off.client.post("/v1/reward_functions/test", json={"completions": ["a"], "rows": [{"answer": "a"}],
                                                                      "spec": {"type": "exact_match"}})
         assert builtin.json()["scores"] == [1.0]  # our own code still runs

@@ -1,4 +1,4 @@
-"""training.stop_when and keep_best over the API: bad values are refused (422) naming the field."""
+"""training.stop_when and keep_best over the API: bad values are refused (400) naming the field."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ def _with(api, training: dict) -> dict:
     ({"keep_best": "sometimes"}, f"{TRAINING}.keep_best"),
 ])
 def test_bad_stop_when_values_are_refused_naming_the_field(api, training, field):
-    error = assert_error(api.client.post(JOBS, json=_with(api, training)), 422, field)
+    error = assert_error(api.client.post(JOBS, json=_with(api, training)), 400, field)
     assert error["param"] == field
 
 
 def test_stop_when_needs_evals(api):
-    error = assert_error(api.client.post(JOBS, json=_with(api, {"stop_when": {"target": 0.9}})), 422,
+    error = assert_error(api.client.post(JOBS, json=_with(api, {"stop_when": {"target": 0.9}})), 400,
                          "training.stop_when decides on evals")
     assert error["param"] == TRAINING
 

@@ -37,13 +37,13 @@ def test_openai_sft_hyperparameters_resolve_to_a_supervised_spec(api):
 
 def test_supervised_errors_name_the_request_field(api):
     file_id = uploaded(api.client, CHATS)
-    assert_error(api.client.post(JOBS, json=_body(file_id, n_epochs=0)), 422,
+    assert_error(api.client.post(JOBS, json=_body(file_id, n_epochs=0)), 400,
                  "method.supervised.hyperparameters.n_epochs")
-    assert_error(api.client.post(JOBS, json=_body(file_id, training={"eval_max_rows": 0})), 422,
+    assert_error(api.client.post(JOBS, json=_body(file_id, training={"eval_max_rows": 0})), 400,
                  "method.supervised.hyperparameters.training.eval_max_rows")
     body = _body(file_id)
     body["method"]["cispo"] = {"reward": {"type": "contains"}}
-    assert_error(api.client.post(JOBS, json=body), 422, "method.cispo must be left out")
+    assert_error(api.client.post(JOBS, json=body), 400, "method.cispo must be left out")
     body = _body(file_id)
     body["method"]["supervised"]["reward_function"] = "rwfn-nope"
     assert_error(api.client.post(JOBS, json=body), 400, "method.supervised.reward_function")

@@ -108,7 +108,12 @@ def test_wandb_offline_mlflow_file_store_and_tensorboard_get_every_step(postgres
         reward = _api_metrics(api, job_id, "reward_mean")
         eval_reward = _api_metrics(api, job_id, "eval_reward_mean")
         assert sorted(reward) == [1, 2, 3] and 0 in eval_reward
-        assert not [e for e in _events(api, job_id) if "integration" in e["message"]]
+        events = _events(api, job_id)
+        assert not [e for e in events if "integration" in e["message"] and e["level"] != "info"]
+        # Where each run went, said once per tracker when it started.
+        where = {e["data"]["integration"]: e["message"] for e in events if " integration logs to " in e["message"]}
+        assert set(where) == {"wandb", "mlflow"} and f"W&B run {job_id}" in where["wandb"]
+        assert f"in experiment 'toy' at {store_uri}" in where["mlflow"] and "MLFLOW_ALLOW_FILE_STORE" in where["mlflow"]
 
         # W&B, offline: a run directory named after the job whose log holds each step's metrics.
         [run_dir] = (tmp_path / "wandb-root" / "wandb").glob(f"offline-run-*-{job_id}")

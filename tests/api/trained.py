@@ -29,9 +29,10 @@ def adapter_tar(payload: bytes = b"lora weights") -> bytes:
 
 
 def train(database_url: str, store, job_id: str, *, status: str | None = "succeeded",
-          steps: int = 3, checkpoint_step: int | None = 3, samples: dict[int, list[dict]] | None = None) -> dict:
+          steps: int = 3, checkpoint_step: int | None = 3, samples: dict[int, list[dict]] | None = None,
+          tar: bytes | None = None, checkpoint_metrics: dict[str, float] | None = None) -> dict:
     """Run the job's records through `steps` steps (with `samples` per step, if given); returns the lease
-    epoch and the checkpoint's id, sha256, tar bytes and storage prefix."""
+    epoch and the checkpoint's id, sha256, tar bytes (`tar`, or a one-file adapter) and storage prefix."""
     sessions = session_factory(database_url)
     with sessions.begin() as s:
         epoch = job_lease.claim(s, job_id, "test-worker", ttl_s=600)
@@ -47,13 +48,13 @@ def train(database_url: str, store, job_id: str, *, status: str | None = "succee
                 assert job_outputs.add_samples(s, job_id, epoch, step, samples[step])
     out: dict = {"epoch": epoch}
     if checkpoint_step:
-        tar = adapter_tar()
+        tar = tar or adapter_tar()
         prefix = f"jobs/{job_id}/checkpoints/step-{checkpoint_step}"
         sha = store.put_bytes(f"{prefix}/adapter.tar", tar)
         with sessions.begin() as s:
             ckpt = job_records.add_checkpoint(s, job_id, epoch, step=checkpoint_step, storage_prefix=prefix,
                                               files={"adapter.tar": {"sha256": sha, "bytes": len(tar)}},
-                                              metrics={"reward_mean": CURVES["reward_mean"][-1]})
+                                              metrics=checkpoint_metrics or {"reward_mean": CURVES["reward_mean"][-1]})
             jobs_repo.add_event(s, job_id, f"Checkpoint saved at step {checkpoint_step}")
             out.update(checkpoint=ckpt.id, sha256=sha, tar=tar, prefix=prefix)
     if status:

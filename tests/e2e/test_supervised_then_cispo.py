@@ -164,7 +164,7 @@ def test_sft_then_cispo_from_its_model_then_eval_runs(postgres_url, toy_dir, tmp
                 capture_output=True, text=True, timeout=600)
         assert cli.returncode == 0, cli.stderr
         low, high = result["interval"]
-        assert f"mean reward {result['mean']:.4f} +/- {(high - low) / 2:.4f}" in cli.stdout
+        assert f"mean reward {result['mean']:.4f}" in cli.stdout and f"[{low:.4f}, {high:.4f}]" in cli.stdout
         assert "queued" in cli.stderr and "per-row results: file-" in cli.stdout
 
 

@@ -67,3 +67,18 @@ def test_delete_removes_that_file_only(stored):
         assert files.get(s, own, ids["train"]) is None
         assert files.rows_by_id(s, own, list(ids.values())) == {ids["results"]: 7, ids["evals"]: 9}
         assert files.get(s, other, ids["theirs"]) is not None
+
+
+def test_a_page_by_sha256_finds_the_projects_copies_of_those_bytes_only(stored):
+    sessions, own, other, ids = stored
+    with sessions.begin() as s:
+        copy = files.add(s, File(project_id=own, filename="again.jsonl", purpose="fine-tune", bytes=1,
+                                 sha256="a" * 64, rows=5, storage_key="again")).id
+    with sessions() as s:
+        def found(project_id, sha256, purpose="fine-tune"):
+            page = files.page(s, project_id, after=None, limit=10, purpose=purpose, ascending=False, sha256=sha256)
+            return [f.id for f in page.items]
+
+        assert found(own, "a" * 64) == [copy]
+        assert found(own, "0" * 64) == [ids["train"]] and found(other, "0" * 64) == [ids["theirs"]]
+        assert found(other, "a" * 64) == [] and found(own, "b" * 64) == []

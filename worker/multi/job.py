@@ -40,6 +40,7 @@ from worker.trainer.data import PromptSampler, load_splits
 from worker.trainer.evaluation import eval_seeds
 from worker.trainer.feedback import assign_advantages, batch_reward_std, collect_feedback, feedback_source
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message
+from worker.trainer.policy_jump import PolicyJumpWatch
 from worker.trainer.loop import Trainer
 from worker.trainer.optimizer import adamw
 from worker.trainer.metrics import UpdateStats
@@ -89,6 +90,8 @@ class ResidentJob(Trainer):
         self._owns_engine = True
         self.last_checkpoint = resumed.path if resumed is not None else None
         self.watch = ZeroVarianceWatch(spec.training.no_signal_steps)
+        self.jumps = PolicyJumpWatch(lr=spec.optimizer.lr, ratio_max=spec.loss.ratio_max,
+                                     mini_batches=spec.training.mini_batches, update_epochs=spec.training.update_epochs)
         self.first_eval = self.last_eval = None
         self.stopped = False  # callbacks.should_stop() ended the run at the last step boundary
         self._step_state: SimpleNamespace | None = None
@@ -187,6 +190,8 @@ class ResidentJob(Trainer):
         self._step_state = None
         cb = self.callbacks
         cb.on_step(self.step, metrics)  # Trainer._run's end of a step, up to its evaluation (finish_step)
+        if (jump := self.jumps.update(metrics)) and (warn := getattr(cb, "on_warning", None)) is not None:
+            warn(self.step, jump)
         if self.watch.update(metrics["zero_advantage_group_fraction"]):
             if tc.fail_on_no_signal:
                 raise NoLearningSignal(f"{no_signal_message(self.step, self.watch.streak)} "

@@ -64,6 +64,7 @@ from worker.envs import Environment, describe_environment
 from worker.trainer.feedback import Feedback, assign_advantages, batch_reward_std, collect_feedback, feedback_source
 from worker.rollout import RolloutEngine, make_engine, refuse_unavailable_engine
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch, no_signal_message, preflight_rows
+from worker.trainer.policy_jump import PolicyJumpWatch
 from worker.trainer.evaluation import EvalRows, eval_rows_metrics, eval_seeds, generate_and_score
 from worker.trainer.prompt_filter import retire_solved
 from worker.trainer.samples import pick_samples
@@ -478,9 +479,13 @@ class Trainer:
             cb.on_eval(0, first_eval)
         stopped = False
         watch = ZeroVarianceWatch(tc.no_signal_steps)
+        jumps = PolicyJumpWatch(lr=self.spec.optimizer.lr, ratio_max=self.spec.loss.ratio_max,
+                                mini_batches=tc.mini_batches, update_epochs=tc.update_epochs)
         while self.step < tc.steps:
             metrics = self.train_step()
             cb.on_step(self.step, metrics)
+            if (jump := jumps.update(metrics)) and (warn := getattr(cb, "on_warning", None)) is not None:
+                warn(self.step, jump)
             if not self.supervised and watch.update(metrics["zero_advantage_group_fraction"]):
                 if tc.fail_on_no_signal:
                     raise NoLearningSignal(f"{no_signal_message(self.step, watch.streak)} "

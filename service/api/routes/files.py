@@ -14,6 +14,7 @@ from service.api.deps import PrincipalDep, SessionDep, SettingsDep, StoreDep
 from service.errors import InvalidRequest
 from service.repositories import files as files_repo
 from service.schemas.api import Deleted, FileObject, ListObject
+from service.unsupported_fields import unknown_field_message
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 UPLOAD_FIELDS = {"file", "purpose"}
@@ -25,8 +26,8 @@ async def _known_form_fields(request: Request, who: PrincipalDep) -> None:
     form = await request.form()
     unknown = sorted({k.split("[", 1)[0] for k in form.keys()} - UPLOAD_FIELDS)
     if unknown:
-        raise InvalidRequest(f"{unknown[0]}: unknown field (this endpoint takes only 'file' and 'purpose')",
-                             param=unknown[0])
+        raise InvalidRequest(f"{unknown[0]}: {unknown_field_message(unknown[0])} (this endpoint takes only 'file' "
+                             "and 'purpose')", param=unknown[0])
 
 
 @router.post("", response_model=FileObject, dependencies=[Depends(_known_form_fields)])
@@ -45,9 +46,10 @@ def upload_file(session: SessionDep, store: StoreDep, who: PrincipalDep, setting
 @router.get("", response_model=ListObject[FileObject])
 def list_files(session: SessionDep, who: PrincipalDep, after: str | None = None,
                limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
-               order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> ListObject:
+               order: Literal["asc", "desc"] = "desc", purpose: str | None = None,
+               sha256: Annotated[str | None, Query(pattern="^[0-9a-f]{64}$")] = None) -> ListObject:
     rows = files_repo.page(session, who.project_id, after=after, limit=limit, purpose=purpose,
-                           ascending=order == "asc")
+                           ascending=order == "asc", sha256=sha256)
     return presenters.page([presenters.file(r) for r in rows.items], rows.has_more)
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Annotated
 
 from anyio import from_thread
-from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi import APIRouter, File, Form, Header, Query, Request, Response, UploadFile
+from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 
+from service import files as files_service
 from service import jobs as jobs_service
 from service.dry_run import dry_run as run_dry_run
 from service.api import presenters
@@ -17,6 +20,7 @@ from service.api.deps import Enqueue, EnqueueDep, PollCacheDep, PrincipalDep, Se
 from service.api.poll_cache import JOB, PollCache
 from service.auth import Principal
 from service.db.models import Job
+from service.errors import InvalidRequest, invalid_value
 from service.repositories import job_messages, job_queue
 from service.settings import Settings
 from service.schemas.api import DryRunCheck, DryRunObject, JobObject, ListObject
@@ -54,18 +58,62 @@ def _present(session, who: Principal, job: Job, settings: Settings) -> JobObject
     return presenters.job(job, who, rows.get(job.training_file), _queue_positions(session, settings, [job]).get(job.id))
 
 
+def _dry_run(session, store, who: Principal, settings: Settings, body: JobCreate) -> DryRunObject:
+    try:
+        prepared = jobs_service.prepare(session, who.project_id, body, settings=settings)
+        report = run_dry_run(session, store, who.project_id, body, prepared.spec, hub_url=settings.model_hub_url)
+    finally:
+        session.rollback()
+    return DryRunObject(spec=prepared.spec.model_dump(mode="json"), estimated_seconds=report.estimated_seconds,
+                        expected_trained_tokens=report.expected_trained_tokens,
+                        expected_worker_seconds=report.expected_worker_seconds,
+                        checks=[DryRunCheck(**vars(c)) for c in report.checks])
+
+
+@router.post("/dry_run", response_model=DryRunObject)
+def dry_run_with_files(session: SessionDep, who: PrincipalDep, settings: SettingsDep, store: StoreDep,
+                       job: Annotated[str, Form(description="the POST /v1/fine_tuning/jobs body, as JSON")],
+                       training_file: Annotated[UploadFile | None, File()] = None,
+                       validation_file: Annotated[UploadFile | None, File()] = None) -> DryRunObject:
+    """The dry run of a job whose dataset files are not uploaded yet: each file sent here is checked as an upload
+    is, stands in for the body's field of its name for this one check, and is kept nowhere (no file id, no
+    stored bytes), so a client checks a job with local files without uploading them."""
+    try:
+        data = json.loads(job)
+    except ValueError as e:
+        raise InvalidRequest(f"job: not valid JSON ({e})", param="job", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("job: must be a JSON object (the job's request body)", param="job")
+    held = []
+    try:
+        for field, upload in (("training_file", training_file), ("validation_file", validation_file)):
+            if upload is not None:
+                try:
+                    file = files_service.create(session, store, who.project_id, filename=upload.filename,
+                                                purpose=files_service.PURPOSE, src=upload.file,
+                                                max_line_bytes=settings.max_upload_line_bytes)
+                except InvalidRequest as e:
+                    raise InvalidRequest(f"{field}: {e.message.removeprefix('file: ')}", param=field,
+                                         code=e.code) from None
+                held.append(file)
+                data[field] = file.id
+        try:
+            body = JobCreate.model_validate(data)
+        except ValidationError as e:
+            raise invalid_value(e, data) from None
+        return _dry_run(session, store, who, settings, body)
+    finally:
+        session.rollback()
+        for file in held:
+            files_service.discard_object(store, file)
+
+
 @router.post("", response_model=JobObject | DryRunObject)
 def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue: EnqueueDep, settings: SettingsDep,
                store: StoreDep, idempotency_key: IdempotencyKey = None,
                dry_run: bool = False) -> JobObject | DryRunObject:
     if dry_run:
-        prepared = jobs_service.prepare(session, who.project_id, body, settings=settings)
-        report = run_dry_run(session, store, who.project_id, body, prepared.spec, hub_url=settings.model_hub_url)
-        session.rollback()
-        return DryRunObject(spec=prepared.spec.model_dump(mode="json"), estimated_seconds=report.estimated_seconds,
-                            expected_trained_tokens=report.expected_trained_tokens,
-                            expected_worker_seconds=report.expected_worker_seconds,
-                            checks=[DryRunCheck(**vars(c)) for c in report.checks])
+        return _dry_run(session, store, who, settings, body)
     try:
         job, created = jobs_service.create(session, who.project_id, body, idempotency_key=idempotency_key,
                                            settings=settings, store=store)

@@ -9,18 +9,37 @@ const REFRESH_MS = 3000;
 // Curves to draw: a title and the metric names worker/trainer/loop.py and metrics.py write, first found wins;
 // `titles` names the curve after the metric found (kl_old is the KL to the rollout policy, not the reference);
 // `band`: the metrics of each point's 95% interval (worker/evals/intervals.py), drawn as a bar through the point.
+// `for`: which jobs draw it (a supervised job writes loss and eval_loss, and an eval reward only with a reward).
+const RL = (job) => job.method.type !== "supervised";
+const SCORED = (job) => RL(job) || Boolean(job.method.supervised &&
+  (job.method.supervised.reward || job.method.supervised.reward_function));
 const CHARTS = [
-  { title: "Reward (mean)", names: ["reward_mean"] },
+  { title: "Reward (mean)", names: ["reward_mean"], for: RL },
   { title: "Eval reward (greedy, held-out rows; bars: 95% interval)", names: ["eval_reward_mean"],
-    band: ["eval_reward_ci_low", "eval_reward_ci_high"] },
-  { title: "KL", names: ["kl_ref", "kl_old"],
+    band: ["eval_reward_ci_low", "eval_reward_ci_high"], for: SCORED },
+  { title: "KL", names: ["kl_ref", "kl_old"], for: RL,
     titles: { kl_ref: "KL to the reference (kl_ref)", kl_old: "KL to the rollout policy (kl_old)" } },
-  { title: "Clip fraction", names: ["clip_fraction"] },
-  { title: "Loss", names: ["loss"] },
+  { title: "Clip fraction", names: ["clip_fraction"], for: RL },
+  { title: "Loss", names: ["loss"], for: () => true },
+  { title: "Eval loss (held-out conversations)", names: ["eval_loss"], for: (job) => !RL(job) },
 ];
 const SVG_NS = "http://www.w3.org/2000/svg";
 
-const state = { jobId: location.hash.slice(1) || null, timer: null };
+// The address's fragment: "#ftjob-..." (or "#job=ftjob-...") picks a job, "#key=sk-..." brings the API key, so a
+// link opens the page ready. A fragment never reaches the server (no access log holds it); the key moves to
+// localStorage at once and leaves the address bar and the history.
+function fromFragment() {
+  const found = { key: null, job: null };
+  for (const part of location.hash.slice(1).split("&").filter(Boolean)) {
+    const [name, ...rest] = part.split("=");
+    if (rest.length && name === "key") found.key = decodeURIComponent(rest.join("="));
+    else if (rest.length && name === "job") found.job = decodeURIComponent(rest.join("="));
+    else if (!rest.length) found.job = decodeURIComponent(part);
+  }
+  return found;
+}
+
+const state = { jobId: fromFragment().job, timer: null };
 
 // -- DOM helpers -------------------------------------------------------------------------------------
 
@@ -40,14 +59,20 @@ function svg(tag, attrs, ...children) {
 
 const $ = (id) => document.getElementById(id);
 const when = (seconds) => (seconds ? new Date(seconds * 1000).toLocaleString() : "");
+// 24-hour time: nothing to cut off in a narrow column, nothing ambiguous without AM/PM.
 const short = (seconds) => new Date(seconds * 1000).toLocaleString([], { month: "short", day: "numeric",
-  hour: "2-digit", minute: "2-digit" });
+  hour: "2-digit", minute: "2-digit", hourCycle: "h23" });
 const number = (v) => (v === null || v === undefined ? "–" : Math.abs(v) >= 1000 || (v !== 0 && Math.abs(v) < 0.001)
   ? v.toExponential(2) : (+v.toFixed(4)).toString());
 
 function showKeyState() {
   $("key").placeholder = localStorage.getItem(KEY_STORAGE)
     ? "a key is saved in this browser" : "paste your project's API key";
+}
+
+function takeKeyFromFragment(key, jobId) {
+  localStorage.setItem(KEY_STORAGE, key);
+  history.replaceState(null, "", jobId ? `#${jobId}` : location.pathname + location.search);
 }
 
 function notice(message, kind) {
@@ -92,7 +117,10 @@ async function loadJobs() {
   const body = $("jobs").querySelector("tbody");
   body.replaceChildren(...page.data.map((job) => {
     const row = el("tr", { "data-job": job.id, class: job.id === state.jobId ? "selected" : "" },
-      el("td", {}, el("div", { class: "mono" }, job.id), el("div", { class: "muted small" }, job.model)),
+      el("td", {}, el("div", { class: "mono" }, job.id), el("div", { class: "muted small" }, job.model),
+        job.fine_tuned_model ? el("div", { class: "small fine-tuned", title: job.fine_tuned_model }, job.fine_tuned_model)
+          : job.user_provided_suffix ? el("div", { class: "small fine-tuned" }, `suffix ${job.user_provided_suffix}`)
+            : ""),
       el("td", {}, statusBadge(job.status)), el("td", {}, progress(job)),
       el("td", { class: "small nowrap" }, short(job.created_at)));
     row.addEventListener("click", () => select(job.id));
@@ -126,8 +154,12 @@ function renderJob(job) {
   $("cancel").disabled = !LIVE.has(job.status);
 }
 
+// An axis label in at most 4 significant digits ("111.5", not "111.4895"): the left margin is sized to fit it.
+const tick = (v) => (v === 0 || (Math.abs(v) >= 0.001 && Math.abs(v) < 10000)
+  ? (+v.toPrecision(4)).toString() : v.toExponential(1));
+
 function chart(title, name, points, band) {
-  const W = 360, H = 180, L = 52, R = 12, T = 24, B = 28;
+  const W = 360, H = 180, R = 12, T = 24, B = 28;
   const finite = points.filter((p) => p.value !== null);
   const box = el("figure", { class: "chart", "data-metric": name || "" }, el("figcaption", {}, title,
     name ? el("span", { class: "muted" }, ` ${name}`) : ""));
@@ -145,11 +177,13 @@ function chart(title, name, points, band) {
   let [x0, x1, y0, y1] = [first, last, Math.min(...values), Math.max(...values)];
   if (x0 === x1) { x0 -= 1; x1 += 1; }
   if (y0 === y1) { const pad = Math.abs(y0) * 0.1 || 1; y0 -= pad; y1 += pad; }
+  const levels = [y0, (y0 + y1) / 2, y1];
+  const L = 14 + 7 * Math.max(...levels.map((v) => tick(v).length)); // 11px digits are under 7px wide
   const x = (s) => L + ((s - x0) / (x1 - x0)) * (W - L - R);
   const y = (v) => T + (1 - (v - y0) / (y1 - y0)) * (H - T - B);
-  for (const v of [y0, (y0 + y1) / 2, y1]) {
+  for (const v of levels) {
     plot.append(svg("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), class: "grid" }),
-      svg("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end", class: "tick" }, number(v)));
+      svg("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end", class: "tick" }, tick(v)));
   }
   plot.append(svg("text", { x: L, y: H - 8, class: "tick" }, `step ${first}`),
     svg("text", { x: W - R, y: H - 8, "text-anchor": "end", class: "tick" }, `step ${last}`));
@@ -174,13 +208,14 @@ function chart(title, name, points, band) {
   return box;
 }
 
-async function loadCharts(jobId) {
-  const names = [...new Set(CHARTS.flatMap((c) => [...c.names, ...(c.band || [])]))];
+async function loadCharts(job) {
+  const charts = CHARTS.filter((c) => c.for(job));
+  const names = [...new Set(charts.flatMap((c) => [...c.names, ...(c.band || [])]))];
   const query = names.map((n) => `name=${encodeURIComponent(n)}`).join("&");
-  const page = await api(`/fine_tuning/jobs/${encodeURIComponent(jobId)}/metrics?${query}&limit=10000`);
+  const page = await api(`/fine_tuning/jobs/${encodeURIComponent(job.id)}/metrics?${query}&limit=10000`);
   const series = {};
   for (const point of page.data) (series[point.name] ||= []).push(point);
-  $("charts").replaceChildren(...CHARTS.map(({ title, names: candidates, titles, band }) => {
+  $("charts").replaceChildren(...charts.map(({ title, names: candidates, titles, band }) => {
     const name = candidates.find((n) => series[n]);
     let intervals = null;
     if (band) {
@@ -240,13 +275,26 @@ async function download(jobId, ckpt, button) {
   }
 }
 
+// The checkpoint's own evaluation (held-out rows, at its step), not the training reward of its step's batch.
+function checkpointEval(evaluation) {
+  if (!evaluation) return "–";
+  const parts = [];
+  if (evaluation.mean !== undefined && evaluation.mean !== null) {
+    const [low, high] = evaluation.interval || [];
+    parts.push(`reward ${number(evaluation.mean)}` +
+      (low !== null && low !== undefined && high !== null && high !== undefined ? ` [${number(low)}, ${number(high)}]` : ""));
+  }
+  if (evaluation.loss !== undefined && evaluation.loss !== null) parts.push(`loss ${number(evaluation.loss)}`);
+  return parts.join(", ") || "–";
+}
+
 async function loadCheckpoints(jobId) {
   const page = await api(`/fine_tuning/jobs/${encodeURIComponent(jobId)}/checkpoints?limit=20`);
   $("checkpoints").querySelector("tbody").replaceChildren(...page.data.map((c) => {
     const button = el("button", { type: "button", class: "download" }, "Download adapter");
     button.addEventListener("click", () => download(jobId, c, button));
     return el("tr", {}, el("td", {}, c.step_number), el("td", { class: "mono" }, c.id),
-      el("td", {}, number(c.metrics ? c.metrics.reward_mean : null)), el("td", {}, button));
+      el("td", { class: "nowrap" }, checkpointEval(c.eval)), el("td", {}, button));
   }));
   $("checkpoints-empty").hidden = page.data.length > 0;
 }
@@ -254,7 +302,7 @@ async function loadCheckpoints(jobId) {
 async function loadJob(jobId) {
   const job = await api(`/fine_tuning/jobs/${encodeURIComponent(jobId)}`);
   renderJob(job);
-  await Promise.all([loadCharts(jobId), loadSamples(jobId), loadEvents(jobId), loadCheckpoints(jobId)]);
+  await Promise.all([loadCharts(job), loadSamples(jobId), loadEvents(jobId), loadCheckpoints(jobId)]);
   return job;
 }
 
@@ -310,9 +358,13 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   // Editing the #job-id in the address bar (or going back) shows that job.
   window.addEventListener("hashchange", () => {
-    const jobId = location.hash.slice(1);
-    if (jobId && jobId !== state.jobId) select(jobId);
+    const { key, job } = fromFragment();
+    if (key) takeKeyFromFragment(key, job);
+    if (job && job !== state.jobId) select(job);
+    else if (key) refresh();
   });
+  const given = fromFragment();
+  if (given.key) takeKeyFromFragment(given.key, given.job);
   showKeyState();
   for (const action of ["pause", "resume", "cancel"]) $(action).addEventListener("click", () => control(action));
   refresh();

@@ -1,6 +1,7 @@
 // Runs the dashboard's app.js in node with a minimal DOM and a fetch that serves recorded API answers, then
 // prints what loadCharts drew: per chart its metric, dots and interval bars (tests/api/test_dashboard_intervals.py).
-// Usage: node dashboard_charts.js app.js answers.json   (answers: {url: json}; a URL not in it is printed and fails)
+// Usage: node dashboard_charts.js app.js answers.json [job.json]   (answers: {url: json}; a URL not in it is printed
+// and fails; job: the job object the page shows, by default a cispo job with id "job")
 "use strict";
 const fs = require("fs");
 const vm = require("vm");
@@ -39,7 +40,8 @@ function walk(node, out) {
   return out;
 }
 
-vm.runInContext("loadCharts('job')", context).then(() => {
+const job = process.argv[4] ? fs.readFileSync(process.argv[4], "utf8") : '{"id": "job", "method": {"type": "cispo"}}';
+vm.runInContext(`loadCharts(${job})`, context).then(() => {
   const charts = byId.charts.children.map((figure) => {
     const nodes = walk(figure, []);
     return {
@@ -47,6 +49,8 @@ vm.runInContext("loadCharts('job')", context).then(() => {
       dots: nodes.filter((n) => n.tag === "circle").map((n) => ({ cx: +n.attrs.cx, cy: +n.attrs.cy })),
       intervals: nodes.filter((n) => n.attrs.class === "interval").map((n) => ({
         step: +n.attrs["data-step"], x: +n.attrs.x1, y_low: +n.attrs.y1, y_high: +n.attrs.y2 })),
+      ticks: nodes.filter((n) => n.attrs.class === "tick" && n.attrs["text-anchor"] === "end" && n.attrs.x !== undefined
+        && !String(n.children[0]).startsWith("step")).map((n) => ({ x: +n.attrs.x, text: String(n.children[0]) })),
     };
   });
   console.log(JSON.stringify({ asked, charts }));
