@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from service.job_spec.spec import LoraSpec
+from service.storage_layout import MANIFEST
 
 try:  # optional: only its global RNG is checkpointed
     import numpy as np
@@ -44,7 +45,6 @@ except ImportError:
     np = None
 
 FORMAT = 1
-MANIFEST = "manifest.json"
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 REQUIRED = (STATE_JSON, STATE_TENSORS)

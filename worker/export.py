@@ -17,13 +17,10 @@ from pathlib import Path
 
 import torch
 
+from service.storage_layout import MANIFEST, MERGED_ARCHIVE, MERGED_DIR
 from worker.artifacts import upload_tree
 from worker.checkpoint import _fsync_dir, _sha256
 from worker.model.precision import DTYPES
-
-MERGED_DIR = "merged"
-MERGED_ARCHIVE = "merged.tar"
-MANIFEST = "manifest.json"
 
 
 def save_dtype(spec_dtype: str, base_model: str) -> torch.dtype:

@@ -38,7 +38,8 @@ from service.settings import Settings
 from service.queue import enqueue_job
 from service.storage import NotFound as StorageNotFound
 from service.storage import ObjectStore, StorageError, open_store
-from worker.artifacts import MANIFEST, delete_unreferenced, download_checkpoint
+from service.storage_layout import MANIFEST, job_checkpoints, run_checkpoints
+from worker.artifacts import delete_unreferenced, download_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
 from worker import scratch
 from worker.drain import DRAIN  # set by the worker's graceful shutdown (see worker/drain.py)
@@ -271,7 +272,7 @@ def abandon(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, cl
     if reporter.trackers is not None:  # close this process's handle; the new owner's run logs on to it
         reporter.trackers.finish("lost")
     scratch.remove(work)
-    _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints/epoch-{claimed.epoch:06d}")
+    _delete_uncommitted(sessions, store, job_id, run_checkpoints(job_id, claimed.epoch))
 
 
 def conclude(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claimed: Claimed, settings: Settings,
@@ -292,7 +293,7 @@ def conclude(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, c
                 log.exception("job %s: could not mark it as owed a message", job_id)
     scratch.remove(work)  # a later run starts from the committed checkpoint, downloaded
     if status in jobs.TERMINAL:  # no run of the job writes to the store any more
-        _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints")
+        _delete_uncommitted(sessions, store, job_id, job_checkpoints(job_id))
     return status
 
 
