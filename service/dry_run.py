@@ -102,7 +102,7 @@ class _Counter:
         return "counted with the model's tokenizer.json"
 
 
-def _rows(session: Session, store: ObjectStore, project_id: str, spec: JobSpec) -> Iterator[tuple[str, int, dict]]:
+def dataset_rows(session: Session, store: ObjectStore, project_id: str, spec: JobSpec) -> Iterator[tuple[str, int, dict]]:
     for param, file_id in (("training_file", spec.data.train_file), ("validation_file", spec.data.validation_file)):
         if file_id:
             for line, row in files_service.iter_rows(store, files_service.get(session, project_id, file_id)):
@@ -142,7 +142,7 @@ def check_reward_fields(session: Session, store: ObjectStore, project_id: str, b
     if not uses:
         return
     missing: dict[tuple[str, str, str], list[int]] = {}
-    for file_param, line, row in _rows(session, store, project_id, spec):
+    for file_param, line, row in dataset_rows(session, store, project_id, spec):
         _note_missing(missing, file_param, line, row, uses)
     if failures := _missing_failures(missing, reward_param(body)):
         raise InvalidRequest("; ".join(message for message, _ in failures), param=failures[0][1],
@@ -293,7 +293,7 @@ def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCrea
             report.add("reward_fields", "skipped", f"{where}{'.' + at if at else ''}: not checked, {why}")
     else:
         report.add("reward_fields", "skipped", "an environment reads rows in its own code: not checked")
-    _scan(report, _rows(session, store, project_id, spec), spec, uses, _Counter(model), where)
+    _scan(report, dataset_rows(session, store, project_id, spec), spec, uses, _Counter(model), where)
 
     _engine(report, spec, model, "method.cispo.hyperparameters")
     _quantization(report, spec, "method.cispo.hyperparameters")

@@ -87,7 +87,7 @@ class Claimed:
     start: tuple[str, dict] | None = None  # a continued job's starting checkpoint: (storage prefix, files)
 
 
-def _claim(sessions: sessionmaker[Session], job_id: str, owner: str, settings: Settings) -> Claimed | str | None:
+def claim_run(sessions: sessionmaker[Session], job_id: str, owner: str, settings: Settings) -> Claimed | str | None:
     """Take the lease; returns the claim, "failed" if the job has no attempt left, or None if not ours."""
     with sessions.begin() as s:
         job = jobs.get_for_worker(s, job_id)
@@ -160,7 +160,7 @@ def prepare_run(claimed: Claimed, store: ObjectStore, work: Path, reporter: JobR
     return local_spec, run_dir
 
 
-def _failure(e: Exception) -> tuple[str, str, bool]:
+def run_failure(e: Exception) -> tuple[str, str, bool]:
     """(error code, message, whether another attempt may succeed) for an exception out of a run."""
     if isinstance(e, EnvironmentErrorRateExceeded):
         return "environment_error_rate", str(e), False
@@ -206,7 +206,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     sessions = session_factory(settings.resolved_database_url())
     store = open_store(settings.resolved_storage_url())
     owner = owner or f"{socket.gethostname()}:{os.getpid()}"
-    claimed = _claim(sessions, job_id, owner, settings)
+    claimed = claim_run(sessions, job_id, owner, settings)
     if not isinstance(claimed, Claimed):
         return claimed
 
@@ -226,7 +226,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         status = "cancelled"
     except Exception as e:  # the job fails or retries with a message; the worker lives on
         log.exception("job %s: run failed", job_id)
-        error = _failure(e)
+        error = run_failure(e)
     finally:
         reporter.stop()
         INTERRUPT.clear()  # the cancel was this job's: later user code in this process must run

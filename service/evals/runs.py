@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import EvalRun, Job
 from service.errors import InvalidRequest, NotFound, unprocessable
-from service.jobs import _dataset
+from service.jobs import dataset_file
 from service.models import start as starts
 from service.models.source import check_model
 from service.repositories import evals as evals_repo
@@ -55,7 +55,7 @@ def create(session: Session, store: ObjectStore, project_id: str, body: EvalCrea
     base = start.base_model if start else body.model
     if settings is not None:
         check_model(base, settings)
-    file = _dataset(session, project_id, body.file, "file")
+    file = dataset_file(session, project_id, body.file, "file")
     reward, reward_function_id, reward_param = _reward(session, project_id, body, source)
     inherited = {k: source.spec[k] for k in ("dtype", "sampling", "rollout") if source and k in source.spec}
     data = {**inherited, "model": base, "seed": 0, "data": {"train_file": file.id}, "reward": reward,
