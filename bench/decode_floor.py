@@ -36,11 +36,11 @@ from bench.trl_compare import (Workload, add_workload_args, measure_machine, scr
 
 def time_decode(trainer, w: Workload, *, repeats: int, profile_rows: int = 0) -> list[float]:
     """Seconds of each of `repeats` sampler calls (one warm-up call first) on the workload's first prompts."""
-    from worker.rollout import _sampling_dtype
+    from worker.rollout import sampling_dtype
     from worker.rollout.rollout import TransformersSampler
 
     policy = trainer.policy
-    sampler = TransformersSampler(policy, trainer.spec.sampling, dtype=_sampling_dtype(trainer.spec, policy))
+    sampler = TransformersSampler(policy, trainer.spec.sampling, dtype=sampling_dtype(trainer.spec, policy))
     prompts = [policy.tokenizer(line)["input_ids"] for line in _prompt_lines(trainer, w)]
     rows = [p for p in prompts for _ in range(w.group)]
     seeds = list(range(len(rows)))

@@ -175,14 +175,14 @@ def main() -> None:
     args = parser.parse_args()
     w = workload_from(args)
     from bench.floors import FLOAT32_BYTES, decode_bytes, decode_flops, floor_seconds
-    from worker.rollout import _sampling_dtype
+    from worker.rollout import sampling_dtype
     from worker.rollout.rollout import TransformersSampler
 
     print(f"torch threads {torch.get_num_threads()}; load {open('/proc/loadavg').read().split()[:3]}", flush=True)
     machine = measure_machine()
     with scratch_trainer(w) as trainer:
         policy = trainer.policy
-        sampler = TransformersSampler(policy, trainer.spec.sampling, dtype=_sampling_dtype(trainer.spec, policy))
+        sampler = TransformersSampler(policy, trainer.spec.sampling, dtype=sampling_dtype(trainer.spec, policy))
         from bench.decode_floor import _prompt_lines
 
         prompts = [policy.tokenizer(line)["input_ids"] for line in _prompt_lines(trainer, w)]

@@ -14,10 +14,10 @@ steps dropped (ours compiles its decode step there), medians printed.
 Decode ms/step times our sampler alone (worker/rollout/decode.py) on the same
 64 prompts: on CUDA the static-cache decode step compiled with CUDA graphs,
 elsewhere the eager loop (the script says which one ran, and whether
-compiling fell back). Targets from issue 8: LoRA >= 8x TRL, full >= 4x,
+compiling fell back). Targets: LoRA >= 8x TRL, full >= 4x,
 decode <= 2.7 ms/step. Last, our LoRA step at rollout.max_staleness 1 against
 0 (bench/async_step.py's measurement: the sampler process shares the GPU;
-target from issue 15: >= 1.5x).
+target: >= 1.5x).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ tokens, LoRA r=16 all-linear), each job its own seed; the shared jobs held as
 a shared worker holds them (the base in the jobs' compute dtype on the GPU,
 the update under autocast). The figure of merit is the steady-state
 aggregate rate (wall time between step reports: no model load, compile
-warm-up, job start or end), target >= 1.5x at K = 4 (issue 16); peak GPU
+warm-up, job start or end), target >= 1.5x at K = 4; peak GPU
 memory is printed beside RSS.
 
 Each configuration runs in a fresh child process (its peak RSS is its own):
@@ -286,7 +286,7 @@ def main() -> None:
 
 
 
-GPU_TARGET = 1.5  # issue 16: K = 4 on one base, steady aggregate rate over one after another
+GPU_TARGET = 1.5  # K = 4 on one base, steady aggregate rate over one after another
 
 
 def torch_cuda() -> bool:

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed calls of each kind, alternating")
     args = parser.parse_args()
     w = workload_from(args)
-    from worker.rollout import _sampling_dtype
+    from worker.rollout import sampling_dtype
     from worker.rollout.effective_weights import rollout_weights
     from worker.rollout.rollout import TransformersSampler
     from worker.rollout import packed_linears
@@ -80,7 +80,7 @@ def main() -> None:
         policy = trainer.policy
         if policy.model.get_output_embeddings().weight.dtype != torch.float32:
             raise SystemExit("a float32 model only (--dtype float32)")
-        sampler = TransformersSampler(policy, trainer.spec.sampling, dtype=_sampling_dtype(trainer.spec, policy),
+        sampler = TransformersSampler(policy, trainer.spec.sampling, dtype=sampling_dtype(trainer.spec, policy),
                                        logprobs=True)
         prompts = [policy.tokenizer(line)["input_ids"] for line in _prompt_lines(trainer, w)]
         rows = [p for p in prompts for _ in range(w.group)]

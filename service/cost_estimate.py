@@ -16,11 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import median
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db.models import Job, JobMetric
 from service.job_spec.spec import JobSpec
+from service.repositories import job_estimates
 
 HISTORY_JOBS = 20  # the newest finished jobs looked at
 
@@ -36,11 +35,9 @@ def _sample_tokens(session: Session, project_id: str, spec: JobSpec) -> tuple[fl
     """Completion tokens per sample, and how they were found."""
     cap = spec.sampling.max_output_tokens * spec.training.max_turns
     lengths = []
-    for job_id, job_spec in session.execute(
-            select(Job.id, Job.spec).where(Job.project_id == project_id, Job.model == spec.model)
-            .order_by(Job.seq.desc()).limit(HISTORY_JOBS)):
-        values = list(session.scalars(select(JobMetric.value).where(JobMetric.job_id == job_id,
-                                                                    JobMetric.name == "completion_length_mean")))
+    for job_id, job_spec, *_ in job_estimates.recent_on_model(session, project_id, spec.model, limit=HISTORY_JOBS):
+        values = job_estimates.metric_values(session, job_id, ("completion_length_mean",)).get(
+            "completion_length_mean", [])
         if not values:
             continue
         earlier_cap = job_spec["sampling"]["max_output_tokens"] * job_spec["training"].get("max_turns", 1)
@@ -66,12 +63,7 @@ def expected_trained_tokens(session: Session, project_id: str, spec: JobSpec) ->
 
 
 def _seconds_per_token(session: Session, project_id: str, model: str | None) -> list[float]:
-    query = select(Job.started_at, Job.finished_at, Job.trained_tokens).where(
-        Job.project_id == project_id, Job.status == "succeeded", Job.trained_tokens > 0,
-        Job.started_at.is_not(None), Job.finished_at.is_not(None))
-    if model is not None:
-        query = query.where(Job.model == model)
-    rows = session.execute(query.order_by(Job.seq.desc()).limit(HISTORY_JOBS))
+    rows = job_estimates.trained_runs(session, project_id, model, limit=HISTORY_JOBS)
     return [max(finished - started, 1) / tokens for started, finished, tokens in rows]
 
 

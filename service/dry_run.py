@@ -28,15 +28,14 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import files as files_service
-from service.db.models import Job, JobMetric
 from service.cost_estimate import estimate_cost
 from service.errors import InvalidRequest
 from service.models.check import ModelInfo, ModelProblem, check_model
 from service.models.engine_check import RULES, cpu_accepts, cuda_accepts, head_size, lora_rank_problem
+from service.repositories import job_estimates
 from service.rewards.fields import FieldUse, fields_read, has_path
 from service.schemas.dataset import row_prompt
 from service.job_spec.request import JobCreate
@@ -103,7 +102,7 @@ class _Counter:
         return "counted with the model's tokenizer.json"
 
 
-def _rows(session: Session, store: ObjectStore, project_id: str, spec: JobSpec) -> Iterator[tuple[str, int, dict]]:
+def dataset_rows(session: Session, store: ObjectStore, project_id: str, spec: JobSpec) -> Iterator[tuple[str, int, dict]]:
     for param, file_id in (("training_file", spec.data.train_file), ("validation_file", spec.data.validation_file)):
         if file_id:
             for line, row in files_service.iter_rows(store, files_service.get(session, project_id, file_id)):
@@ -143,7 +142,7 @@ def check_reward_fields(session: Session, store: ObjectStore, project_id: str, b
     if not uses:
         return
     missing: dict[tuple[str, str, str], list[int]] = {}
-    for file_param, line, row in _rows(session, store, project_id, spec):
+    for file_param, line, row in dataset_rows(session, store, project_id, spec):
         _note_missing(missing, file_param, line, row, uses)
     if failures := _missing_failures(missing, reward_param(body)):
         raise InvalidRequest("; ".join(message for message, _ in failures), param=failures[0][1],
@@ -249,17 +248,11 @@ def _estimate(session: Session, project_id: str, body: JobCreate, spec: JobSpec)
     not max_output_tokens: scaling by the cap overestimated runs whose completions end early), scaled to this
     job's sequences and expected completion lengths; plus what the job spent outside its steps (loading,
     evaluations, checkpoints), from its wall-clock time. The median over the jobs is the estimate."""
-    earlier = list(session.execute(
-        select(Job.id, Job.spec, Job.started_at, Job.finished_at, Job.status)
-        .where(Job.project_id == project_id, Job.model == body.model)
-        .order_by(Job.seq.desc()).limit(HISTORY_JOBS)))
+    earlier = job_estimates.recent_on_model(session, project_id, body.model, limit=HISTORY_JOBS)
     tc = spec.training
     per_step_estimates, overheads = [], []
     for job_id, job_spec, started, finished, status in earlier:
-        values: dict[str, list[float]] = {}
-        for name, value in session.execute(select(JobMetric.name, JobMetric.value).where(
-                JobMetric.job_id == job_id, JobMetric.name.in_(("step_seconds", "completion_length_mean")))):
-            values.setdefault(name, []).append(value)
+        values = job_estimates.metric_values(session, job_id, ("step_seconds", "completion_length_mean"))
         if not values.get("step_seconds"):
             continue
         t, cap = job_spec["training"], job_spec["sampling"]["max_output_tokens"]
@@ -300,7 +293,7 @@ def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCrea
             report.add("reward_fields", "skipped", f"{where}{'.' + at if at else ''}: not checked, {why}")
     else:
         report.add("reward_fields", "skipped", "an environment reads rows in its own code: not checked")
-    _scan(report, _rows(session, store, project_id, spec), spec, uses, _Counter(model), where)
+    _scan(report, dataset_rows(session, store, project_id, spec), spec, uses, _Counter(model), where)
 
     _engine(report, spec, model, "method.cispo.hyperparameters")
     _quantization(report, spec, "method.cispo.hyperparameters")

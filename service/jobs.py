@@ -44,7 +44,7 @@ class Prepared:
     environment_id: str | None = None
 
 
-def _dataset(session: Session, project_id: str, file_id: str, param: str) -> File:
+def dataset_file(session: Session, project_id: str, file_id: str, param: str) -> File:
     file = files_repo.get(session, project_id, file_id)
     if file is None:
         raise InvalidRequest(f"{param}: no such file: {file_id}", param=param, code=f"invalid_{param}")
@@ -69,9 +69,9 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
     start = starts.resolve(session, project_id, body.model) if starts.names_a_start(body.model) else None
     if settings is not None:
         check_model(start.base_model if start else body.model, settings)
-    training = _dataset(session, project_id, body.training_file, "training_file")
+    training = dataset_file(session, project_id, body.training_file, "training_file")
     if body.validation_file is not None:
-        _dataset(session, project_id, body.validation_file, "validation_file")
+        dataset_file(session, project_id, body.validation_file, "validation_file")
     reward_function_id = environment_id = None
     environment = None
     if body.method.type == "cispo":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from service.dry_run import _rows
+from service.dry_run import dataset_rows
 from service.errors import InvalidRequest
 from service.schemas.dataset import row_problem
 from service.job_spec.spec import JobSpec
@@ -21,7 +21,7 @@ MAX_REPORTED = 10
 def check_rows_fit_method(session: Session, store: ObjectStore, project_id: str, spec: JobSpec) -> None:
     problems: list[tuple[str, str]] = []  # (file param, "line N: ...")
     count = 0
-    for file_param, line, row in _rows(session, store, project_id, spec):
+    for file_param, line, row in dataset_rows(session, store, project_id, spec):
         if (problem := row_problem(row, spec.method)) is not None:
             count += 1
             if len(problems) < MAX_REPORTED:

@@ -13,6 +13,11 @@ def doc_files() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
+def reference_docs() -> list[Path]:
+    """Every file a user or contributor reads as reference: README, CONTRIBUTING, docs/ and the bench guide."""
+    return [*doc_files(), ROOT / "CONTRIBUTING.md", ROOT / "bench" / "README.md"]
+
+
 def docs_text() -> str:
     """Every documentation file's text, README first, each ending in a blank line."""
     return "".join(p.read_text().rstrip("\n") + "\n\n" for p in doc_files())

@@ -20,15 +20,8 @@ import tempfile
 from pathlib import Path
 
 from service.storage import ObjectStore
-
-ARCHIVE = "adapter.tar"
-MANIFEST = "manifest.json"
-
-
-def checkpoint_prefix(job_id: str, epoch: int, checkpoint_dir: Path) -> str:
-    """Each run (lease epoch) writes under its own prefix: a stale worker that wakes up after another
-    took over its job uploads to a prefix nothing points at, never over a committed checkpoint."""
-    return f"jobs/{job_id}/checkpoints/epoch-{epoch:06d}/{checkpoint_dir.name}"
+from service.storage_layout import (ARCHIVE, CHECKPOINT_PREFIX_DEPTH, MANIFEST, MERGED_ARCHIVE, MERGED_DIR,
+                                    checkpoint_prefix)
 
 
 def write_checkpoint_archive(checkpoint_dir: Path, dest: Path) -> None:
@@ -71,7 +64,7 @@ def upload_tree(store: ObjectStore, prefix: str, src: Path, archive_name: str, u
 
 def upload_checkpoint(store: ObjectStore, job_id: str, epoch: int, checkpoint_dir: Path) -> tuple[str, dict]:
     """Store a complete local checkpoint; returns (prefix, {relative path: {sha256, bytes}})."""
-    prefix = checkpoint_prefix(job_id, epoch, checkpoint_dir)
+    prefix = checkpoint_prefix(job_id, epoch, checkpoint_dir.name)
     return prefix, upload_tree(store, prefix, checkpoint_dir, ARCHIVE)
 
 
@@ -84,7 +77,7 @@ def download_checkpoint(store: ObjectStore, prefix: str, files: dict, dest: Path
     try:
         for rel, meta in files.items():
             # The archive repeats the files; a merged export (worker/export.py) is for download, not resuming.
-            if rel in (ARCHIVE, "merged.tar") or rel.startswith("merged/"):
+            if rel in (ARCHIVE, MERGED_ARCHIVE) or rel.startswith(f"{MERGED_DIR}/"):
                 continue
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -101,8 +94,7 @@ def delete_unreferenced(store: ObjectStore, within: str, referenced: set[str]) -
     """Delete the checkpoint prefixes under `within` (a job's checkpoints, or one run's) that no checkpoint
     row points at: uploads a run made but never committed (it died, lost its lease, or met an outage
     mid-upload). Returns the prefixes deleted. Only for prefixes no live run still writes under."""
-    depth = len(checkpoint_prefix("j", 0, Path("s")).split("/"))  # jobs/<id>/checkpoints/epoch-N/<step>
-    orphans = sorted({"/".join(key.split("/")[:depth]) for key in store.list(within)} - referenced)
+    orphans = sorted({"/".join(key.split("/")[:CHECKPOINT_PREFIX_DEPTH]) for key in store.list(within)} - referenced)
     for prefix in orphans:
         store.delete_prefix(prefix)
     return orphans

@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from service.job_spec.spec import LoraSpec
+from service.storage_layout import MANIFEST
 
 try:  # optional: only its global RNG is checkpointed
     import numpy as np
@@ -44,7 +45,6 @@ except ImportError:
     np = None
 
 FORMAT = 1
-MANIFEST = "manifest.json"
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 REQUIRED = (STATE_JSON, STATE_TENSORS)
@@ -108,7 +108,7 @@ def save_checkpoint(path: Path, *, model, optimizer: torch.optim.Optimizer | dic
             old = path.parent / f".old-{path.name}-{uuid.uuid4().hex}"
             path.rename(old)
         tmp.rename(path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         if old is not None and not path.exists():
             old.rename(path)
@@ -193,14 +193,14 @@ def _write_contents(tmp: Path, optimizer, state, tensors) -> None:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{STATE_JSON}: trainer state is not JSON-serialisable: {e}") from None
     (tmp / STATE_JSON).write_text(text)
-    files = {f.relative_to(tmp).as_posix(): {"sha256": _sha256(f, fsync=True), "bytes": f.stat().st_size}
+    files = {f.relative_to(tmp).as_posix(): {"sha256": file_sha256(f, fsync=True), "bytes": f.stat().st_size}
              for f in sorted(tmp.rglob("*")) if f.is_file()}
     for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
-        _fsync_dir(d)
+        fsync_dir(d)
     manifest = tmp / MANIFEST
     manifest.write_text(json.dumps({"format": FORMAT, "files": files, "step": state.get("step")}, indent=1))
-    _sha256(manifest, fsync=True)
-    _fsync_dir(tmp)
+    file_sha256(manifest, fsync=True)
+    fsync_dir(tmp)
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
@@ -232,7 +232,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
             fail(f"{rel} is missing")
         if (size := target.stat().st_size) != meta.get("bytes"):
             fail(f"{rel} is {size} bytes (expected {meta.get('bytes')})")
-        if (digest := _sha256(target)) != meta.get("sha256"):
+        if (digest := file_sha256(target)) != meta.get("sha256"):
             fail(f"{rel} sha256 mismatch (expected {meta.get('sha256')}, got {digest})")
     doc = json.loads((path / STATE_JSON).read_text())
     tensors = {k.removeprefix(_USER): v for k, v in load_file(path / STATE_TENSORS).items()}
@@ -360,7 +360,7 @@ def latest_checkpoint(root: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def _sha256(path: Path, fsync: bool = False) -> str:
+def file_sha256(path: Path, fsync: bool = False) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -370,7 +370,7 @@ def _sha256(path: Path, fsync: bool = False) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)  # a directory's fsync makes its renames and new entries durable
     try:
         os.fsync(fd)

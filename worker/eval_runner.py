@@ -79,7 +79,7 @@ def _evaluate(run, spec: JobSpec, store: ObjectStore, settings: Settings, secret
 
 def run_eval(eval_id: str, settings: Settings, *, owner: str | None = None) -> str | None:
     """Run the eval if it is still queued; returns the status it ended in (None if not ours)."""
-    from worker.job_runner import _failure
+    from worker.job_runner import run_failure
 
     sessions = session_factory(settings.resolved_database_url())
     store = open_store(settings.resolved_storage_url())
@@ -106,7 +106,7 @@ def run_eval(eval_id: str, settings: Settings, *, owner: str | None = None) -> s
         return "succeeded"
     except Exception as e:  # the run fails with a message; the worker lives on
         log.exception("eval run %s failed", eval_id)
-        code, message, _ = _failure(e)
+        code, message, _ = run_failure(e)
         with sessions.begin() as s:
             evals_repo.finish(s, eval_id, owner, status="failed", error_code=code, error_message=message[:2000])
         return "failed"

@@ -17,13 +17,10 @@ from pathlib import Path
 
 import torch
 
+from service.storage_layout import MANIFEST, MERGED_ARCHIVE, MERGED_DIR
 from worker.artifacts import upload_tree
-from worker.checkpoint import _fsync_dir, _sha256
+from worker.checkpoint import fsync_dir, file_sha256
 from worker.model.precision import DTYPES
-
-MERGED_DIR = "merged"
-MERGED_ARCHIVE = "merged.tar"
-MANIFEST = "manifest.json"
 
 
 def save_dtype(spec_dtype: str, base_model: str) -> torch.dtype:
@@ -54,12 +51,12 @@ def merge_adapter(base_model: str, adapter_dir: Path, dest: Path, dtype: torch.d
         merged.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(base_model).save_pretrained(tmp)
         del base, merged
-        files = {f.relative_to(tmp).as_posix(): {"sha256": _sha256(f, fsync=True), "bytes": f.stat().st_size}
+        files = {f.relative_to(tmp).as_posix(): {"sha256": file_sha256(f, fsync=True), "bytes": f.stat().st_size}
                  for f in sorted(tmp.rglob("*")) if f.is_file()}
         (tmp / MANIFEST).write_text(json.dumps({"files": files, "dtype": str(dtype).removeprefix("torch.")},
                                                indent=1))
-        _sha256(tmp / MANIFEST, fsync=True)
-        _fsync_dir(tmp)
+        file_sha256(tmp / MANIFEST, fsync=True)
+        fsync_dir(tmp)
         if dest.exists():
             shutil.rmtree(dest)
         tmp.rename(dest)

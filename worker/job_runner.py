@@ -38,7 +38,8 @@ from service.settings import Settings
 from service.queue import enqueue_job
 from service.storage import NotFound as StorageNotFound
 from service.storage import ObjectStore, StorageError, open_store
-from worker.artifacts import MANIFEST, delete_unreferenced, download_checkpoint
+from service.storage_layout import MANIFEST, job_checkpoints, run_checkpoints
+from worker.artifacts import delete_unreferenced, download_checkpoint
 from worker.checkpoint import CheckpointError, checkpoint_name
 from worker import scratch
 from worker.drain import DRAIN  # set by the worker's graceful shutdown (see worker/drain.py)
@@ -86,7 +87,7 @@ class Claimed:
     start: tuple[str, dict] | None = None  # a continued job's starting checkpoint: (storage prefix, files)
 
 
-def _claim(sessions: sessionmaker[Session], job_id: str, owner: str, settings: Settings) -> Claimed | str | None:
+def claim_run(sessions: sessionmaker[Session], job_id: str, owner: str, settings: Settings) -> Claimed | str | None:
     """Take the lease; returns the claim, "failed" if the job has no attempt left, or None if not ours."""
     with sessions.begin() as s:
         job = jobs.get_for_worker(s, job_id)
@@ -159,7 +160,7 @@ def prepare_run(claimed: Claimed, store: ObjectStore, work: Path, reporter: JobR
     return local_spec, run_dir
 
 
-def _failure(e: Exception) -> tuple[str, str, bool]:
+def run_failure(e: Exception) -> tuple[str, str, bool]:
     """(error code, message, whether another attempt may succeed) for an exception out of a run."""
     if isinstance(e, EnvironmentErrorRateExceeded):
         return "environment_error_rate", str(e), False
@@ -205,7 +206,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
     sessions = session_factory(settings.resolved_database_url())
     store = open_store(settings.resolved_storage_url())
     owner = owner or f"{socket.gethostname()}:{os.getpid()}"
-    claimed = _claim(sessions, job_id, owner, settings)
+    claimed = claim_run(sessions, job_id, owner, settings)
     if not isinstance(claimed, Claimed):
         return claimed
 
@@ -225,7 +226,7 @@ def run_job(job_id: str, settings: Settings, *, owner: str | None = None) -> str
         status = "cancelled"
     except Exception as e:  # the job fails or retries with a message; the worker lives on
         log.exception("job %s: run failed", job_id)
-        error = _failure(e)
+        error = run_failure(e)
     finally:
         reporter.stop()
         INTERRUPT.clear()  # the cancel was this job's: later user code in this process must run
@@ -271,7 +272,7 @@ def abandon(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, cl
     if reporter.trackers is not None:  # close this process's handle; the new owner's run logs on to it
         reporter.trackers.finish("lost")
     scratch.remove(work)
-    _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints/epoch-{claimed.epoch:06d}")
+    _delete_uncommitted(sessions, store, job_id, run_checkpoints(job_id, claimed.epoch))
 
 
 def conclude(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, claimed: Claimed, settings: Settings,
@@ -292,7 +293,7 @@ def conclude(sessions: sessionmaker[Session], store: ObjectStore, job_id: str, c
                 log.exception("job %s: could not mark it as owed a message", job_id)
     scratch.remove(work)  # a later run starts from the committed checkpoint, downloaded
     if status in jobs.TERMINAL:  # no run of the job writes to the store any more
-        _delete_uncommitted(sessions, store, job_id, f"jobs/{job_id}/checkpoints")
+        _delete_uncommitted(sessions, store, job_id, job_checkpoints(job_id))
     return status
 
 

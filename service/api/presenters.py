@@ -23,6 +23,7 @@ from service.schemas.api import (
     SampleObject,
 )
 from service.schemas.model_api import ModelObject
+from service.storage_layout import MERGED_ARCHIVE
 
 
 def finite(value: Any) -> Any:
@@ -85,9 +86,6 @@ def jobs(rows: Page[Job], who: Principal, training_rows: dict[str, int], queue_p
 def event(row: JobEvent) -> EventObject:
     return EventObject(id=row.id, created_at=row.created_at, level=row.level, message=row.message,
                        type=row.type, data=finite(row.data))
-
-
-MERGED_ARCHIVE = "merged.tar"  # worker/export.py
 
 
 def checkpoint_eval(metrics: dict[str, float]) -> dict | None:

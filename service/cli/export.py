@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from service.cli.client import EXIT_JOB_ENDED_BADLY, Client, UsageError, checkpoint_id, download_verified
+from service.storage_layout import MANIFEST
 
 
 def _fetch(client: Client, url: str, dest: Path) -> str | None:
@@ -75,7 +76,7 @@ def cmd_export(args, client: Client) -> int:
         unpacked = work / "unpacked"
         with tarfile.open(tar_path) as tar:
             tar.extractall(unpacked, filter="data")
-        listed = json.loads((unpacked / "manifest.json").read_text())["files"]
+        listed = json.loads((unpacked / MANIFEST).read_text())["files"]
         problem = _verify(unpacked, listed, within="" if args.merge else "adapter/")
         if problem:
             print(f"error: {problem}; nothing was saved", file=sys.stderr)

@@ -9,15 +9,15 @@ job's reward when the request names none.
 from __future__ import annotations
 
 from pydantic import ValidationError
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db.models import EvalRun, Job
 from service.errors import InvalidRequest, NotFound, invalid_value
-from service.jobs import _dataset
+from service.jobs import dataset_file
 from service.models import start as starts
 from service.models.source import check_model
 from service.repositories import evals as evals_repo
+from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
 from service.repositories.pagination import Page
 from service.rewards.references import check_reward_references
@@ -51,11 +51,11 @@ def _reward(session: Session, project_id: str, body: EvalCreate, source: Job | N
 def create(session: Session, store: ObjectStore, project_id: str, body: EvalCreate, *,
            settings: Settings | None = None) -> EvalRun:
     start = starts.resolve(session, project_id, body.model) if starts.names_a_start(body.model) else None
-    source = session.scalar(select(Job).where(Job.id == start.source_job_id)) if start is not None else None
+    source = jobs_repo.get(session, project_id, start.source_job_id) if start is not None else None
     base = start.base_model if start else body.model
     if settings is not None:
         check_model(base, settings)
-    file = _dataset(session, project_id, body.file, "file")
+    file = dataset_file(session, project_id, body.file, "file")
     reward, reward_function_id, reward_param = _reward(session, project_id, body, source)
     inherited = {k: source.spec[k] for k in ("dtype", "sampling", "rollout") if source and k in source.spec}
     data = {**inherited, "model": base, "seed": 0, "data": {"train_file": file.id}, "reward": reward,

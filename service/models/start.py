@@ -19,12 +19,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db.models import Checkpoint, Job, Project
+from service.db.models import Job
 from service.errors import NotFound
 from service.models import fine_tuned
+from service.repositories import jobs as jobs_repo
+from service.repositories import projects
 
 _CHECKPOINT_SUFFIX = re.compile(r"^(?P<model>ft:.+):ckpt-step-(?P<step>\d+)$")
 
@@ -50,10 +51,8 @@ def _not_found(model: str) -> NotFound:
 
 def _job_of(session: Session, project_id: str, model: str) -> Job | None:
     """The job a model id names (any status, so a checkpoint of a running or failed job counts), whole id matched."""
-    job = session.scalar(select(Job).where(Job.project_id == project_id, Job.id == model.rsplit(":", 1)[-1],
-                                           Job.model_deleted_at.is_(None)))
-    project_name = session.scalar(select(Project.name).where(Project.id == project_id))
-    if job is None or fine_tuned.model_id(job, project_name) != model:
+    job = jobs_repo.with_model(session, project_id, model.rsplit(":", 1)[-1])
+    if job is None or fine_tuned.model_id(job, projects.name_of(session, project_id)) != model:
         return None
     return job
 
@@ -61,22 +60,19 @@ def _job_of(session: Session, project_id: str, model: str) -> Job | None:
 def resolve(session: Session, project_id: str, model: str) -> Start:
     """The checkpoint `model` starts from; NotFound (param 'model') for anything not in this project."""
     if model.startswith("ftckpt_"):
-        row = session.execute(select(Checkpoint, Job).join(Job, Job.id == Checkpoint.job_id).where(
-            Checkpoint.id == model, Job.project_id == project_id)).first()
+        row = jobs_repo.project_checkpoint_and_job(session, project_id, model)
         if row is None:
             raise _not_found(model)
         checkpoint, job = row
     elif m := _CHECKPOINT_SUFFIX.match(model):
         job = _job_of(session, project_id, m["model"])
-        checkpoint = job and session.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id,
-                                                                     Checkpoint.step == int(m["step"])))
+        checkpoint = job and jobs_repo.checkpoint_at_step(session, job.id, int(m["step"]))
     else:
         job = _job_of(session, project_id, model)
         if job is not None and job.status != "succeeded":
             raise NotFound(f"model: {model!r} names job {job.id}, which has not succeeded (status {job.status}); "
                            "name one of its checkpoints to start from it", param="model", code="model_not_found")
-        checkpoint = job and session.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id)
-                                            .order_by(Checkpoint.step.desc()))
+        checkpoint = job and jobs_repo.latest_checkpoint(session, job.id)
     if job is None or checkpoint is None:
         raise _not_found(model)
     return Start(checkpoint_id=checkpoint.id, base_model=job.spec["model"], lora=job.spec.get("lora"),

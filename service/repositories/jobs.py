@@ -108,6 +108,31 @@ def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
     return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()))
 
 
+def checkpoint_at_step(session: Session, job_id: str, step: int) -> Checkpoint | None:
+    return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
+
+
+def project_checkpoint_and_job(session: Session, project_id: str,
+                               checkpoint_id: str) -> tuple[Checkpoint, Job] | None:
+    """A checkpoint of any job of the project, with its job."""
+    row = session.execute(select(Checkpoint, Job).join(Job, Job.id == Checkpoint.job_id)
+                          .where(Checkpoint.id == checkpoint_id, Job.project_id == project_id)).first()
+    return None if row is None else (row[0], row[1])
+
+
+def with_model(session: Session, project_id: str, job_id: str) -> Job | None:
+    """A job of the project whose fine-tuned model was not deleted, in any status: its model and checkpoints
+    may be named while it runs, and after it failed."""
+    return session.scalar(select(Job).where(Job.project_id == project_id, Job.id == job_id,
+                                            Job.model_deleted_at.is_(None)))
+
+
+def trained_on(session: Session, project_id: str, base_model: str) -> bool:
+    """Whether any job of the project names this base model."""
+    return session.scalar(select(Job.id).where(Job.project_id == project_id, Job.model == base_model)
+                          .limit(1)) is not None
+
+
 def metrics(session: Session, job_id: str, *, names: list[str] | None, step_min: int | None,
             step_max: int | None, limit: int) -> list[JobMetric]:
     stmt = select(JobMetric).where(JobMetric.job_id == job_id)

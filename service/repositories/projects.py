@@ -27,6 +27,10 @@ def get_or_create_project(session: Session, name: str) -> Project:
     return project
 
 
+def name_of(session: Session, project_id: str) -> str | None:
+    return session.scalar(select(Project.name).where(Project.id == project_id))
+
+
 def create_key(session: Session, project: Project) -> str:
     """A new key for the project; the plain key exists only in the return value."""
     key = KEY_PREFIX + secrets.token_urlsafe(32)

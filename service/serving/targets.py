@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db.models import Checkpoint, Job
 from service.errors import InvalidRequest, NotFound
 from service.models import start
+from service.repositories import jobs as jobs_repo
 from service.settings import Settings
 
 
@@ -40,14 +39,10 @@ def resolve(session: Session, project_id: str, model: str, settings: Settings) -
             raise InvalidRequest(f"model: {model!r} is a full fine-tune; serving applies LoRA adapters only "
                                  "(download its checkpoint to serve the whole model yourself)",
                                  param="model", code="model_not_servable")
-        ckpt = session.scalar(select(Checkpoint).where(Checkpoint.id == found.checkpoint_id))
+        ckpt = jobs_repo.checkpoint(session, found.source_job_id, found.checkpoint_id)
         return Target(found.base_model, {"id": ckpt.id, "prefix": ckpt.storage_prefix, "files": dict(ckpt.files)})
-    if model in settings.resolved_serve_base_models() or _trained_on(session, project_id, model):
+    if model in settings.resolved_serve_base_models() or jobs_repo.trained_on(session, project_id, model):
         return Target(model, None)
     raise NotFound(f"model: no model {model!r} is served to this project (GET /v1/models lists its fine-tuned "
                    "models; a base model is served when the operator lists it in CISPO_SERVE_BASE_MODELS or "
                    "one of the project's jobs trained on it)", param="model", code="model_not_found")
-
-
-def _trained_on(session: Session, project_id: str, base: str) -> bool:
-    return session.scalar(select(Job.id).where(Job.project_id == project_id, Job.model == base).limit(1)) is not None

@@ -1,4 +1,4 @@
-"""Every relative link in README.md and docs/ reaches something: the file exists and an `#anchor` names a
+"""Every relative link in README.md, CONTRIBUTING.md, docs/ and bench/README.md reaches something: the file exists and an `#anchor` names a
 heading of it (GitHub's anchors), so moving a section between those files cannot leave a reader at a dead end."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.project_docs import ROOT, doc_files
+from tests.project_docs import ROOT, reference_docs
 
 LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?")
 FENCE = re.compile(r"^ {0,3}(```|~~~)")
@@ -55,7 +55,7 @@ def broken_links(path: Path) -> list[str]:
 
 
 def test_every_relative_link_in_the_docs_reaches_a_file_and_heading():
-    broken = {shown(p): b for p in doc_files() if (b := broken_links(p))}
+    broken = {shown(p): b for p in reference_docs() if (b := broken_links(p))}
     assert not broken, broken
 
 

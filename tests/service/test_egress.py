@@ -26,6 +26,30 @@ def test_non_public_addresses_are_refused(url):
         check_url(url, EgressPolicy())
 
 
+# Addresses Python's ipaddress calls neither private nor loopback yet not global (the 100.64.0.0/10 shared address
+# space), or global yet multicast, each also wrapped in IPv6 (mapped, NAT64, 6to4): an `_is_public` rebuilt from
+# is_private / is_loopback / is_reserved, or without its multicast rule, or that vets a wrapped IPv4 by another
+# rule than the bare one, lets several of these through, not just one.
+@pytest.mark.parametrize("url", [
+    "https://100.64.0.1/", "https://100.100.100.100/", "https://100.127.255.254/",
+    "https://[::ffff:100.64.0.1]/", "https://[64:ff9b::6440:1]/", "https://[2002:6440:1::1]/",
+    "https://224.0.0.251/", "https://239.255.255.250/", "https://[ff02::1]/", "https://[ff0e::1]/",
+    "https://[::ffff:224.0.0.251]/", "https://[64:ff9b::e000:fb]/", "https://[2002:e000:fb::1]/",
+])
+def test_shared_space_and_multicast_addresses_are_refused_bare_and_wrapped(url):
+    with pytest.raises(EgressRefused, match="non-public"):
+        check_url(url, EgressPolicy())
+
+
+@pytest.mark.parametrize("url", [
+    "https://8.8.8.8/", "https://1.1.1.1/", "https://223.255.255.254/", "https://192.0.0.9/",
+    "https://100.63.255.255/", "https://100.128.0.1/",  # just outside 100.64.0.0/10
+    "https://[2606:4700:4700::1111]/", "https://[2001:4860:4860::8888]/", "https://[64:ff9b::808:808]/",
+])
+def test_public_addresses_next_to_refused_ranges_stay_public(url):
+    assert check_url(url, EgressPolicy()).host
+
+
 @pytest.mark.parametrize("url,reason", [
     ("ftp://8.8.8.8/x", "only http"), ("http://8.8.8.8/x", "https is required"),
     ("https://user:pw@8.8.8.8/", "credentials"), ("https:///nohost", "no host"),

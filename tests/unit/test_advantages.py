@@ -43,6 +43,25 @@ def test_group_std_uses_population_std_plus_eps():
     assert zero.tolist() == [False, False]
 
 
+@pytest.mark.parametrize("rewards,eps,expected", [
+    # [0, 3]: mean 1.5, std 1.5 -> +-1.5/2; [2, 2.5]: mean 2.25, std 0.25 -> +-0.25/0.75
+    ([[0, 3], [2, 2.5]], 0.5, [[-0.75, 0.75], [-1 / 3, 1 / 3]]),
+    # a group of 8 with std 2 (mean 5) beside one with std 1 (mean 2), eps 1: (r - 5) / 3 and (r - 2) / 2
+    ([[2, 4, 4, 4, 5, 5, 7, 9], [1, 1, 1, 1, 3, 3, 3, 3]], 1.0,
+     [[-1, -1 / 3, -1 / 3, -1 / 3, 0, 0, 2 / 3, 4 / 3], [-0.5] * 4 + [0.5] * 4]),
+    # three completions, negative rewards: [-3, 0, 3] mean 0, std sqrt(6); [-1, -1, 2] mean 0, std sqrt(2)
+    ([[-3, 0, 3], [-1, -1, 2]], 0.0,
+     [[-3 / math.sqrt(6), 0, 3 / math.sqrt(6)], [-1 / math.sqrt(2), -1 / math.sqrt(2), 2 / math.sqrt(2)]]),
+])
+def test_group_std_scales_each_group_by_its_own_population_std(rewards, eps, expected):
+    """Each case alone tells group_std from its likely breakages: the unbiased std, a variance for the std, eps
+    dropped or multiplied, one std for the whole batch, or no division at all (groups of different spreads, sizes
+    and signs, hand-computed)."""
+    adv, zero = group_advantages(torch.tensor(rewards, dtype=torch.float64), scale="group_std", eps=eps)
+    torch.testing.assert_close(adv, _t(expected), rtol=0, atol=1e-6)
+    assert not zero.any()
+
+
 def test_group_std_small_eps_unit_variance():
     """With the default tiny eps, [1, 3] (mean 2, population std 1) gives -+1/(1+1e-6)."""
     adv, _ = group_advantages(_t([[1, 3]]), scale="group_std")

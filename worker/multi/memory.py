@@ -140,9 +140,9 @@ def engine_memory(specs: list[JobSpec], device: torch.device, base_parameters: i
     if device.type == "cuda":
         return EngineMemory(held=int(spec.rollout.gpu_memory_utilization * device_memory(device)),
                             sleeps_in_update=spec.rollout.sleep_mode)
-    from worker.rollout.vllm_engine import _engine_dtype
+    from worker.rollout.vllm_engine import engine_dtype
 
-    weights = base_parameters * getattr(torch, _engine_dtype(spec, cuda=False)).itemsize
+    weights = base_parameters * getattr(torch, engine_dtype(spec, cuda=False)).itemsize
     kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or VLLM_CPU_KV_GIB)
     return EngineMemory(held=weights + int(kv * GIB), sleeps_in_update=False)
 

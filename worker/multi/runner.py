@@ -124,7 +124,7 @@ class SharedWorker:
     def admit(self, job_id: str) -> None:
         """Claim the job and set it up beside the others (start_admitted starts it); a job whose set-up fails
         ends at once, alone."""
-        claimed = job_runner._claim(self.sessions, job_id, self.owner, self.settings)
+        claimed = job_runner.claim_run(self.sessions, job_id, self.owner, self.settings)
         if not isinstance(claimed, job_runner.Claimed):
             self.outcomes[job_id] = claimed
             return
@@ -232,7 +232,7 @@ class SharedWorker:
             self._lost(resident)
             return
         log.warning("job %s failed on the shared worker", resident.job_id, exc_info=e)
-        self._end(resident, "failed", job_runner._failure(e))
+        self._end(resident, "failed", job_runner.run_failure(e))
 
     def _release(self, resident: Resident) -> None:
         del self.residents[resident.job_id]

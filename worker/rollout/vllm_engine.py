@@ -50,7 +50,7 @@ def _configure_vllm_process() -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default would take a share of all RAM
 
 
-def _engine_dtype(spec: JobSpec, cuda: bool) -> str:
+def engine_dtype(spec: JobSpec, cuda: bool) -> str:
     """rollout.dtype, else the dtype the trainer computes in (worker/model/precision.py's rule)."""
     if spec.rollout.dtype != "auto":
         return spec.rollout.dtype
@@ -82,7 +82,7 @@ def start_llm(spec: JobSpec, *, max_model_len: int, sleep: bool, loras: int = 0,
     cuda = torch.cuda.is_available()
     kwargs: dict = dict(
         model=spec.model,
-        dtype=_engine_dtype(spec, cuda),
+        dtype=engine_dtype(spec, cuda),
         max_model_len=max_model_len,
         seed=spec.seed,
         logprobs_mode="processed_logprobs",

@@ -116,7 +116,7 @@ def run_distributed(spec: JobSpec, run_dir: Path, callbacks, *, scoring: Scoring
     try:
         conn = _accept(server, proc, startup_timeout_s, log_path)
         with conn:
-            _send(conn, _context(scoring))
+            _send(conn, scoring_wire(scoring))
             result = _serve(conn, proc, callbacks, stop_grace_s, log_path)
         try:
             proc.wait(timeout=60)  # the ranks leave the process group and exit
@@ -131,7 +131,7 @@ def run_distributed(spec: JobSpec, run_dir: Path, callbacks, *, scoring: Scoring
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-def _context(scoring: ScoringContext | None) -> dict:
+def scoring_wire(scoring: ScoringContext | None) -> dict:
     scoring = scoring or ScoringContext()
     return {"secrets": dict(scoring.secrets), "egress": dataclasses.asdict(scoring.egress),
             "judge": dataclasses.asdict(scoring.judge) if scoring.judge is not None else None}
@@ -179,7 +179,7 @@ def _serve(conn: socket.socket, proc: subprocess.Popen, callbacks, stop_grace_s:
                 return message
             if kind == "error":
                 raise _known(message) or RankFailed(f"{message['type']}: {message['message']}")
-            _send(conn, _dispatch(callbacks, kind, message))
+            _send(conn, dispatch_rank_message(callbacks, kind, message))
 
 
 def _failure(what: str, log_path: Path) -> Exception:
@@ -211,7 +211,7 @@ def write_rank_error(run_dir: Path, rank: int, error: BaseException) -> None:
     os.replace(partial, folder / f"rank{rank}.json")
 
 
-def _dispatch(callbacks, kind: str, m: dict) -> dict:
+def dispatch_rank_message(callbacks, kind: str, m: dict) -> dict:
     if kind == "should_stop":
         return {"stop": bool(callbacks.should_stop())}
     if kind == "step":

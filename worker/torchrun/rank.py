@@ -71,7 +71,7 @@ class RankCallbacks:
         return bool(group.from_rank0(self._forward("should_stop").get("stop", False)))
 
 
-def _scoring(context: dict) -> ScoringContext:
+def scoring_from_wire(context: dict) -> ScoringContext:
     judge = JudgeEndpoint(**context["judge"]) if context["judge"] else None
     egress = EgressPolicy(**{**context["egress"], "allow": tuple(context["egress"]["allow"])})
     return ScoringContext(secrets=context["secrets"], egress=egress, judge=judge)
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
     channel = Rank0Channel(os.environ[CHANNEL_ENV]) if group.rank() == 0 else None
     try:
         # Secrets pass from rank 0 to the other ranks in memory, between this job's own processes.
-        scoring = _scoring(group.from_rank0(channel.receive() if channel else None))
+        scoring = scoring_from_wire(group.from_rank0(channel.receive() if channel else None))
         from worker.trainer.loop import Trainer  # after the group exists: the Trainer shards the model
 
         spec = JobSpec.model_validate_json(spec_path.read_text())

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from worker.evals.intervals import eval_metrics
 from worker.trainer.feedback import collect_feedback
-from worker.trainer.samples import _prompt_text
+from worker.trainer.samples import prompt_text
 
 
 @dataclass
@@ -46,7 +46,7 @@ def generate_and_score(engine, policy, scorer, rows: list[dict], sampling, *, fa
     prompts, completions = [], []
     for i, ids in enumerate(rollout.token_ids):
         start = rollout.prompt_lengths[i]
-        prompts.append(_prompt_text(tokenizer, ids[:start]))
+        prompts.append(prompt_text(tokenizer, ids[:start]))
         completions.append(tokenizer.decode(ids[start:]) if multi_turn else rollout.completions[i])
     return {"rewards": feedback.rewards.tolist(), "errors": feedback.errors, "lengths": rollout.action_counts,
             "turns": rollout.turns, "prompts": prompts, "completions": completions}

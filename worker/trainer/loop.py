@@ -460,9 +460,9 @@ class Trainer:
             self.engine.close()
 
     def _warn_emulated_bf16(self) -> None:
-        from worker.rollout import _sampling_dtype
+        from worker.rollout import sampling_dtype
 
-        dtypes = {self.policy.compute_dtype, _sampling_dtype(self.spec, self.policy)}
+        dtypes = {self.policy.compute_dtype, sampling_dtype(self.spec, self.policy)}
         message = precision.emulated_bf16_warning(dtypes, self.policy.device)
         if message and (warn := getattr(self.callbacks, "on_warning", None)) is not None:
             warn(self.step, message)

@@ -44,7 +44,7 @@ def pick_indices(rewards: list[float], group_size: int, groups: int) -> list[int
     return picked
 
 
-def _prompt_text(tokenizer, ids: list[int]) -> str:
+def prompt_text(tokenizer, ids: list[int]) -> str:
     """The prompt as a person reads it: without the BOS and padding tokens the tokenizer adds (raw `<s>` in
     the dashboard), but with a chat template's role markers, which are what the model saw."""
     added = {tokenizer.bos_token_id, tokenizer.pad_token_id} - {None}
@@ -68,7 +68,7 @@ def pick_samples(tokenizer, rollout: Rollout, feedback: Feedback, advantages_PG:
         else:
             parts = {}
         samples.append({
-            "prompt": _cut(_prompt_text(tokenizer, ids[:start]), max_chars),
+            "prompt": _cut(prompt_text(tokenizer, ids[:start]), max_chars),
             "completion": _cut(completion, max_chars),
             "reward": _number(rewards[i]),
             "advantage": _number(advantages[i]),

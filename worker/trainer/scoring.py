@@ -143,9 +143,9 @@ def sequence_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_siz
 def _hidden_states(model, batch: TokenBatch) -> Tensor:
     """The last layer's hidden states at the batch's positions (after the shared prefixes, if any)."""
     if batch.position_ids_BT is not None:  # packed: the position ids' restarts confine attention to each sequence
-        return _last_hidden(model, input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT, use_cache=False)
+        return last_hidden(model, input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT, use_cache=False)
     if batch.prefix_ids_GP is None:
-        return _last_hidden(model, input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
+        return last_hidden(model, input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
                             use_cache=False)
     cache = DynamicCache(config=model.config)
     prefix_mask_GP = batch.prefix_mask_GP
@@ -156,13 +156,13 @@ def _hidden_states(model, batch: TokenBatch) -> Tensor:
     cache.batch_select_indices(batch.prefix_of_B)  # each row gets its prefix's keys and values (differentiably)
     start_B1 = prefix_mask_GP.sum(-1)[batch.prefix_of_B][:, None]
     T = batch.input_ids_BT.shape[1]
-    return _last_hidden(model, input_ids=batch.input_ids_BT,
+    return last_hidden(model, input_ids=batch.input_ids_BT,
                         attention_mask=torch.cat([prefix_mask_GP[batch.prefix_of_B], batch.attention_mask_BT], dim=1),
                         position_ids=start_B1 + torch.arange(T, device=start_B1.device), **{CACHE_ARG: cache},
                         use_cache=True)
 
 
-def _last_hidden(model, **inputs) -> Tensor:
+def last_hidden(model, **inputs) -> Tensor:
     """The decoder's output (the last layer's hidden states, normed) of the model's own forward.
 
     Taken by a hook rather than output_hidden_states=True, which would keep every layer's states: under no_grad

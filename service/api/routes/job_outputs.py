@@ -17,12 +17,9 @@ from service.repositories import job_outputs as outputs_repo
 from service.repositories import jobs as jobs_repo
 from service.schemas.api import CheckpointObject, EventObject, ListObject, MetricList, SampleObject
 from service.storage import ObjectStore
+from service.storage_layout import ARCHIVE, MANIFEST, MERGED_ARCHIVE, SERVED_DIRS
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs/{fine_tuning_job_id}", tags=["fine-tuning jobs"])
-
-ARCHIVE = "adapter.tar"
-MANIFEST = "manifest.json"
-MERGED_ARCHIVE = presenters.MERGED_ARCHIVE
 
 
 @router.get("/events", response_model=ListObject[EventObject],
@@ -143,7 +140,7 @@ def checkpoint_file(fine_tuning_job_id: str, checkpoint_id: str, path: str, sess
     """One adapter file, merged model file or the manifest; trainer state (optimizer, RNG) is not for download."""
     _, ckpt = jobs_service.checkpoint(session, who.project_id, fine_tuning_job_id, checkpoint_id)
     meta = (ckpt.files or {}).get(path)
-    if not meta or not (path.startswith(("adapter/", "merged/")) or path == MANIFEST):
+    if not meta or not (path.startswith(SERVED_DIRS) or path == MANIFEST):
         raise NotFound(f"checkpoint {checkpoint_id} has no downloadable file {path!r}", param="path")
     media = "application/json" if path.endswith(".json") else "application/octet-stream"
     return _stream(store, f"{ckpt.storage_prefix}/{path}", meta["sha256"], path.rsplit("/", 1)[-1], media)
