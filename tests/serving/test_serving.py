@@ -227,12 +227,12 @@ def test_json_nested_past_the_parser_is_a_400_on_every_route(served):
 
 def test_a_prompt_too_long_in_characters_is_refused_before_it_is_tokenized(served):
     # The tiny model takes 256 tokens: no text of more than 256 * 16 characters fits, whatever its tokens.
-    words = "lorem ipsum dolor sit amet " * 120_000  # 3.2 MB: the worker took seconds to tokenize it
+    words = "lorem ipsum dolor sit amet " * 120_000  # 3.2 MB: tokenizing it took the worker 21 s here
     started = time.monotonic()
     with pytest.raises(openai.BadRequestError) as e:
         served.sdk().chat.completions.create(model=served.ft_model, messages=[{"role": "user", "content": words}])
     assert e.value.body["param"] == "messages" and f"{len(words)} characters" in e.value.body["message"]
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 8  # under 3 s at a load average of 13: the body through API and channel
     with pytest.raises(openai.BadRequestError) as e:
         served.sdk().completions.create(model=served.ft_model, prompt="a" * (256 * 16 + 1), max_tokens=1)
     assert e.value.body["param"] == "prompt" and "4097 characters" in e.value.body["message"], e.value.body
