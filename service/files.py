@@ -31,7 +31,7 @@ from service.errors import InUse, InvalidRequest, NotFound
 from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
 from service.schemas.dataset import row_problem
-from service.schemas.json_text import MAX_NESTING, json_problem
+from service.schemas.json_text import MAX_NESTING, json_problem, may_hold_problem
 from service.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def row_error(line: bytes) -> str | None:
         return f"nests arrays and objects deeper than {MAX_NESTING} levels"
     except ValueError as e:  # an integer longer than Python converts (sys.get_int_max_str_digits())
         return f"unreadable JSON number ({str(e).split(';')[0]})"
-    if found := json_problem(row):
+    if may_hold_problem(line) and (found := json_problem(row)):
         where, problem = found
         return f"{where or 'the row'} {problem}"
     return row_problem(row, "upload")
