@@ -64,7 +64,7 @@ def result_line(run: dict) -> str:
 def cmd_eval(args, client: Client) -> int:
     run = client.post("/evals", json=build_eval_request(args, client))
     started, shown = time.monotonic(), None
-    while run["status"] not in ("succeeded", "failed"):
+    while run["status"] not in ("succeeded", "failed", "cancelled"):
         if run["status"] != shown:
             shown = run["status"]
             print(f"{run['id']}  {shown}", file=sys.stderr)
@@ -78,6 +78,9 @@ def cmd_eval(args, client: Client) -> int:
         print(result_line(run))
     if run["status"] == "failed":
         print(f"error: eval run {run['id']} failed: {run['error']['message']}", file=sys.stderr)
+        return EXIT_JOB_ENDED_BADLY
+    if run["status"] == "cancelled":
+        print(f"error: eval run {run['id']} was cancelled", file=sys.stderr)
         return EXIT_JOB_ENDED_BADLY
     return 0
 
