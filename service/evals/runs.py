@@ -67,7 +67,7 @@ def create(session: Session, store: ObjectStore, project_id: str, body: EvalCrea
     source = session.scalar(select(Job).where(Job.id == start.source_job_id)) if start is not None else None
     base = start.base_model if start else body.model
     if settings is not None:
-        if start is None:  # the project's own fine-tuned model names a base its job already loaded
+        if start is None:  # a fine-tuned model's base was checked when its job was created
             check_known_base(session, project_id, base, settings, param="model")
         check_quota(session, project_id, settings)
     file = _dataset(session, project_id, body.file, "file")
