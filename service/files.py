@@ -31,6 +31,7 @@ from service.errors import InUse, InvalidRequest, NotFound
 from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
 from service.schemas.dataset import row_problem
+from service.schemas.json_text import MAX_NESTING, json_problem, may_hold_problem
 from service.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -82,13 +83,21 @@ def _lines(src: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes]]:
 
 
 def row_error(line: bytes) -> str | None:
-    """What is wrong with one JSONL line, or None."""
+    """What is wrong with one JSONL line, or None. Beyond the JSON grammar, a row must parse within Python's
+    limits and hold only what the trainer can carry (service/schemas/json_text.py)."""
     try:
         row = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError:
         return "not valid UTF-8"
     except json.JSONDecodeError as e:
         return f"invalid JSON ({e.msg} at column {e.colno})"
+    except RecursionError:
+        return f"nests arrays and objects deeper than {MAX_NESTING} levels"
+    except ValueError as e:  # an integer longer than Python converts (sys.get_int_max_str_digits())
+        return f"unreadable JSON number ({str(e).split(';')[0]})"
+    if may_hold_problem(line) and (found := json_problem(row)):
+        where, problem = found
+        return f"{where or 'the row'} {problem}"
     return row_problem(row, "upload")
 
 

@@ -112,6 +112,8 @@ class Settings(BaseSettings):
     rate_limit_per_s: float = Field(20.0, gt=0, description="Sustained requests per second per API key.")
     rate_limit_burst: int = Field(100, ge=1, description="Requests an API key may send at once.")
     max_active_jobs: int = Field(10, ge=1, description="Queued plus running jobs per project.")
+    max_active_evals: int = Field(4, ge=1, description="Queued plus running eval runs per project: evals share "
+                                  "the jobs' workers, so one project's evals cannot fill the queue.")
     scoring_timeout_s: float = Field(60.0, gt=0, le=3600, description="Wall time of one reward test or "
                                      "grader run.")
     scoring_per_project: int = Field(2, ge=1, description="Concurrent reward tests / grader runs per project.")

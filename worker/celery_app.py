@@ -67,10 +67,15 @@ def run_job(job_id: str) -> str | None:
 
 
 @app.task(name=RUN_EVAL, acks_late=True)
-def run_eval(eval_id: str) -> str | None:
-    """An eval run (worker/eval_runner.py): a model scored on a file, in this fresh child like a job."""
+def run_eval(eval_id: str, yielded: int = 0) -> str | None:
+    """An eval run (worker/eval_runner.py): a model scored on a file, in this fresh child like a job, unless
+    another project's turn comes first (worker/eval_turns.py)."""
     _refuse_while_draining()
     from worker.eval_runner import run_eval as run
+    from worker.eval_turns import hand_over_turn
+
+    if hand_over_turn(eval_id, get_settings(), yielded):
+        return "yielded"
 
     status = run(eval_id, get_settings())
     log.info("eval run %s ended as %s", eval_id, status)

@@ -6,7 +6,10 @@ each scored by the spec's reward in its sandbox. The result is the mean with its
 (worker/evals/intervals.py) and a per-row JSONL file (prompt, completion, reward) of purpose "evals".
 
 A duplicate broker message finds the run claimed and returns. A run that fails is failed with the
-error, not retried (an eval is cheap to ask for again). A worker that dies mid-run leaves it `running`.
+error, not retried (an eval is cheap to ask for again). The claim is a lease the run renews
+(worker/heartbeat.py) while it scores the rows in chunks of CHUNK_ROWS; between two chunks it ends as
+`cancelled` when a cancel was asked, and stops writing when the lease is no longer its own. A worker that
+dies stops renewing, and the reconciler fails the run once the lease has passed (worker/reconciler.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import os
 import shutil
 import socket
+from dataclasses import fields
 from pathlib import Path
 
 from service.db.models import File, new_id
@@ -33,8 +37,34 @@ from service.settings import Settings
 from service.storage import ObjectStore, open_store
 from worker.artifacts import download_checkpoint
 from worker.evals.intervals import mean_interval
+from worker.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
+
+CHUNK_ROWS = 32  # rows scored between two looks at the lease: how soon a cancel takes effect
+
+
+class Stopped(Exception):
+    """The run must end now: a cancel was asked, or the lease is no longer this worker's."""
+
+
+class EvalLease:
+    """This worker's lease on an eval run: renewed in the background and before each chunk of rows."""
+
+    def __init__(self, sessions, eval_id: str, owner: str, settings: Settings):
+        self.sessions, self.eval_id, self.owner, self.ttl_s = sessions, eval_id, owner, settings.lease_ttl_s
+        self.cancel = self.lost = False
+        self.heartbeat = Heartbeat(self.renew, settings.heartbeat_s, name=f"heartbeat-{eval_id}")
+
+    def renew(self) -> None:
+        with self.sessions.begin() as s:
+            cancel = evals_repo.heartbeat(s, self.eval_id, self.owner, self.ttl_s)
+        self.lost, self.cancel = cancel is None, bool(cancel)
+
+    def check(self) -> None:
+        self.renew()
+        if self.lost or self.cancel:
+            raise Stopped("lost" if self.lost else "cancelled")
 
 
 def work_dir(settings: Settings, eval_id: str) -> Path:
@@ -58,8 +88,10 @@ def _publish(sessions, store: ObjectStore, run, results: list[dict]) -> str:
     return file_id
 
 
-def _evaluate(run, spec: JobSpec, store: ObjectStore, settings: Settings, secrets: dict, start, work: Path):
+def _evaluate(run, spec: JobSpec, store: ObjectStore, settings: Settings, secrets: dict, start, work: Path,
+              lease: EvalLease):
     from worker.rewards.engine import ScoringContext
+    from worker.trainer.evaluation import EvalRows
     from worker.trainer.loop import Trainer  # torch loads here, not at worker import
 
     data = work / "data" / "rows.jsonl"
@@ -72,7 +104,13 @@ def _evaluate(run, spec: JobSpec, store: ObjectStore, settings: Settings, secret
     local = spec.model_copy(update=update)
     trainer = Trainer(local, work / "run", resume=False, scoring=ScoringContext.from_settings(settings, secrets))
     try:
-        return trainer.eval_rows(trainer.train_rows[: local.training.eval_max_rows])
+        rows, every = trainer.train_rows[: local.training.eval_max_rows], EvalRows()
+        for first in range(0, len(rows), CHUNK_ROWS):
+            lease.check()
+            part = trainer.eval_rows(rows[first:first + CHUNK_ROWS], first=first)
+            for name in fields(EvalRows):
+                getattr(every, name.name).extend(getattr(part, name.name))
+        return every
     finally:
         trainer.close()
 
@@ -85,7 +123,7 @@ def run_eval(eval_id: str, settings: Settings, *, owner: str | None = None) -> s
     store = open_store(settings.resolved_storage_url())
     owner = owner or f"{socket.gethostname()}:{os.getpid()}"
     with sessions.begin() as s:
-        if not evals_repo.claim(s, eval_id, owner):
+        if not evals_repo.claim(s, eval_id, owner, ttl_s=settings.lease_ttl_s):
             return None
         run = evals_repo.get_for_worker(s, eval_id)
         spec = JobSpec.model_validate(run.spec)
@@ -94,16 +132,28 @@ def run_eval(eval_id: str, settings: Settings, *, owner: str | None = None) -> s
         start = (start.storage_prefix, dict(start.files)) if start is not None else None
         s.expunge(run)
     work = work_dir(settings, eval_id)
+    lease = EvalLease(sessions, eval_id, owner, settings)
+    lease.heartbeat.start()
     try:
         if run.checkpoint_id and start is None:
             raise ValueError(f"the checkpoint {run.checkpoint_id} no longer exists (its model was deleted)")
-        rows = _evaluate(run, spec, store, settings, secrets, start, work)
+        rows = _evaluate(run, spec, store, settings, secrets, start, work, lease)
         interval = mean_interval(rows.rewards)
         result = {**interval.as_dict(), "errors": len(rows.errors)}
         file_id = _publish(sessions, store, run, rows.as_results())
         with sessions.begin() as s:
-            evals_repo.finish(s, eval_id, owner, status="succeeded", result=result, result_file_id=file_id)
+            if not evals_repo.finish(s, eval_id, owner, status="succeeded", result=result, result_file_id=file_id):
+                log.warning("eval run %s: no longer this worker's when it finished; its result is dropped", eval_id)
+                return None
         return "succeeded"
+    except Stopped as stop:
+        if lease.lost:
+            log.warning("eval run %s: the lease is no longer this worker's; stopped without writing", eval_id)
+            return None
+        with sessions.begin() as s:
+            evals_repo.finish(s, eval_id, owner, status="cancelled")
+        log.info("eval run %s cancelled (%s)", eval_id, stop)
+        return "cancelled"
     except Exception as e:  # the run fails with a message; the worker lives on
         log.exception("eval run %s failed", eval_id)
         code, message, _ = run_failure(e)
@@ -111,4 +161,5 @@ def run_eval(eval_id: str, settings: Settings, *, owner: str | None = None) -> s
             evals_repo.finish(s, eval_id, owner, status="failed", error_code=code, error_message=message[:2000])
         return "failed"
     finally:
+        lease.heartbeat.stop()
         shutil.rmtree(work, ignore_errors=True)

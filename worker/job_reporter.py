@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from service.settings import Settings
 from service.storage import ObjectStore, StorageError
 from worker.artifacts import upload_checkpoint
 from worker.drain import DRAIN
+from worker.heartbeat import Heartbeat
 from worker.job_evidence import JobEvidence
 from worker.progress import StepClock
 from worker.rewards.errors import summarize
@@ -65,8 +65,7 @@ class JobReporter:
         self._clock = StepClock(total_steps)
         self.evidence = JobEvidence(sessions, job_id, epoch, total_steps, training)  # forecast, early stop, best
         self.trackers = None  # the job's experiment trackers (worker/trackers.py), set by the job runner
-        self._stop_beat = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{job_id}", daemon=True)
+        self._beat = Heartbeat(self.heartbeat, settings.heartbeat_s, name=f"heartbeat-{job_id}")
 
     # -- lease ---------------------------------------------------------------
 
@@ -74,15 +73,7 @@ class JobReporter:
         self._beat.start()
 
     def stop(self) -> None:
-        self._stop_beat.set()
-        self._beat.join(timeout=5)
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop_beat.wait(self.settings.heartbeat_s):
-            try:
-                self.heartbeat()
-            except Exception:  # a transient database error: the next beat retries
-                log.exception("heartbeat for %s failed", self.job_id)
+        self._beat.stop()
 
     def heartbeat(self) -> None:
         with self.sessions.begin() as s:

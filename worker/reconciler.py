@@ -8,7 +8,8 @@ job whose enqueue failed (marked on its row, service/repositories/job_messages.p
 is sent on the next pass; and any job queued for longer than `resend_after_s`
 is sent again, for a message lost without anyone noticing (a duplicate
 message is harmless: the lease admits one runner). Eval runs queued that long
-are sent again too (their claim admits one runner).
+are sent again too (their claim admits one runner); a running eval run whose
+lease expired is failed (service/repositories/evals.py says why it is not retried).
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ def reconcile_once(settings: Settings, *, resend_after_s: float = 300.0, sent: d
         waiting = job_recovery.queued_before(s, int(t - resend_after_s))
         due = {**{j: nb for j, nb in owed.items() if nb}, **{j: jobs.get_for_worker(s, j).not_before for j in requeued}}
         waiting_evals = evals.queued_before(s, int(t - resend_after_s))
+        lost_evals = evals.fail_expired(s)
     for job_id in requeued:
         log.warning("job %s: lease expired; re-queued", job_id)
+    for eval_id in lost_evals:
+        log.warning("eval run %s: lease expired; failed", eval_id)
     resend = list(dict.fromkeys(requeued + list(owed) + [
         j for j in waiting if t - sent.get(j, 0.0) > resend_after_s]))
     done = []

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException
 
+from service.api import json_body
 from service.errors import ServiceError, describe_validation, field_path
 from service.repositories.pagination import UnknownCursor
 from service.storage import NotFound as ObjectNotFound
@@ -82,6 +83,8 @@ async def _unknown_cursor(request: Request, exc: UnknownCursor) -> JSONResponse:
 
 async def _http(request: Request, exc: HTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    if exc.status_code == 400 and (why := json_body.unreadable(exc.__cause__)) is not None:
+        return error_response(400, why, code="invalid_json")  # FastAPI's own parse of a route's body
     if exc.status_code == 404 and message == "Not Found":
         message = f"no route for {request.method} {request.url.path}"
     return error_response(exc.status_code, message, code=getattr(exc, "code", None),

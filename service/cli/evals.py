@@ -71,7 +71,7 @@ def cmd_eval(args, client: Client) -> int:
 def wait_for(client: Client, run: dict, args) -> int:
     """Show an eval run's progress until a worker has run it, then its result (exit 1 if it failed)."""
     started, shown = time.monotonic(), None
-    while run["status"] not in ("succeeded", "failed"):
+    while run["status"] not in ("succeeded", "failed", "cancelled"):
         if run["status"] != shown:
             shown = run["status"]
             print(f"{run['id']}  {shown}", file=sys.stderr)
@@ -85,6 +85,9 @@ def wait_for(client: Client, run: dict, args) -> int:
         print(result_line(run))
     if run["status"] == "failed":
         print(f"error: eval run {run['id']} failed: {run['error']['message']}", file=sys.stderr)
+        return EXIT_JOB_ENDED_BADLY
+    if run["status"] == "cancelled":
+        print(f"error: eval run {run['id']} was cancelled", file=sys.stderr)
         return EXIT_JOB_ENDED_BADLY
     return 0
 

@@ -291,7 +291,7 @@ class EvalRun(Base):
     seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("evalrun_"))
     project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
-    status: Mapped[str] = mapped_column(String(24), index=True)  # queued, running, succeeded, failed
+    status: Mapped[str] = mapped_column(String(24), index=True)  # queued, running, succeeded, failed, cancelled
     model: Mapped[str] = mapped_column(String(512))  # as the request named it
     checkpoint_id: Mapped[str | None] = mapped_column(String(40))  # None: the base model itself
     file_id: Mapped[str] = mapped_column(String(40))
@@ -303,6 +303,8 @@ class EvalRun(Base):
     error_message: Mapped[str | None] = mapped_column(Text)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
     owner: Mapped[str | None] = mapped_column(String(200))  # the worker running it
+    lease_expires_at: Mapped[float | None] = mapped_column(Float)  # renewed by that worker (repositories/leases.py)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)  # honoured between chunks of rows
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     started_at: Mapped[int | None] = mapped_column(BigInteger)
     finished_at: Mapped[int | None] = mapped_column(BigInteger)

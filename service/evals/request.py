@@ -49,7 +49,7 @@ class EvalResult(BaseModel):
 class EvalObject(BaseModel):
     object: Literal["eval.run"] = "eval.run"
     id: str
-    status: Literal["queued", "running", "succeeded", "failed"]
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     model: str
     checkpoint_id: str | None
     file: str

@@ -3,7 +3,8 @@
 What runs is a JobSpec for the worker's eval harness (worker/eval_runner.py): the base model, the
 starting checkpoint (`init_from`, a checkpoint id) for a fine-tuned model, the file as its rows, and the
 reward. A fine-tuned model or checkpoint takes its job's adapter shape, precision and sampling, and its
-job's reward when the request names none.
+job's reward when the request names none. A base model must be one the project may run as it is
+(service/models/known_bases.py); a project has at most `max_active_evals` runs queued or running.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from service.db.models import EvalRun, Job
-from service.errors import InvalidRequest, NotFound, invalid_value
+from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, invalid_value
 from service.jobs import dataset_file
 from service.models import start as starts
-from service.models.source import check_model
+from service.models.known_bases import check_known_base
 from service.repositories import evals as evals_repo
 from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
@@ -48,13 +49,27 @@ def _reward(session: Session, project_id: str, body: EvalCreate, source: Job | N
                          "whose job had a reward may leave them out)", param="reward")
 
 
+def check_quota(session: Session, project_id: str, settings: Settings | None) -> None:
+    """One more queued or running eval must fit in the project's cap (429: it frees up as runs end)."""
+    if settings is None:
+        return
+    active = evals_repo.active_count(session, project_id)
+    if active >= settings.max_active_evals:
+        raise TooManyRequests(f"quota: this project has {active} queued or running eval runs, its limit "
+                              f"(CISPO_MAX_ACTIVE_EVALS={settings.max_active_evals}); wait for one to finish or "
+                              "cancel one (POST /v1/evals/{id}/cancel)", retry_after_s=30,
+                              code="active_eval_quota_exceeded")
+
+
 def create(session: Session, store: ObjectStore, project_id: str, body: EvalCreate, *,
            settings: Settings | None = None) -> EvalRun:
     start = starts.resolve(session, project_id, body.model) if starts.names_a_start(body.model) else None
     source = jobs_repo.get(session, project_id, start.source_job_id) if start is not None else None
     base = start.base_model if start else body.model
     if settings is not None:
-        check_model(base, settings)
+        if start is None:  # a fine-tuned model's base was checked when its job was created
+            check_known_base(session, project_id, base, settings, param="model")
+        check_quota(session, project_id, settings)
     file = dataset_file(session, project_id, body.file, "file")
     reward, reward_function_id, reward_param = _reward(session, project_id, body, source)
     inherited = {k: source.spec[k] for k in ("dtype", "sampling", "rollout") if source and k in source.spec}
@@ -83,6 +98,15 @@ def get(session: Session, project_id: str, eval_id: str) -> EvalRun:
     if run is None:
         raise NotFound(f"no such eval run: {eval_id}", param="eval_id")
     return run
+
+
+def cancel(session: Session, project_id: str, eval_id: str) -> EvalRun:
+    """A queued run is cancelled at once, a running one when its worker next checks; an ended one is a 409."""
+    run = get(session, project_id, eval_id)
+    try:
+        return evals_repo.request_cancel(session, run)
+    except evals_repo.IllegalTransition as e:
+        raise Conflict(str(e), code="invalid_eval_state") from None
 
 
 def list_runs(session: Session, project_id: str, *, after: str | None, limit: int) -> Page[EvalRun]:

@@ -15,7 +15,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, now
-from service.repositories import job_history
+from service.repositories import job_history, leases
 from service.repositories.jobs import TERMINAL
 
 
@@ -36,8 +36,7 @@ def _runnable(t: float, max_attempts: int):
     """A queued job past its backoff, or a running one whose worker stopped renewing; with an attempt left."""
     return and_(
         Job.attempts < max_attempts,
-        or_(and_(Job.status == "queued", or_(Job.not_before.is_(None), Job.not_before <= t)),
-            and_(Job.status == "running", Job.lease_expires_at < t)),
+        or_(and_(Job.status == "queued", or_(Job.not_before.is_(None), Job.not_before <= t)), leases.expired(Job, t)),
     )
 
 
@@ -63,11 +62,7 @@ def claim(session: Session, job_id: str, owner: str, ttl_s: float, *, max_attemp
 
 def heartbeat(session: Session, job_id: str, epoch: int, ttl_s: float) -> Control | None:
     """Renew the lease; None means it is lost and the worker must stop writing."""
-    result = session.execute(
-        update(Job).where(fenced(job_id, epoch)).values(lease_expires_at=time.time() + ttl_s)
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:
+    if not leases.renew(session, Job, fenced(job_id, epoch), ttl_s):
         return None
     cancel, pause = session.execute(
         select(Job.cancel_requested, Job.pause_requested).where(Job.id == job_id)

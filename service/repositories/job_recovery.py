@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, now
+from service.repositories import leases
 from service.repositories.jobs import add_event
 
 
@@ -29,7 +30,7 @@ def fail_exhausted(session: Session, job_id: str, max_attempts: int) -> bool:
     result = session.execute(
         update(Job).where(
             Job.id == job_id, Job.attempts >= max_attempts,
-            or_(Job.status == "queued", and_(Job.status == "running", Job.lease_expires_at < t)),
+            or_(Job.status == "queued", leases.expired(Job, t)),
         )
         .values(status="failed", error_code="too_many_attempts",
                 error_message=f"the job failed {max_attempts} times: its worker crashed or lost its lease "
@@ -46,8 +47,7 @@ def requeue_expired(session: Session, *, max_attempts: int, backoff_s: float) ->
     """Queue again (after a backoff) running jobs whose worker stopped heartbeating, or fail those with no
     attempt left; returns the ids queued again."""
     t = time.time()
-    expired = list(session.execute(select(Job.id, Job.attempts)
-                                   .where(Job.status == "running", Job.lease_expires_at < t)))
+    expired = list(session.execute(select(Job.id, Job.attempts).where(leases.expired(Job, t))))
     requeued = []
     for job_id, attempts in expired:
         if attempts >= max_attempts:
@@ -55,7 +55,7 @@ def requeue_expired(session: Session, *, max_attempts: int, backoff_s: float) ->
             continue
         delay = retry_delay(attempts, base_s=backoff_s)
         result = session.execute(
-            update(Job).where(Job.id == job_id, Job.status == "running", Job.lease_expires_at < t)
+            update(Job).where(Job.id == job_id, leases.expired(Job, t))
             .values(status="queued", lease_owner=None, lease_expires_at=None, not_before=t + delay)
             .execution_options(synchronize_session=False)
         )

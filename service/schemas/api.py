@@ -12,6 +12,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
+from service.schemas.json_text import lone_surrogate
 from service.schemas.rewards import RewardSpec
 
 T = TypeVar("T")
@@ -35,14 +36,17 @@ def refuse_import_reward(value: Any) -> Any:
 ServiceReward = Annotated[RewardSpec, BeforeValidator(refuse_import_reward)]
 
 
-def _no_nul(value: str) -> str:
+def _storable(value: str) -> str:
     if "\x00" in value:
         raise ValueError("must not contain NUL (\\x00) characters")
+    if problem := lone_surrogate(value):
+        raise ValueError(problem)
     return value
 
 
-Text = Annotated[str, AfterValidator(_no_nul)]
-"""A string stored in a SQL text column: PostgreSQL cannot hold NUL, so it is refused here, by name."""
+Text = Annotated[str, AfterValidator(_storable)]
+"""A string stored in a SQL text column: PostgreSQL cannot hold NUL, and no UTF-8 column a lone surrogate
+(service/schemas/json_text.py), so both are refused here, by name."""
 
 
 # -- files -------------------------------------------------------------------

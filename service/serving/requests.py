@@ -12,9 +12,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from service.errors import InvalidRequest, describe_validation
+from service.schemas.json_text import json_problem
 
 MAX_N = 8
 MAX_STOP = 4
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit seed, as OpenAI documents it and torch's generator takes
 DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -28,7 +30,7 @@ class _Body(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
@@ -97,6 +99,9 @@ def parse(kind: type[_Body], body: object) -> _Body:
     """The body validated; InvalidRequest (400) naming the first bad field otherwise."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", code="invalid_value")
+    if found := json_problem(body):  # text a tokenizer cannot encode fails in the worker otherwise
+        where, problem = found
+        raise InvalidRequest(f"{where}: {problem}", param=where, code="invalid_value")
     try:
         return kind.model_validate(body)
     except ValidationError as e:

@@ -7,8 +7,9 @@ project's are 404s, like ids that do not exist.
 
 A base model is served as it is when the operator lists it
 (CISPO_SERVE_BASE_MODELS) or when one of the project's own jobs trained on
-it, so a project can compare its fine-tuned model with where it started;
-anything else is a 404, never a download of whatever hub id was asked for.
+it, so a project can compare its fine-tuned model with where it started
+(service/models/known_bases.py, which eval runs share); anything else is a
+404, never a download of whatever hub id was asked for.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from service.errors import InvalidRequest, NotFound
-from service.models import start
+from service.models import known_bases, start
 from service.repositories import jobs as jobs_repo
 from service.settings import Settings
 
@@ -41,7 +42,7 @@ def resolve(session: Session, project_id: str, model: str, settings: Settings) -
                                  param="model", code="model_not_servable")
         ckpt = jobs_repo.checkpoint(session, found.source_job_id, found.checkpoint_id)
         return Target(found.base_model, {"id": ckpt.id, "prefix": ckpt.storage_prefix, "files": dict(ckpt.files)})
-    if model in settings.resolved_serve_base_models() or jobs_repo.trained_on(session, project_id, model):
+    if known_bases.listed_or_trained_on(session, project_id, model, settings):
         return Target(model, None)
     raise NotFound(f"model: no model {model!r} is served to this project (GET /v1/models lists its fine-tuned "
                    "models; a base model is served when the operator lists it in CISPO_SERVE_BASE_MODELS or "

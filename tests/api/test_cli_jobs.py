@@ -157,6 +157,28 @@ def test_watch_exits_nonzero_when_the_job_does_not_succeed(live, tmp_path):
     assert watched.returncode == 1 and "cancelled" in watched.stdout
 
 
+def test_eval_stops_waiting_when_the_eval_run_is_cancelled(live, tmp_path):
+    (tmp_path / "train.jsonl").write_bytes(jsonl(TRAIN_ROWS))
+    job_id = cispo(live, "create", "--model", "tiny-model", "--training-file", "train.jsonl", "--reward", REWARD,
+                   cwd=tmp_path).stdout.strip()
+    waiting = subprocess.Popen([sys.executable, "-m", "worker.cli", "jobs", "eval", job_id, "--base", "--file",
+                                str(tmp_path / "train.jsonl"), "--interval", "0.2"], env=cli_env(live),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([waiting.stderr], [], [], 30)  # no worker here: the run stays queued
+        assert ready, "no output in time"
+        line = waiting.stderr.readline()
+        while not line.startswith("evalrun_"):
+            line = waiting.stderr.readline()
+        eval_id = line.split()[0]
+        with live.client() as http:
+            assert http.post(f"/v1/evals/{eval_id}/cancel").json()["status"] == "cancelled"
+        assert waiting.wait(30) == 1
+        assert f"eval run {eval_id} was cancelled" in waiting.stderr.read()
+    finally:
+        waiting.kill()
+
+
 def test_the_cli_imports_no_torch():
     probe = "import sys, worker.cli, service.cli.jobs; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"

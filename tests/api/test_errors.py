@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
@@ -75,6 +77,13 @@ def test_nul_characters_are_refused_before_they_reach_the_database(api):
     assert_error(api.client.post(JOBS, json=cispo_body(uploaded(api.client), model="m\x00")), 400, "model", "NUL")
     r = api.client.post("/v1/reward_functions", json={"name": "a\x00", "spec": {"type": "contains"}})
     assert_error(r, 400, "name", "NUL")
+
+
+def test_lone_surrogates_are_refused_before_they_reach_the_database(api):
+    # Valid JSON ("\ud800" escaped) that no UTF-8 column stores: the driver's encode was a 500.
+    body = json.dumps(cispo_body(uploaded(api.client), suffix="a\ud800")).encode()
+    r = api.client.post(JOBS, content=body, headers={"content-type": "application/json"})
+    assert assert_error(r, 422, "suffix", "lone UTF-16 surrogate")["param"] == "suffix"
 
 
 def test_non_finite_numbers_are_refused_naming_the_field(api):

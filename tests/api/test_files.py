@@ -222,3 +222,19 @@ def test_bad_message_rows_name_the_line_and_the_field(api):
                          "line 6: give 'prompt' or 'messages', not both")
     assert "line 1:" not in error["message"] and "line 3:" not in error["message"]
     assert _file_rows(api) == 0
+
+
+def test_rows_python_cannot_carry_are_refused_naming_the_line(api):
+    """Valid JSON that fails later (a 500 at upload, or three failed training attempts): nesting past the
+    parser's stack, a number past Python's digit limit, a lone surrogate a tokenizer cannot encode."""
+    deep = b'{"prompt": "a", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    content = (b'{"prompt": "ok"}\n' + deep + b'\n{"prompt": "a", "n": ' + b"7" * 5000 + b'}\n'
+               b'{"prompt": "say \\ud800"}\n{"messages": [{"role": "user", "content": "\\udfff"}]}\n'
+               b'{"prompt": "a", "x": ' + b"[" * 100 + b"]" * 100 + b'}\n{"prompt": "pair \\ud83d\\ude00 ok"}\n')
+    error = assert_error(upload(api.client, content=content), 400, "5 invalid row(s)",
+                         "line 2: nests arrays and objects deeper than", "line 3: unreadable JSON number",
+                         "line 4: prompt holds a lone UTF-16 surrogate (\\ud800 at character 4)",
+                         "line 5: messages[0].content holds a lone UTF-16 surrogate",
+                         "line 6: x[0][0]")
+    assert "line 1:" not in error["message"] and "line 7:" not in error["message"]
+    assert _file_rows(api) == 0

@@ -178,7 +178,7 @@ def test_another_project_cannot_call_the_model_or_its_base(served):
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", 5), ("n", 0), ("max_tokens", 0), ("top_p", 0), ("logprobs", True), ("messages", []),
-    ("stop", ["a", "b", "c", "d", "e"]), ("max_tokens", 100000),
+    ("stop", ["a", "b", "c", "d", "e"]), ("max_tokens", 100000), ("seed", 2**70), ("seed", -(2**63) - 1),
 ])
 def test_a_bad_field_is_a_400_naming_it(served, field, value):
     with pytest.raises(openai.BadRequestError) as e:
@@ -193,6 +193,51 @@ def test_a_prompt_longer_than_the_model_takes_is_a_400_and_the_default_length_fi
     # Without max_tokens the default (16) is cut to what the prompt leaves: 250 characters + <s> leave 5.
     r = served.sdk().completions.create(model=served.ft_model, prompt="a" * 250)
     assert r.usage.prompt_tokens == 251 and 1 <= r.usage.completion_tokens <= 5
+
+
+def test_text_no_tokenizer_encodes_is_a_400_naming_the_field(served):
+    # Raw bodies: a client's encoder may refuse a lone surrogate itself; the escape in JSON is what arrives.
+    model = served.ft_model.encode()
+    with served.api.client() as http:
+        for route, body, where in (
+                ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "ok \\ud800"}]}',
+                 "messages[0].content"),
+                ("/v1/completions", b'{"model": "%s", "prompt": ["a", "\\udfff"]}', "prompt[1]")):
+            r = http.post(route, content=body.replace(b"%s", model), headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == where and "lone UTF-16 surrogate" in error["message"], error
+        r = http.post("/v1/completions", content=b'{"model": "%s", "prompt": "pair \\ud83d\\ude00", "max_tokens": 1}'
+                      .replace(b"%s", model), headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text  # a pair is a character
+
+
+def test_json_nested_past_the_parser_is_a_400_on_every_route(served):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with served.api.client() as http:
+        for route, body in (("/v1/chat/completions", b'{"model": "m", "messages": ' + deep + b"}"),
+                            ("/v1/completions", b'{"model": "m", "prompt": ' + deep + b"}"),
+                            ("/v1/fine_tuning/jobs", b'{"model": "m", "training_file": ' + deep + b"}"),
+                            ("/v1/evals", b'{"model": "m", "file": ' + b"1" * 5000 + b"}")):
+            r = http.post(route, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (route, r.text)
+            error = r.json()["error"]
+            assert error["code"] == "invalid_json" and "not valid JSON for this service" in error["message"], error
+
+
+def test_a_prompt_too_long_in_characters_is_refused_before_it_is_tokenized(served):
+    # The tiny model takes 256 tokens: no text of more than 256 * 16 characters fits, whatever its tokens.
+    words = "lorem ipsum dolor sit amet " * 120_000  # 3.2 MB: tokenizing it took the worker 21 s here
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as e:
+        served.sdk().chat.completions.create(model=served.ft_model, messages=[{"role": "user", "content": words}])
+    assert e.value.body["param"] == "messages" and f"{len(words)} characters" in e.value.body["message"]
+    assert time.monotonic() - started < 8  # under 3 s at a load average of 13: the body through API and channel
+    with pytest.raises(openai.BadRequestError) as e:
+        served.sdk().completions.create(model=served.ft_model, prompt="a" * (256 * 16 + 1), max_tokens=1)
+    assert e.value.body["param"] == "prompt" and "4097 characters" in e.value.body["message"], e.value.body
+    r = served.sdk().completions.create(model=served.ft_model, prompt="a" * 250)  # what fits still runs
+    assert r.usage.prompt_tokens == 251
 
 
 def test_a_base_no_worker_serves_is_a_503_with_retry_after(served):

@@ -1,4 +1,5 @@
-"""The reconciler resends an eval run whose broker message was lost (it stays queued), and only such runs."""
+"""The reconciler resends an eval run whose broker message was lost (it stays queued), and only such runs; it fails
+one whose worker stopped renewing its lease."""
 
 from __future__ import annotations
 
@@ -32,3 +33,19 @@ def test_a_queued_eval_run_is_resent_once_per_interval(database_url, tmp_path, m
     assert sent == [queued] and running not in sent
     with session_factory(database_url).begin() as s:
         assert evals.claim(s, queued, "w") and not evals.claim(s, queued, "w2")  # one runner, however many sends
+
+
+def test_a_running_eval_run_whose_lease_expired_is_failed_and_a_live_one_is_left(database_url, tmp_path,
+                                                                                 monkeypatch):
+    from worker import reconciler
+
+    settings = make_settings(tmp_path, database_url)
+    dead, live = _eval_run(database_url, "queued"), _eval_run(database_url, "queued")
+    with session_factory(database_url).begin() as s:
+        assert evals.claim(s, dead, "died", ttl_s=-1) and evals.claim(s, live, "alive", ttl_s=600)
+    monkeypatch.setattr(reconciler, "enqueue_eval", lambda eval_id, settings=None: None)
+    reconciler.reconcile_once(settings, resend_after_s=3600)
+    with session_factory(database_url)() as s:
+        lost, kept = evals.get_for_worker(s, dead), evals.get_for_worker(s, live)
+        assert (lost.status, lost.error_code, lost.lease_expires_at) == ("failed", "worker_lost", None)
+        assert kept.status == "running"

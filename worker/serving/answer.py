@@ -8,6 +8,12 @@ from worker.serving.engine import ResidentModel
 from worker.serving.stream import TextDeltas, stream_tokens
 
 
+# No text averages more characters a token than this (English runs about 4, code about 3 to 6), so a prompt
+# longer than max_len * MAX_CHARS_PER_TOKEN characters cannot fit the model: it is refused before tokenizing,
+# which for megabytes of text would hold this worker, and every request queued behind it, for seconds.
+MAX_CHARS_PER_TOKEN = 16
+
+
 class Refused(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
@@ -53,6 +59,11 @@ def _encode(resident: ResidentModel, prompts: list[dict], max_tokens: int, *, as
     out = []
     for prompt in prompts:
         param = "messages" if "messages" in prompt else "prompt"
+        chars = len(prompt["text"]) if "text" in prompt else sum(len(m["content"]) for m in prompt["messages"])
+        if chars > (most := resident.max_len * MAX_CHARS_PER_TOKEN):
+            raise Refused(f"{param}: the prompt is {chars} characters; {resident.base} takes at most "
+                          f"{resident.max_len} tokens in all, which no text longer than {most} characters fits",
+                          param)
         try:
             out.append(resident.prompt_ids(prompt))
         except ValueError as e:

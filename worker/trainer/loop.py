@@ -168,9 +168,10 @@ class Trainer:
             return {}
         return {"environment": self.environment, "max_turns": self.spec.training.max_turns, "seeds": seeds}
 
-    def eval_rows(self, rows: list[dict]) -> EvalRows:
-        """Greedy completions of `rows`, scored, in row order (worker/trainer/evaluation.py)."""
-        seeds = eval_seeds(self.spec.seed, len(rows))
+    def eval_rows(self, rows: list[dict], *, first: int = 0) -> EvalRows:
+        """Greedy completions of `rows`, scored, in row order (worker/trainer/evaluation.py); `first`: the index
+        of rows[0] among the rows evaluated, so rows scored in parts get the episode seeds they get together."""
+        seeds = eval_seeds(self.spec.seed + first, len(rows))
         mine = list(range(self.rank, len(rows), self.world))  # the ranks split the rows
         local = {name: [] for name in ("rewards", "errors", "lengths", "turns", "prompts", "completions")}
         with unsharded(self.policy.model):

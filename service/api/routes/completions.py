@@ -11,13 +11,13 @@ middleware's (service/api/access.py), as for every other route.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 
 from anyio import to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from service.api import json_body
 from service.api.deps import PrincipalDep
 from service.errors import InvalidRequest, ServiceError
 from service.serving import dispatch, requests, targets
@@ -39,10 +39,7 @@ async def completions(request: Request, who: PrincipalDep):
 
 
 async def _serve(request: Request, who, kind: type, obj: str):
-    try:
-        body = json.loads(await request.body())
-    except ValueError as e:
-        raise InvalidRequest(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    body = json_body.load(await request.body())
     parsed = requests.parse(kind, body)
     settings = request.app.state.settings
     if parsed.budget() > settings.serve_max_tokens:

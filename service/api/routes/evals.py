@@ -1,4 +1,5 @@
-"""/v1/evals: score a model on a file with a reward, as its own object run by a worker (service/evals/runs.py)."""
+"""/v1/evals: score a model on a file with a reward, as its own object run by a worker (service/evals/runs.py);
+create, list, retrieve and cancel, in the shapes of the fine-tuning job routes."""
 
 from __future__ import annotations
 
@@ -53,3 +54,11 @@ def list_evals(session: SessionDep, who: PrincipalDep, after: str | None = None,
 @router.get("/{eval_id}", response_model=EvalObject)
 def get_eval(eval_id: str, session: SessionDep, who: PrincipalDep) -> EvalObject:
     return present(evals_service.get(session, who.project_id, eval_id))
+
+
+@router.post("/{eval_id}/cancel", response_model=EvalObject)
+def cancel_eval(eval_id: str, session: SessionDep, who: PrincipalDep) -> EvalObject:
+    row = evals_service.cancel(session, who.project_id, eval_id)
+    public = present(row)
+    session.commit()
+    return public
