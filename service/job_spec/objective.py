@@ -31,6 +31,15 @@ class AdvantageSpec(Strict):
     )
 
 
+# The mask a job with stale batches (rollout.max_staleness > 0) gets unless its spec names one: the negative-advantage
+# tokens of a sequence the policy has already moved away from (mean log(pi_old / pi) > 0.03, AgileRL's and
+# DeepSeek-V3.2's threshold) are left out. A batch one version old was sampled before the last update, which
+# already pushed its bad samples down; pushing them down again on the next step drained the toy task's policy into
+# near-uniform junk (entropy -> ln V, reward -> 0, zero-variance groups that never recover) whatever logp_old the
+# ratio took (docs/TRAINING.md, bench/README.md).
+STALE_BATCH_MASK = {"token_bounds": None, "sequence_threshold": 0.03}
+
+
 class CispoLossSpec(Strict):
     """CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 3-5).
 
@@ -53,7 +62,8 @@ class CispoLossSpec(Strict):
         "sequence gets exp(mean over its action tokens of logp - logp_old). Capped at ratio_max either way.",
     )
     off_policy_mask: OffPolicyMaskSpec | None = Field(
-        None, description="AgileRL's token and sequence masks for off-policy tokens; null: none."
+        None, description="AgileRL's token and sequence masks for off-policy tokens; null: none. Left out of a job "
+        "with rollout.max_staleness > 0, it is the sequence mask STALE_BATCH_MASK (give null to train without one)."
     )
     kl_beta: float = Field(0.0, ge=0.0, description="Weight of the k3 KL penalty to the reference.")
     kl_clamp: float = Field(10.0, gt=0.0, description="Per-token cap on the k3 KL estimate.")

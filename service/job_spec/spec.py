@@ -12,12 +12,19 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from service.job_spec.objective import AdvantageSpec, CispoLossSpec, ConstantSchedule, OptimizerSpec, Schedule
+from service.job_spec.objective import (
+    STALE_BATCH_MASK,
+    AdvantageSpec,
+    CispoLossSpec,
+    ConstantSchedule,
+    OptimizerSpec,
+    Schedule,
+)
 from service.job_spec.sampling import RolloutSpec, SamplingSpec
 from service.job_spec.strict import Strict, refuse_float16_training
 from service.schemas.environments import EnvironmentSpec
 from service.schemas.integrations import Integrations
-from service.schemas.recipe import PassRateFilterSpec
+from service.schemas.recipe import OffPolicyMaskSpec, PassRateFilterSpec
 from service.schemas.rewards import AnyReward
 from service.schemas.stopping import StopWhenSpec
 
@@ -234,6 +241,26 @@ class JobSpec(Strict):
         None, description="Warm start: a checkpoint whose adapter starts the policy and becomes the reference."
     )
     integrations: Integrations = Field([], description="Experiment trackers the worker logs metrics to.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stale_batches_masked(cls, data):
+        """A job with rollout.max_staleness > 0 whose loss names no off_policy_mask gets STALE_BATCH_MASK (an
+        explicit null keeps none). Decided here, so the stored spec shows the mask the worker applies."""
+        if not isinstance(data, dict):
+            return data
+        rollout = data.get("rollout")
+        staleness = rollout.max_staleness if isinstance(rollout, RolloutSpec) else \
+            rollout.get("max_staleness") if isinstance(rollout, dict) else None
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness <= 0:
+            return data  # synchronous, or a value the field refuses with its own message
+        loss = data.get("loss", {})
+        if isinstance(loss, dict) and "off_policy_mask" not in loss:
+            return {**data, "loss": {**loss, "off_policy_mask": STALE_BATCH_MASK}}
+        if isinstance(loss, CispoLossSpec) and "off_policy_mask" not in loss.model_fields_set:
+            mask = OffPolicyMaskSpec(**STALE_BATCH_MASK)
+            return {**data, "loss": loss.model_copy(update={"off_policy_mask": mask})}
+        return data
 
     @field_validator("dtype")
     @classmethod

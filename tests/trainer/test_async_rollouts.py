@@ -12,7 +12,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from service.job_spec.objective import STALE_BATCH_MASK
 from service.job_spec.spec import JobSpec
+from service.schemas.recipe import OffPolicyMaskSpec
 from worker.checkpoint import load_checkpoint
 from worker.rollout.async_sampler import SamplerDied
 from worker.rollout.policy_versions import fresh_sequences
@@ -135,6 +137,40 @@ def test_spec_defaults_to_synchronous_and_takes_async_on_ray(toy_dir):
         assert spec.rollout.max_staleness == rollout["max_staleness"]
     with pytest.raises(ValidationError):
         JobSpec.model_validate({**base, "rollout": {"max_staleness": -1}})
+
+
+def test_stale_batches_get_the_sequence_mask_unless_the_spec_names_one(toy_dir):
+    """A job with max_staleness > 0 that names no off_policy_mask trains with STALE_BATCH_MASK, shown in its stored
+    spec; an explicit null or mask is kept, and a synchronous job gets none."""
+    base = toy_spec(toy_dir)
+    stale = JobSpec.model_validate({**base, "rollout": {"max_staleness": 1}, "loss": {"ratio_max": 4.0}})
+    assert stale.loss.off_policy_mask == OffPolicyMaskSpec(**STALE_BATCH_MASK) and stale.loss.ratio_max == 4.0
+    assert STALE_BATCH_MASK == {"token_bounds": None, "sequence_threshold": 0.03}
+    assert JobSpec.model_validate(stale.model_dump(mode="json")) == stale  # what the worker reads back
+    assert JobSpec.model_validate(base).loss.off_policy_mask is None
+    kept_none = JobSpec.model_validate({**base, "rollout": {"max_staleness": 2}, "loss": {"off_policy_mask": None}})
+    assert kept_none.loss.off_policy_mask is None
+    band = {"token_bounds": [0.5, 5.0]}
+    assert JobSpec.model_validate({**base, "rollout": {"max_staleness": 1}, "loss": {"off_policy_mask": band}}
+                                  ).loss.off_policy_mask == OffPolicyMaskSpec(token_bounds=(0.5, 5.0))
+
+
+def test_a_stale_batch_leaves_out_the_bad_samples_the_last_update_already_pushed_down(toy_dir):
+    """The default asynchronous job on a hand-built batch the policy has moved away from (the sampler gave each
+    token log-prob 0, the trainer's is below): the negative-advantage sequence adds nothing to the loss, the
+    positive one is trained on. Without the mask both were, and the toy task's policy drained into junk."""
+    spec = async_spec(toy_dir, 1, mini_batches=1)
+    policy = load_policy(spec, resume_from=None, warm_start=None)
+    updater = Updater(policy, torch.optim.SGD(policy.trainable_parameters(), lr=0.0), spec)
+    prompt, actions = [5, 6, 7], [[8, 9], [10, 11]]
+    rollout = Rollout(rows=[{}, {}], token_ids=[prompt + a for a in actions],
+                      action_mask=[[0, 0, 0, 1, 1]] * 2, action_turns=[[0, 0]] * 2, prompt_lengths=[3, 3],
+                      completions=["", ""], truncated=[False, False], turns=[1, 1],
+                      sampler_logprobs=[[0.0, 0.0], [0.0, 0.0]])
+    masked = updater.run(rollout, torch.tensor([1.0, -1.0]), [0, 1]).metrics()
+    assert masked["off_policy_masked_fraction"] == 0.5
+    kept = updater.run(rollout, torch.tensor([1.0, 1.0]), [0, 1]).metrics()
+    assert kept["off_policy_masked_fraction"] == 0.0
 
 
 def test_the_ratio_is_taken_against_the_sampler_logprobs_so_the_cap_binds(toy_dir):
