@@ -139,22 +139,24 @@ class Target:
 
 
 # IPv6 forms that carry an IPv4 address a gateway or the kernel may deliver to: NAT64's well-known prefix
-# (RFC 6052) and the local-use one (RFC 8215), and the deprecated IPv4-compatible ::a.b.c.d. Python calls
-# them global, so 64:ff9b::7f00:1 would pass as a public address while a NAT64 gateway delivers to 127.0.0.1.
+# (RFC 6052) and the local-use one (RFC 8215), SIIT's IPv4-translated ::ffff:0:a.b.c.d (RFC 2765), and the
+# deprecated IPv4-compatible ::a.b.c.d. Python calls them global, so 64:ff9b::7f00:1 or ::ffff:0:7f00:1 would
+# pass as a public address while a translator delivers to 127.0.0.1.
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+_IPV4_TRANSLATED = ipaddress.ip_network("::ffff:0:0:0/96")  # ::ffff:0:0/96 is the mapped range
 _IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
 
 
 def _embedded_ipv4(ip: ipaddress._BaseAddress) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 address wraps (mapped, 6to4, NAT64, IPv4-compatible), if any."""
+    """The IPv4 address an IPv6 address wraps (mapped, translated, 6to4, NAT64, IPv4-compatible), if any."""
     if not isinstance(ip, ipaddress.IPv6Address):
         return None
     if ip.ipv4_mapped:
         return ip.ipv4_mapped
     if ip.sixtofour:
         return ip.sixtofour
-    if ip in _NAT64 or ip in _IPV4_COMPATIBLE:
+    if ip in _NAT64 or ip in _IPV4_TRANSLATED or ip in _IPV4_COMPATIBLE:
         return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return None
 
