@@ -21,7 +21,7 @@ from service.dry_run import check_reward_fields
 from service.row_shapes import check_rows_fit_method
 from service.environments import resolve_for_job
 from service.job_spec.build import build_spec, grader_reward
-from service.tracking_targets import check_tracking_uri
+from service.tracking_targets import check_tracking_uri, check_wandb_entity
 from service.models import start as starts
 from service.models.source import check_model
 from service.repositories import files as files_repo
@@ -112,6 +112,12 @@ def _check_integrations(spec: JobSpec, settings: Settings) -> None:
             param = f"integrations[{i}].mlflow.tracking_uri"
             try:
                 check_tracking_uri(integration.mlflow.tracking_uri, settings)
+            except ValueError as e:
+                raise InvalidRequest(f"{param}: {e}", param=param) from None
+        if integration.type == "wandb":
+            param = f"integrations[{i}].wandb.entity"
+            try:
+                check_wandb_entity(integration.wandb.entity, settings)
             except ValueError as e:
                 raise InvalidRequest(f"{param}: {e}", param=param) from None
 

@@ -135,6 +135,9 @@ class Settings(BaseSettings):
     serve_max_tokens: int = Field(4096, ge=1, description="The most tokens one completion may ask for.")
     tracking_file_roots: str = Field("", description="Comma-separated directories under which a job's mlflow "
                                      "integration may name a file: store; empty: only http(s) servers.")
+    wandb_entities: str = Field("", description="Comma-separated W&B entities a job's wandb integration may "
+                                "name (runs log with the worker's key); empty: none, runs go to the key's default "
+                                "entity. Every project's runs go to W&B projects named <project id>-<name>.")
     secret_key: str = Field("", description="Fernet key that encrypts project secrets at rest; empty: a key "
                             "file HOME/secret.key (mode 0600) is created and used.")
 
@@ -191,6 +194,9 @@ class Settings(BaseSettings):
 
     def resolved_tracking_file_roots(self) -> tuple[Path, ...]:
         return tuple(Path(d.strip()).resolve() for d in self.tracking_file_roots.split(",") if d.strip())
+
+    def resolved_wandb_entities(self) -> tuple[str, ...]:
+        return tuple(e.strip() for e in self.wandb_entities.split(",") if e.strip())
 
     def resolved_work_dir(self) -> Path:
         return (self.work_dir or self.home / "work").resolve()

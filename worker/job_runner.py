@@ -246,7 +246,7 @@ def make_reporter(sessions: sessionmaker[Session], store: ObjectStore, job_id: s
 def start_trackers(reporter: JobReporter, job_id: str, claimed: Claimed, settings: Settings) -> None:
     if claimed.spec.integrations:
         reporter.trackers = Trackers(claimed.spec.integrations, job_id, settings, tracker_config(claimed.spec),
-                                     reporter.event)
+                                     reporter.event, project_id=claimed.project_id)
 
 
 def run_outcome(reporter: JobReporter, steps_done: int, total: int) -> tuple[str, tuple[str, str, bool] | None]:
