@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+from sqlalchemy import select
+
+from service.db.models import Job
 from service.settings import Settings
 from tests.api.conftest import assert_error, running_api, uploaded
 from worker.job_runner import run_job
@@ -117,9 +120,12 @@ def test_wandb_offline_mlflow_file_store_and_tensorboard_get_every_step(postgres
         assert {s: v["eval_reward_mean"] for s, v in history.items() if "eval_reward_mean" in v} == \
             pytest.approx(eval_reward)
 
-        # MLflow, a local file store: one finished run tagged with the job, the same series.
+        # MLflow, a local file store: one finished run tagged with the job, the same series, in the experiment
+        # of the job's project.
+        with api.session() as s:
+            project_id = s.scalar(select(Job.project_id).where(Job.id == job_id))
         client = MlflowClient(tracking_uri=store_uri)
-        experiment = client.get_experiment_by_name("toy")
+        experiment = client.get_experiment_by_name(f"{project_id}/toy")
         [run] = client.search_runs([experiment.experiment_id], filter_string=f"tags.`cispo.job_id` = '{job_id}'")
         assert run.info.status == "FINISHED" and run.info.run_name == job_id and run.data.params["steps"] == "3"
         logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "reward_mean")}
