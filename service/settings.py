@@ -94,8 +94,9 @@ class Settings(BaseSettings):
     metrics_token: str = Field(
         "", description="Bearer token Prometheus sends to scrape GET /metrics; empty: /metrics is off (404)."
     )
-    model_hub_url: str = Field("https://huggingface.co", description="Where a dry run fetches a hub model's "
-                               "config.json (an unreachable hub skips that check); empty: never fetch.")
+    model_hub_url: str = Field("https://huggingface.co", description="Where a dry run fetches the config.json "
+                               "of a hub model not in the cache (an unreachable hub fails that check: no worker "
+                               "could download it); empty: never fetch (the check is a warning).")
 
     # Capacity: every API worker thread can hold a database connection, so a burst of pollers waits in
     # the threadpool (fair, bounded) instead of timing out on the connection pool.
@@ -121,6 +122,12 @@ class Settings(BaseSettings):
                                     "limits: past it a request is checked against this replica's own limits.")
     model_dirs: str = Field("", description="Comma-separated directories under which jobs may name a local "
                             "model; empty: only hub ids are accepted.")
+    # Hugging Face's own variables, read here so the API knows what its workers can load (same cache, same mode).
+    hf_hub_offline: bool = Field(False, validation_alias=AliasChoices("CISPO_HF_HUB_OFFLINE", "HF_HUB_OFFLINE"),
+                                 description="The workers download nothing: a hub id must be in the model cache.")
+    hf_hub_cache: Path | None = Field(None, validation_alias=AliasChoices("CISPO_HF_HUB_CACHE", "HF_HUB_CACHE"),
+                                      description="The model cache; default: HF_HOME/hub.")
+    hf_home: Path = Field(Path("~/.cache/huggingface"), validation_alias=AliasChoices("CISPO_HF_HOME", "HF_HOME"))
     # Serving (POST /v1/chat/completions, /v1/completions; service/serving, worker/serving).
     serve_base_models: str = Field("", description="Comma-separated base models served as they are to every "
                                    "project (a project may always call the bases its own jobs trained on).")
@@ -191,6 +198,9 @@ class Settings(BaseSettings):
 
     def resolved_model_dirs(self) -> tuple[Path, ...]:
         return tuple(Path(d.strip()).resolve() for d in self.model_dirs.split(",") if d.strip())
+
+    def resolved_hf_hub_cache(self) -> Path:
+        return (self.hf_hub_cache or self.hf_home / "hub").expanduser()
 
     def resolved_tracking_file_roots(self) -> tuple[Path, ...]:
         return tuple(Path(d.strip()).resolve() for d in self.tracking_file_roots.split(",") if d.strip())

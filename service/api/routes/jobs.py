@@ -60,7 +60,8 @@ def create_job(body: JobCreate, session: SessionDep, who: PrincipalDep, enqueue:
                dry_run: bool = False) -> JobObject | DryRunObject:
     if dry_run:
         prepared = jobs_service.prepare(session, who.project_id, body, settings=settings)
-        report = run_dry_run(session, store, who.project_id, body, prepared.spec, hub_url=settings.model_hub_url)
+        report = run_dry_run(session, store, who.project_id, body, prepared.spec, hub_url=settings.model_hub_url,
+                             hub_cache=settings.resolved_hf_hub_cache(), hub_offline=settings.hf_hub_offline)
         session.rollback()
         return DryRunObject(spec=prepared.spec.model_dump(mode="json"), estimated_seconds=report.estimated_seconds,
                             expected_trained_tokens=report.expected_trained_tokens,
