@@ -5,8 +5,14 @@ hub_cache.py). Defaults are not the user's doing: the dry run warns about those.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from service.errors import InvalidRequest
-from service.job_spec.sampling import SamplingSpec
+
+
+class SamplingSpec(Protocol):  # service/job_spec/sampling.py's, which imports service.models
+    max_model_len: int
+    max_output_tokens: int
 
 
 def check_lengths(sampling: SamplingSpec, explicit: set[str], positions: int | None, *, param: str) -> None:
