@@ -166,7 +166,8 @@ def test_the_estimate_scales_earlier_jobs_step_rate(api, toy_dir):
 def test_the_estimate_uses_what_earlier_jobs_really_sampled_and_spent(api, toy_dir):
     """Completions that end long before the cap, a slow first step and the time outside the steps: the estimate
     follows the measured run, not max_output_tokens (scaling by the cap gave 2.3x the real run)."""
-    body = local_body(api, toy_dir)  # 3 steps, batch 2, group 4, 256 output tokens
+    # 3 steps, batch 2, group 4, 64 output tokens (the tiny model takes 256 positions)
+    body = local_body(api, toy_dir, max_output_tokens=64, max_model_len=256)
     r = api.client.post(JOBS, json=body)
     assert r.status_code == 200, r.text
     from sqlalchemy import update
@@ -182,7 +183,7 @@ def test_the_estimate_uses_what_earlier_jobs_really_sampled_and_spent(api, toy_d
         s.commit()
     hyper = body["method"]["cispo"]["hyperparameters"]
     hyper["training"]["batch_size"] = 4
-    hyper["sampling"] = {"max_output_tokens": 512, "max_model_len": 1024}
+    hyper["sampling"] = {"max_output_tokens": 128, "max_model_len": 256}
     out = dry(api, body)
     # 1 s (median) per 2*4*8 tokens -> 4*4*8 tokens: 2 s per step; 3 steps + 9 s outside them (20 - 11)
     assert out.json()["estimated_seconds"] == 3 * 2 + 9
