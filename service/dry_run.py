@@ -27,6 +27,7 @@ import importlib.util
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sqlalchemy.orm import Session
 
@@ -34,6 +35,8 @@ from service import files as files_service
 from service.cost_estimate import estimate_cost
 from service.errors import InvalidRequest
 from service.models.check import ModelInfo, ModelProblem, check_model
+from service.models.hub_cache import max_positions
+from service.models.lengths import length_problems, requested_sampling
 from service.models.engine_check import RULES, cpu_accepts, cuda_accepts, head_size, lora_rank_problem
 from service.repositories import job_estimates
 from service.rewards.fields import FieldUse, fields_read, has_path
@@ -149,11 +152,31 @@ def check_reward_fields(session: Session, store: ObjectStore, project_id: str, b
                              code="missing_reward_field")
 
 
+def _lengths(report: Report, body: JobCreate, spec: JobSpec, positions: int | None) -> None:
+    """The sampling lengths against the model's positions: a length the request set is a failure, a default one
+    a warning (the job would still run, past what the model was trained on)."""
+    if positions is None:
+        return
+    explicit, param = requested_sampling(body)
+    problems = length_problems(spec.sampling, positions)
+    for field_name, problem in problems:
+        status, how = ("failed", "") if field_name in explicit else ("warning", " (the default)")
+        report.add("lengths", status, f"{param}.{field_name}: {problem}{how}; set {field_name} "
+                   f"{'at most' if field_name == 'max_model_len' else 'below'} {positions}",
+                   f"{param}.{field_name}")
+    if not problems:
+        report.add("lengths", "passed", f"max_model_len {spec.sampling.max_model_len} is within the model's "
+                   f"{positions} positions")
+
+
 def _scan(report: Report, rows: Iterator[tuple[str, int, dict]], spec: JobSpec, uses: list[FieldUse],
-          counter: _Counter, reward_param: str) -> None:
+          counter: _Counter, reward_param: str, positions: int | None = None) -> None:
     """One pass over the rows: missing reward fields, prompts that do not fit."""
     missing: dict[tuple[str, str, str], list[int]] = {}
-    limit = spec.sampling.max_model_len - spec.sampling.max_output_tokens
+    model_len = spec.sampling.max_model_len
+    if positions is not None and spec.sampling.max_output_tokens < positions < model_len:
+        model_len = positions  # what the model really holds (the lengths check says why)
+    limit = model_len - spec.sampling.max_output_tokens
     longest, over_exact, over_estimated = 0, {}, {}
     for file_param, line, row in rows:
         _note_missing(missing, file_param, line, row, uses)
@@ -171,7 +194,8 @@ def _scan(report: Report, rows: Iterator[tuple[str, int, dict]], spec: JobSpec, 
             report.add("reward_fields", "passed", f"every row has {names}")
 
     sampling = "method.cispo.hyperparameters.sampling" if reward_param.startswith("method.cispo") else None
-    where = f"max_model_len - max_output_tokens = {limit} tokens; prompts {counter.how()}"
+    fitted = "max_model_len" if model_len == spec.sampling.max_model_len else "the model's positions"
+    where = f"{fitted} - max_output_tokens = {limit} tokens; prompts {counter.how()}"
     for file_param, lines in over_exact.items():
         report.add("prompt_lengths", "failed", f"{file_param}: prompts on line(s) {_lines(lines)} are longer than "
                    f"{where}", sampling)
@@ -275,13 +299,14 @@ def _estimate(session: Session, project_id: str, body: JobCreate, spec: JobSpec)
 
 
 def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCreate, spec: JobSpec, *,
-            hub_url: str) -> Report:
+            hub_url: str, hub_cache: Path | None = None, hub_offline: bool = False) -> Report:
     """Run every check; raises InvalidRequest naming all failures."""
     report = Report()
     model = None
     try:
-        model = check_model(spec.model, hub_url=hub_url)  # a continued job's base model
-        report.add("model", "passed" if model.checked else "skipped", f"model: {model.detail}")
+        # spec.model: a continued job's base model
+        model = check_model(spec.model, hub_url=hub_url, cache=hub_cache, offline=hub_offline)
+        report.add("model", model.status, f"model: {model.detail}")
     except ModelProblem as e:
         report.add("model", "failed", f"model: {e}", "model")
 
@@ -293,7 +318,9 @@ def dry_run(session: Session, store: ObjectStore, project_id: str, body: JobCrea
             report.add("reward_fields", "skipped", f"{where}{'.' + at if at else ''}: not checked, {why}")
     else:
         report.add("reward_fields", "skipped", "an environment reads rows in its own code: not checked")
-    _scan(report, dataset_rows(session, store, project_id, spec), spec, uses, _Counter(model), where)
+    positions = max_positions(model.config) if model is not None else None
+    _lengths(report, body, spec, positions)
+    _scan(report, dataset_rows(session, store, project_id, spec), spec, uses, _Counter(model), where, positions)
 
     _engine(report, spec, model, "method.cispo.hyperparameters")
     _quantization(report, spec, "method.cispo.hyperparameters")

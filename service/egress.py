@@ -139,22 +139,24 @@ class Target:
 
 
 # IPv6 forms that carry an IPv4 address a gateway or the kernel may deliver to: NAT64's well-known prefix
-# (RFC 6052) and the local-use one (RFC 8215), and the deprecated IPv4-compatible ::a.b.c.d. Python calls
-# them global, so 64:ff9b::7f00:1 would pass as a public address while a NAT64 gateway delivers to 127.0.0.1.
+# (RFC 6052) and the local-use one (RFC 8215), SIIT's IPv4-translated ::ffff:0:a.b.c.d (RFC 2765), and the
+# deprecated IPv4-compatible ::a.b.c.d. Python calls them global, so 64:ff9b::7f00:1 or ::ffff:0:7f00:1 would
+# pass as a public address while a translator delivers to 127.0.0.1.
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+_IPV4_TRANSLATED = ipaddress.ip_network("::ffff:0:0:0/96")  # ::ffff:0:0/96 is the mapped range
 _IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
 
 
 def _embedded_ipv4(ip: ipaddress._BaseAddress) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 address wraps (mapped, 6to4, NAT64, IPv4-compatible), if any."""
+    """The IPv4 address an IPv6 address wraps (mapped, translated, 6to4, NAT64, IPv4-compatible), if any."""
     if not isinstance(ip, ipaddress.IPv6Address):
         return None
     if ip.ipv4_mapped:
         return ip.ipv4_mapped
     if ip.sixtofour:
         return ip.sixtofour
-    if ip in _NAT64 or ip in _IPV4_COMPATIBLE:
+    if ip in _NAT64 or ip in _IPV4_TRANSLATED or ip in _IPV4_COMPATIBLE:
         return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return None
 
@@ -200,32 +202,58 @@ def check_url(url: str, policy: EgressPolicy) -> Target:
     return Target(url=url, host=host, pinned_url=pinned)
 
 
-def post_json(target: Target, payload: object, policy: EgressPolicy, *, headers: dict[str, str] | None = None,
-              client: httpx.Client | None = None) -> object:
-    """POST JSON to a checked target and parse the JSON answer, within the policy's time and size caps."""
-    _check_secret_hosts(target, headers or {})
+def _exchange(method: str, target: Target, content: bytes | None, policy: EgressPolicy, headers: dict[str, str],
+              client: httpx.Client | None) -> tuple[httpx.Response, bytes]:
+    """One request to the pinned address (redirects are answers, never followed), its body read up to the cap."""
+    _check_secret_hosts(target, headers)
     timeout = httpx.Timeout(policy.read_timeout_s, connect=policy.connect_timeout_s)
-    all_headers = {"Host": target.host, "Content-Type": "application/json", **(headers or {})}
+    all_headers = {"Host": target.host, **({"Content-Type": "application/json"} if content is not None else {}),
+                   **headers}
     own = client is None
     client = client or httpx.Client(timeout=timeout, follow_redirects=False)
     try:
-        with client.stream("POST", target.pinned_url, content=json.dumps(payload).encode(), headers=all_headers,
-                           timeout=timeout, extensions={"sni_hostname": target.host}) as response:
+        with client.stream(method, target.pinned_url, content=content, headers=all_headers, timeout=timeout,
+                           follow_redirects=False, extensions={"sni_hostname": target.host}) as response:
             body = bytearray()
             for chunk in response.iter_bytes():
                 body += chunk
                 if len(body) > policy.max_response_bytes:
                     raise EgressRefused(f"{target.url}: response larger than {policy.max_response_bytes} bytes")
-            if response.status_code >= 300:
-                raise httpx.HTTPStatusError(f"{target.url}: HTTP {response.status_code}", request=response.request,
-                                            response=response)
     finally:
         if own:
             client.close()
+    return response, bytes(body)
+
+
+def post_json(target: Target, payload: object, policy: EgressPolicy, *, headers: dict[str, str] | None = None,
+              client: httpx.Client | None = None) -> object:
+    """POST JSON to a checked target and parse the JSON answer, within the policy's time and size caps."""
+    response, body = _exchange("POST", target, json.dumps(payload).encode(), policy, headers or {}, client)
+    if response.status_code >= 300:
+        raise httpx.HTTPStatusError(f"{target.url}: HTTP {response.status_code}", request=response.request,
+                                    response=response)
     try:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{target.url}: the response is not JSON ({e})") from None
+
+
+def request_json(method: str, url: str, policy: EgressPolicy, *, payload: object = None,
+                 headers: dict[str, str] | None = None, client: httpx.Client | None = None) -> tuple[int, object]:
+    """(status, parsed JSON or None) of one request to `url`, resolved and vetted now, at connect time.
+
+    For clients that talk to one user-named server for a long while (a tracking server): each request is checked
+    again, so a name that later resolves to a private address (DNS rebinding) or an operator's narrower policy
+    takes effect, and the connection goes to the address just checked. A 3xx is returned, not followed. The
+    caller reads the answer; it must not pass the body on to users (it is whatever the server chose to send).
+    """
+    target = check_url(url, policy)
+    content = None if payload is None else json.dumps(payload).encode()
+    response, body = _exchange(method, target, content, policy, headers or {}, client)
+    try:
+        return response.status_code, json.loads(body) if body else None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return response.status_code, None
 
 
 def post_bytes(target: Target, body: bytes, policy: EgressPolicy, *, headers: dict[str, str]) -> int:

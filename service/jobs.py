@@ -21,8 +21,10 @@ from service.dry_run import check_reward_fields
 from service.row_shapes import check_rows_fit_method
 from service.environments import resolve_for_job
 from service.job_spec.build import build_spec, grader_reward
-from service.tracking_targets import check_tracking_uri
+from service.tracking_targets import check_tracking_uri, check_wandb_entity
 from service.models import start as starts
+from service.models.hub_cache import known_config, max_positions
+from service.models.lengths import check_lengths, requested_sampling
 from service.models.source import check_model
 from service.repositories import files as files_repo
 from service.repositories import jobs as jobs_repo
@@ -97,6 +99,7 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
     if settings is not None:
         _check_integrations(spec, settings)
         check_backend(spec, settings, where=f"method.{body.method.type}.hyperparameters")
+        _check_lengths(body, spec, start.base_model if start else body.model, settings)
     if spec.reward is not None:
         where = {"cispo": "method.cispo.reward_function" if reward_function_id else "method.cispo.reward",
                  "supervised": "method.supervised.reward_function" if reward_function_id
@@ -106,12 +109,24 @@ def prepare(session: Session, project_id: str, body: JobCreate, *, settings: Set
     return Prepared(spec=spec, reward_function_id=reward_function_id, environment_id=environment_id)
 
 
+def _check_lengths(body: JobCreate, spec: JobSpec, base_model: str, settings: Settings) -> None:
+    explicit, param = requested_sampling(body)
+    if explicit:
+        check_lengths(spec.sampling, explicit, max_positions(known_config(base_model, settings)), param=param)
+
+
 def _check_integrations(spec: JobSpec, settings: Settings) -> None:
     for i, integration in enumerate(spec.integrations):
         if integration.type == "mlflow" and integration.mlflow.tracking_uri is not None:
             param = f"integrations[{i}].mlflow.tracking_uri"
             try:
                 check_tracking_uri(integration.mlflow.tracking_uri, settings)
+            except ValueError as e:
+                raise InvalidRequest(f"{param}: {e}", param=param) from None
+        if integration.type == "wandb":
+            param = f"integrations[{i}].wandb.entity"
+            try:
+                check_wandb_entity(integration.wandb.entity, settings)
             except ValueError as e:
                 raise InvalidRequest(f"{param}: {e}", param=param) from None
 

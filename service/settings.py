@@ -94,8 +94,9 @@ class Settings(BaseSettings):
     metrics_token: str = Field(
         "", description="Bearer token Prometheus sends to scrape GET /metrics; empty: /metrics is off (404)."
     )
-    model_hub_url: str = Field("https://huggingface.co", description="Where a dry run fetches a hub model's "
-                               "config.json (an unreachable hub skips that check); empty: never fetch.")
+    model_hub_url: str = Field("https://huggingface.co", description="Where a dry run fetches the config.json "
+                               "of a hub model not in the cache (an unreachable hub fails that check: no worker "
+                               "could download it); empty: never fetch (the check is a warning).")
 
     # Capacity: every API worker thread can hold a database connection, so a burst of pollers waits in
     # the threadpool (fair, bounded) instead of timing out on the connection pool.
@@ -123,6 +124,12 @@ class Settings(BaseSettings):
                                     "limits: past it a request is checked against this replica's own limits.")
     model_dirs: str = Field("", description="Comma-separated directories under which jobs may name a local "
                             "model; empty: only hub ids are accepted.")
+    # Hugging Face's own variables, read here so the API knows what its workers can load (same cache, same mode).
+    hf_hub_offline: bool = Field(False, validation_alias=AliasChoices("CISPO_HF_HUB_OFFLINE", "HF_HUB_OFFLINE"),
+                                 description="The workers download nothing: a hub id must be in the model cache.")
+    hf_hub_cache: Path | None = Field(None, validation_alias=AliasChoices("CISPO_HF_HUB_CACHE", "HF_HUB_CACHE"),
+                                      description="The model cache; default: HF_HOME/hub.")
+    hf_home: Path = Field(Path("~/.cache/huggingface"), validation_alias=AliasChoices("CISPO_HF_HOME", "HF_HOME"))
     # Serving (POST /v1/chat/completions, /v1/completions; service/serving, worker/serving).
     serve_base_models: str = Field("", description="Comma-separated base models served as they are to every "
                                    "project (a project may always call the bases its own jobs trained on).")
@@ -137,6 +144,9 @@ class Settings(BaseSettings):
     serve_max_tokens: int = Field(4096, ge=1, description="The most tokens one completion may ask for.")
     tracking_file_roots: str = Field("", description="Comma-separated directories under which a job's mlflow "
                                      "integration may name a file: store; empty: only http(s) servers.")
+    wandb_entities: str = Field("", description="Comma-separated W&B entities a job's wandb integration may "
+                                "name (runs log with the worker's key); empty: none, runs go to the key's default "
+                                "entity. Every project's runs go to W&B projects named <project id>-<name>.")
     secret_key: str = Field("", description="Fernet key that encrypts project secrets at rest; empty: a key "
                             "file HOME/secret.key (mode 0600) is created and used.")
 
@@ -191,8 +201,14 @@ class Settings(BaseSettings):
     def resolved_model_dirs(self) -> tuple[Path, ...]:
         return tuple(Path(d.strip()).resolve() for d in self.model_dirs.split(",") if d.strip())
 
+    def resolved_hf_hub_cache(self) -> Path:
+        return (self.hf_hub_cache or self.hf_home / "hub").expanduser()
+
     def resolved_tracking_file_roots(self) -> tuple[Path, ...]:
         return tuple(Path(d.strip()).resolve() for d in self.tracking_file_roots.split(",") if d.strip())
+
+    def resolved_wandb_entities(self) -> tuple[str, ...]:
+        return tuple(e.strip() for e in self.wandb_entities.split(",") if e.strip())
 
     def resolved_work_dir(self) -> Path:
         return (self.work_dir or self.home / "work").resolve()

@@ -45,6 +45,7 @@ from worker import scratch
 from worker.drain import DRAIN  # set by the worker's graceful shutdown (see worker/drain.py)
 from worker.envs import describe_environment
 from worker.job_reporter import JobReporter, LeaseLost
+from worker.model.unfetchable import unfetchable_model
 from worker.progress import reward_trend
 from worker.ray_driver.errors import RAY_CAPACITY, RayCapacity
 from worker.results import publish as publish_results
@@ -172,6 +173,10 @@ def run_failure(e: Exception) -> tuple[str, str, bool]:
         return "engine_unsupported", str(e), False
     if isinstance(e, (DataError, CheckpointError, ValueError)):
         return "invalid_job", str(e), False
+    if unfetchable_model(e):
+        return "invalid_job", (f"the model cannot be loaded on this worker: {type(e).__name__}: {str(e)[:500]} "
+                               "(name a model the workers have, or an absolute path under an allowed model "
+                               "directory; a relative path is read as a hub id)"), False
     if isinstance(e, StorageError):
         return STORAGE_UNAVAILABLE if _is_outage(e) else "storage_error", f"the object store failed: {e}", True
     if isinstance(e, RayCapacity):  # no gang, or a node lost: the cluster's, waited out as an outage
@@ -247,7 +252,7 @@ def make_reporter(sessions: sessionmaker[Session], store: ObjectStore, job_id: s
 def start_trackers(reporter: JobReporter, job_id: str, claimed: Claimed, settings: Settings) -> None:
     if claimed.spec.integrations:
         reporter.trackers = Trackers(claimed.spec.integrations, job_id, settings, tracker_config(claimed.spec),
-                                     reporter.event)
+                                     reporter.event, project_id=claimed.project_id)
 
 
 def run_outcome(reporter: JobReporter, steps_done: int, total: int) -> tuple[str, tuple[str, str, bool] | None]:

@@ -19,13 +19,20 @@ from sqlalchemy import select
 
 from service.db.models import Job
 from service.db.session import session_factory
+from service.private_paths import private_dir
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
 def run_dir(settings: Settings, job_id: str, epoch: int) -> Path:
-    return settings.resolved_work_dir() / job_id / f"epoch-{epoch:06d}"
+    return private_root(settings.resolved_work_dir()) / job_id / f"epoch-{epoch:06d}"
+
+
+def private_root(root: Path) -> Path:
+    """`root`, made 0700: the runs below hold tenants' datasets and weights, and CISPO_WORK_DIR may lie outside
+    the private home, where a 0755 root would hand them to every local user."""
+    return private_dir(root)
 
 
 def remove(path: Path) -> None:

@@ -44,5 +44,5 @@ def location(name: str, tracker, cfg) -> str | None:
     if name == "wandb":
         return wandb_location(tracker.run)
     if name == "mlflow":
-        return mlflow_location(tracker.run_id, cfg.experiment, cfg.tracking_uri)
+        return mlflow_location(tracker.run_id, tracker.experiment, cfg.tracking_uri)
     return None

@@ -16,7 +16,9 @@ from service.db.models import EvalRun, Job
 from service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests, invalid_value
 from service.jobs import dataset_file
 from service.models import start as starts
+from service.models.hub_cache import known_config, max_positions
 from service.models.known_bases import check_known_base
+from service.models.lengths import check_lengths
 from service.repositories import evals as evals_repo
 from service.repositories import jobs as jobs_repo
 from service.repositories import reward_functions as rf_repo
@@ -85,6 +87,9 @@ def create(session: Session, store: ObjectStore, project_id: str, body: EvalCrea
     except ValidationError as e:
         raise invalid_value(e, data, path=lambda p: "sampling" if p.startswith("sampling") else
                             ("reward" if p.startswith("reward") else "model")) from None
+    if settings is not None and body.sampling is not None:
+        check_lengths(spec.sampling, body.sampling.model_fields_set,
+                      max_positions(known_config(base, settings)), param="sampling")
     check_reward_references(session, project_id, spec.reward, param=reward_param, settings=settings)
     check_rows_fit_method(session, store, project_id, spec)
     return evals_repo.add(session, EvalRun(

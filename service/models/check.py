@@ -3,9 +3,13 @@
 - A local directory must hold a config.json that parses and describes a
   causal LM (an ``architectures`` entry ending in ForCausalLM or LMHeadModel),
   and a tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary).
-- Anything else must look like a hub id (``name`` or ``owner/name``). Its
-  config.json is fetched from the configured hub when one is set and answers;
-  an unreachable hub leaves the check undone (and says so), it never fails it.
+- Anything else must look like a hub id (``name`` or ``owner/name``). A model
+  in the Hugging Face cache is checked there. Otherwise its config.json is
+  fetched from the configured hub: a model the hub lacks, or one no worker can
+  download (the workers are offline, or the hub does not answer), fails the
+  check, since the job would fail as invalid_job; with no hub configured the
+  check is a warning that says what was not checked. A relative path such as
+  models/tiny reads as a hub id, and the message says so.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from service.models.hub_cache import cached_config_file
 
 HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
@@ -30,7 +36,7 @@ class ModelProblem(ValueError):
 @dataclass(frozen=True)
 class ModelInfo:
     source: str  # "local" or "hub"
-    checked: bool  # False: only the id's format was checked
+    status: str  # the dry run's: "passed"; "warning" when only the id's format was checked, or "skipped"
     detail: str
     tokenizer_json: Path | None = None  # a local tokenizer.json, to count prompt tokens with
     config: dict | None = None  # its config.json, when it was read (engine checks)
@@ -70,34 +76,62 @@ def _local(model: str) -> ModelInfo:
         if not ((root / "tokenizer_config.json").is_file() and any((root / v).is_file() for v in TOKENIZER_VOCABS)):
             raise ModelProblem(f"{model!r} has no tokenizer (tokenizer.json, or tokenizer_config.json with "
                                f"one of {', '.join(TOKENIZER_VOCABS)})")
-    return ModelInfo("local", True, f"local directory: {arch} with a tokenizer", tokenizer_json, config)
+    return ModelInfo("local", "passed", f"local directory: {arch} with a tokenizer", tokenizer_json, config)
 
 
-def _hub(model: str, hub_url: str) -> ModelInfo:
+# A relative path (models/tiny) has a hub id's shape; whoever meant a directory learns why it was not found.
+RELATIVE = ("a relative path such as 'models/tiny' is read as a hub id: name a local model by its absolute path "
+            "under the operator's model directories (CISPO_MODEL_DIRS)")
+
+
+def offline_miss(model: str) -> str:
+    return (f"{model!r} is not in the model cache and the workers download nothing (HF_HUB_OFFLINE), so no worker "
+            f"can load it; {RELATIVE}")
+
+
+def _cached(model: str, config_file: Path) -> ModelInfo:
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise ModelProblem(f"{model!r}: its config.json in the model cache cannot be read as JSON") from None
+    tokenizer_json = config_file.parent / "tokenizer.json"
+    return ModelInfo("hub", "passed", f"hub model in the model cache: {_causal_lm(config, model)}",
+                     tokenizer_json if tokenizer_json.is_file() else None, config)
+
+
+def _hub(model: str, hub_url: str, cache: Path | None, offline: bool) -> ModelInfo:
     if not HUB_ID.match(model) or ".." in model or "--" in model:
         raise ModelProblem(f"{model!r} is neither a local directory nor a hub id ('name' or 'owner/name': letters, "
                            "digits, '-', '_', '.', at most 96 characters each)")
+    config_file = cached_config_file(model, cache) if cache is not None else None
+    if config_file is not None:
+        return _cached(model, config_file)
+    if offline:
+        raise ModelProblem(offline_miss(model))
     if not hub_url:
-        return ModelInfo("hub", False, "hub id: format checked; no hub is configured, so its config was not fetched")
+        return ModelInfo("hub", "warning", "hub id: format checked only; it is not in the model cache and no hub "
+                         "is configured to check it, so the job fails (invalid_job) if no worker can download it; "
+                         f"{RELATIVE}")
     url = f"{hub_url.rstrip('/')}/{model}/resolve/main/config.json"
     try:
         response = httpx.get(url, timeout=HUB_TIMEOUT_S, follow_redirects=True)
     except httpx.HTTPError as e:
-        return ModelInfo("hub", False, f"hub id: format checked; the hub did not answer ({type(e).__name__}), "
-                                       "so its config was not fetched")
+        raise ModelProblem(f"{model!r} is not in the model cache and the hub ({hub_url}) did not answer "
+                           f"({type(e).__name__}), so no worker can download it now; {RELATIVE}") from None
     if response.status_code in (401, 403, 404):
         raise ModelProblem(f"{model!r}: the hub has no config.json for it (HTTP {response.status_code}: "
-                           "no such model, or a gated or private one)")
+                           f"no such model, or a gated or private one); {RELATIVE}")
     if response.status_code != 200:
-        return ModelInfo("hub", False, f"hub id: format checked; the hub answered HTTP {response.status_code}, "
-                                       "so its config was not checked")
+        return ModelInfo("hub", "skipped", f"hub id: format checked; the hub answered HTTP "
+                                           f"{response.status_code}, so its config was not checked")
     try:
         config = response.json()
     except ValueError:
         raise ModelProblem(f"{model!r}: the hub's config.json is not valid JSON") from None
-    return ModelInfo("hub", True, f"hub model: {_causal_lm(config, model)}", config=config)
+    return ModelInfo("hub", "passed", f"hub model: {_causal_lm(config, model)}", config=config)
 
 
-def check_model(model: str, *, hub_url: str) -> ModelInfo:
-    """What was found; raises ModelProblem when the model cannot be the one a job loads."""
-    return _local(model) if _looks_local(model) else _hub(model, hub_url)
+def check_model(model: str, *, hub_url: str, cache: Path | None = None, offline: bool = False) -> ModelInfo:
+    """What was found; raises ModelProblem when the model cannot be the one a job loads. `cache` is the Hugging
+    Face cache the workers share, `offline` whether they may download (HF_HUB_OFFLINE)."""
+    return _local(model) if _looks_local(model) else _hub(model, hub_url, cache, offline)

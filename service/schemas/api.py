@@ -211,7 +211,7 @@ class JobObject(BaseModel):
 
 
 class DryRunCheck(BaseModel):
-    name: Literal["model", "reward_fields", "prompt_lengths", "engine", "quantization", "estimate", "cost"]
+    name: Literal["model", "lengths", "reward_fields", "prompt_lengths", "engine", "quantization", "estimate", "cost"]
     status: Literal["passed", "warning", "skipped"] = Field(
         description="skipped: not checked, and the message says why (a failed check refuses the request).")
     message: str

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from service.errors import InvalidRequest, invalid_value
 from service.schemas.formula import FormulaError, compile_formula
-from service.schemas.reward_remote import JudgeSampling
+from service.schemas.reward_remote import JudgeSampling, check_score_range
 from service.schemas.python_source import MAX_SOURCE_BYTES
 from service.schemas.templates import check_template
 
@@ -158,6 +158,11 @@ class ScoreModelGrader(_Grader):
         for m in messages:
             check_template(m.text())
         return messages
+
+    @field_validator("range")
+    @classmethod
+    def _range(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        return None if value is None else check_score_range(value)
 
 
 class MultiGrader(_Grader):

@@ -11,9 +11,28 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from service.schemas.reward_base import HeaderName, HttpUrl, RewardBase, SecretName, Template
+
+# A judge's score is a number the tenant reads back (reward tests, graders/run, metrics). Unbounded, a range such
+# as [0, 1e300] would pass the judge's number on as given, 15 digits of whatever the judge was asked to encode;
+# so a range's ends are bounded and a score keeps SCORE_DIGITS significant digits of the range's width
+# (worker/rewards/judge.py).
+MAX_SCORE_RANGE = 10_000.0
+SCORE_DIGITS = 4
+
+
+def check_score_range(score_range: tuple[float, float]) -> tuple[float, float]:
+    """Raises ValueError unless `score_range` is [low, high] with low < high, both within +-MAX_SCORE_RANGE."""
+    low, high = score_range
+    if not (-MAX_SCORE_RANGE <= low <= MAX_SCORE_RANGE and -MAX_SCORE_RANGE <= high <= MAX_SCORE_RANGE):
+        raise ValueError(f"range {list(score_range)}: each end must lie from {-MAX_SCORE_RANGE:g} to "
+                         f"{MAX_SCORE_RANGE:g} (a judge's score keeps {SCORE_DIGITS} significant digits of the "
+                         "range)")
+    if not low < high:
+        raise ValueError(f"range {list(score_range)} must be [low, high] with low < high")
+    return score_range
 
 
 class HttpReward(RewardBase):
@@ -55,7 +74,8 @@ class ScoreModelReward(RewardBase):
 
     The messages are rendered per sample and sent to ``<base_url>/chat/completions`` with
     ``model``. The reply is read as JSON ``{"result": number}`` (or ``{"score": number}``),
-    else the last number in its text; it is clipped to ``range``. No number is a sample error.
+    else the last number in its text; it is clipped to ``range`` (whose ends lie within +-MAX_SCORE_RANGE) and
+    rounded to SCORE_DIGITS significant digits of the range's width. No number is a sample error.
     The endpoint is the service's judge (settings judge_base_url / judge_api_key) unless
     ``base_url`` (and optionally ``auth_secret``, sent as "Authorization: Bearer <value>") is given.
     """
@@ -71,10 +91,13 @@ class ScoreModelReward(RewardBase):
     retries: int = Field(2, ge=0, le=5)
     max_concurrency: int = Field(8, ge=1, le=64, description="Samples judged at once.")
 
+    @field_validator("range")
+    @classmethod
+    def _range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        return check_score_range(value)
+
     @model_validator(mode="after")
-    def _range(self) -> ScoreModelReward:
-        if not self.range[0] < self.range[1]:
-            raise ValueError(f"range {list(self.range)} must be [low, high] with low < high")
+    def _secret_needs_url(self) -> ScoreModelReward:
         if self.auth_secret and not self.base_url:
             raise ValueError("auth_secret needs base_url (the service's judge uses its own key)")
         return self

@@ -16,6 +16,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Protocol
 
+from service.private_paths import private_file
 from service.settings import Settings
 
 ANY_BASE = "*"  # the queue of workers that load whichever base a request names
@@ -76,8 +77,7 @@ class SqliteChannel:
     POLL_S = 0.01
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = str(path)
+        self.path = str(private_file(path))  # the queued prompts and answers of every tenant: 0600
         with closing(self._connect()) as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("CREATE TABLE IF NOT EXISTS messages (id INTEGER PRIMARY KEY AUTOINCREMENT, "

@@ -73,7 +73,7 @@ def test_models_that_cannot_load_are_refused_by_name(api, toy_dir, tmp_path):
 def test_a_hub_id_without_a_hub_is_format_checked_and_says_so(api):
     found = checks(dry(api, cispo_body(uploaded(api.client, ROWS), model="Qwen/Qwen3-0.6B")))
     [model] = found["model"]
-    assert model["status"] == "skipped" and "format checked" in model["message"]
+    assert model["status"] == "warning" and "format checked" in model["message"]
     # No tokenizer at hand: prompt lengths are a stated character estimate.
     assert "estimated at 3 characters per token" in found["prompt_lengths"][0]["message"]
 
@@ -99,10 +99,10 @@ def test_a_reachable_hub_is_asked_for_the_config(database_url, tmp_path):
         assert model["status"] == "passed" and "Qwen2ForCausalLM" in model["message"]
         assert_error(dry(api, {**body, "model": "org/missing"}), 400, "model: ", "HTTP 404")
         assert_error(dry(api, {**body, "model": "org/encoder"}), 400, "model: ", "not a causal LM")
-    # the same hub, gone: the check is skipped, never failed
+    # the same hub, gone, and the model not in the cache: no worker could download it (the job would fail)
     with running_api(database_url, tmp_path / "2", model_hub_url=f"http://127.0.0.1:{free_port()}") as api:
-        [model] = checks(dry(api, cispo_body(uploaded(api.client, ROWS), model="org/good")))["model"]
-        assert model["status"] == "skipped" and "did not answer" in model["message"]
+        assert_error(dry(api, cispo_body(uploaded(api.client, ROWS), model="org/good")), 400, "model: ",
+                     "did not answer", "no worker can download it now")
 
 
 def test_rows_that_lack_a_field_the_reward_reads_are_listed_by_line(api, toy_dir):
@@ -166,7 +166,8 @@ def test_the_estimate_scales_earlier_jobs_step_rate(api, toy_dir):
 def test_the_estimate_uses_what_earlier_jobs_really_sampled_and_spent(api, toy_dir):
     """Completions that end long before the cap, a slow first step and the time outside the steps: the estimate
     follows the measured run, not max_output_tokens (scaling by the cap gave 2.3x the real run)."""
-    body = local_body(api, toy_dir)  # 3 steps, batch 2, group 4, 256 output tokens
+    # 3 steps, batch 2, group 4, 64 output tokens (the tiny model takes 256 positions)
+    body = local_body(api, toy_dir, max_output_tokens=64, max_model_len=256)
     r = api.client.post(JOBS, json=body)
     assert r.status_code == 200, r.text
     from sqlalchemy import update
@@ -182,7 +183,7 @@ def test_the_estimate_uses_what_earlier_jobs_really_sampled_and_spent(api, toy_d
         s.commit()
     hyper = body["method"]["cispo"]["hyperparameters"]
     hyper["training"]["batch_size"] = 4
-    hyper["sampling"] = {"max_output_tokens": 512, "max_model_len": 1024}
+    hyper["sampling"] = {"max_output_tokens": 128, "max_model_len": 256}
     out = dry(api, body)
     # 1 s (median) per 2*4*8 tokens -> 4*4*8 tokens: 2 s per step; 3 steps + 9 s outside them (20 - 11)
     assert out.json()["estimated_seconds"] == 3 * 2 + 9

@@ -1,9 +1,11 @@
 """examples/: each recipe's dataset builder runs offline, and its job.yaml passes a dry run (the toy model stands in
-for Qwen2.5-0.5B-Instruct, so nothing is downloaded)."""
+for Qwen2.5-0.5B-Instruct, with its 32768 positions, so nothing is downloaded)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,12 +42,21 @@ def _job_body(api, example: str, rows_dir: Path, model: Path) -> dict:
     return {**body, "model": str(model)}
 
 
+def _stand_in(toy_dir: Path, where: Path) -> Path:
+    """The toy model's files with Qwen2.5-0.5B-Instruct's context (the examples' lengths are checked against it)."""
+    shutil.copytree(toy_dir / "model", where)
+    config = json.loads((where / "config.json").read_text())
+    (where / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    return where
+
+
 def test_both_examples_pass_a_dry_run(api, toy_dir, tmp_path):
+    model = _stand_in(toy_dir, tmp_path / "stand-in")
     _build("gsm8k", tmp_path / "gsm8k", "--sample")
     _build("guess_number", tmp_path / "guess_number", "--rows", "8")
     for example in ("gsm8k", "guess_number"):
         r = api.client.post(JOBS, params={"dry_run": "true"},
-                            json=_job_body(api, example, tmp_path / example, toy_dir / "model"))
+                            json=_job_body(api, example, tmp_path / example, model))
         assert r.status_code == 200, (example, r.text)
         checks = {c["name"]: c for c in r.json()["checks"]}
         assert not [c for c in r.json()["checks"] if c["status"] == "failed"], example

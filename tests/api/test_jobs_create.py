@@ -272,7 +272,7 @@ def test_bad_job_bodies_are_refused_naming_the_field(api):
 
 def test_integrations_are_kept_on_the_job_and_a_tracking_uri_must_be_allowed(database_url, tmp_path):
     allowed = tmp_path / "mlruns"
-    with running_api(database_url, tmp_path, tracking_file_roots=str(allowed)) as api:
+    with running_api(database_url, tmp_path, tracking_file_roots=str(allowed), wandb_entities="e") as api:
         file_id = uploaded(api.client)
         wandb = {"type": "wandb", "wandb": {"project": "p", "name": "n", "entity": "e", "tags": ["t"]}}
         mlflow = {"type": "mlflow", "mlflow": {"tracking_uri": f"file:{allowed}/store", "experiment": "x"}}

@@ -44,6 +44,24 @@ def test_only_listed_models_and_capped_replies_reach_the_judge(judged):
     assert r.json()["results"][0]["error_kind"] == "judge_parse"
 
 
+def test_a_judge_score_is_bounded_and_keeps_four_digits_of_its_range(judged):
+    api, rec = judged
+    for huge in ([0, 1e300], [-1e5, 1]):
+        for route, body, field in (
+                ("/v1/reward_functions/test", {"spec": judge_spec(range=huge), "completions": ["a"]}, "spec.range"),
+                ("/v1/fine_tuning/alpha/graders/validate", {"grader": {**judge_spec(range=huge), "name": "j"}},
+                 "grader.range")):
+            r = api.client.post(route, json=body)
+            error = assert_error(r, 422 if r.status_code == 422 else 400, "each end must lie from -10000 to 10000")
+            assert error["param"] == field, error
+    assert rec.requests == []
+    r = api.client.post("/v1/reward_functions/test", json={"spec": judge_spec(range=[0, 1]), "completions": ["digits"]})
+    assert r.status_code == 200 and r.json()["scores"] == [0.1235], r.text  # not 0.123456789012345
+    r = api.client.post("/v1/reward_functions/test", json={"spec": judge_spec(range=[0, 100]),
+                                                           "completions": ["digits"]})
+    assert r.json()["scores"] == [0.12], r.text
+
+
 def test_a_project_over_its_judge_budget_gets_429_and_others_go_on(judged):
     api, rec = judged
     body = {"spec": judge_spec(), "completions": ["aa", "bbb"]}  # the fake judge reports 15 tokens a call

@@ -12,8 +12,11 @@ import sys
 
 import pytest
 
+from sqlalchemy import select
+
+from service.db.models import Job
 from service.settings import Settings
-from tests.api.conftest import running_api, uploaded
+from tests.api.conftest import assert_error, running_api, uploaded
 from worker.job_runner import run_job
 
 STEPS = 3
@@ -122,9 +125,12 @@ def test_wandb_offline_mlflow_file_store_and_tensorboard_get_every_step(postgres
         assert {s: v["eval_reward_mean"] for s, v in history.items() if "eval_reward_mean" in v} == \
             pytest.approx(eval_reward)
 
-        # MLflow, a local file store: one finished run tagged with the job, the same series.
+        # MLflow, a local file store: one finished run tagged with the job, the same series, in the experiment
+        # of the job's project.
+        with api.session() as s:
+            project_id = s.scalar(select(Job.project_id).where(Job.id == job_id))
         client = MlflowClient(tracking_uri=store_uri)
-        experiment = client.get_experiment_by_name("toy")
+        experiment = client.get_experiment_by_name(f"{project_id}/toy")
         [run] = client.search_runs([experiment.experiment_id], filter_string=f"tags.`cispo.job_id` = '{job_id}'")
         assert run.info.status == "FINISHED" and run.info.run_name == job_id and run.data.params["steps"] == "3"
         logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "reward_mean")}
@@ -166,6 +172,19 @@ def test_a_missing_or_broken_tracker_is_an_error_event_and_the_job_succeeds(post
         assert set(by_tracker) == {"wandb", "mlflow"} and len(errors) == 2  # each switched off once
         assert "wandb package is not installed" in by_tracker["wandb"] and "cispo-service[tracking]" in \
             by_tracker["wandb"]
-        assert "failed at step" in by_tracker["mlflow"] and "tracking server went away" in by_tracker["mlflow"]
+        assert "failed at step" in by_tracker["mlflow"] and "ConnectionError" in by_tracker["mlflow"]
+        assert "went away" not in by_tracker["mlflow"]  # a library's text stays in the worker's log
         assert "goes on without it" in by_tracker["mlflow"]
         assert api.client.get(f"/v1/fine_tuning/jobs/{job_id}").json()["status"] == "succeeded"
+
+
+def test_a_wandb_entity_the_operator_does_not_list_is_refused_at_creation(database_url, toy_dir, tmp_path):
+    rows = [json.loads(line) for line in (toy_dir / "train.jsonl").read_text().splitlines()[:8]]
+    with running_api(database_url, tmp_path, wandb_entities="team-a, team-b") as api:
+        training_file = uploaded(api.client, rows)
+        body = _body(toy_dir, training_file, [{"type": "wandb", "wandb": {"project": "p", "entity": "team-c"}}])
+        r = api.client.post("/v1/fine_tuning/jobs", json=body)
+        error = assert_error(r, 400, "'team-c' is not a W&B entity this service logs to (team-a, team-b)")
+        assert error["param"] == "integrations[0].wandb.entity"
+        body = _body(toy_dir, training_file, [{"type": "wandb", "wandb": {"project": "p", "entity": "team-b"}}])
+        assert api.client.post("/v1/fine_tuning/jobs", json=body).status_code == 200

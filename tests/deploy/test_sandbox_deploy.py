@@ -46,6 +46,10 @@ SECRET_SETTINGS = ("CISPO_METRICS_TOKEN", "CISPO_JUDGE_API_KEY")
 # Settings a deployment may leave at their defaults, and why.
 DEFAULTS_SUFFICE = {
     "tracking_file_roots": "mlflow integrations log to http(s) servers only",
+    "wandb_entities": "W&B runs go to the worker key's default entity",
+    "hf_hub_offline": "Hugging Face's HF_HUB_OFFLINE, read by the workers' transformers too",
+    "hf_hub_cache": "Hugging Face's HF_HUB_CACHE: HF_HOME/hub",
+    "hf_home": "Hugging Face's HF_HOME: ~/.cache/huggingface",
     "max_request_bytes": "4 MiB JSON bodies",
     "max_attempts": "3 attempts per job",
     "work_dir": "HOME/work, on the worker's CISPO_HOME volume",

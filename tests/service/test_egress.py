@@ -17,9 +17,11 @@ from tests.loopback_http import QuietHandler, serving
     "https://192.168.0.10/", "https://172.16.5.5/", "https://169.254.169.254/latest/meta-data/",
     "https://[::1]/", "https://[fd00::1]/", "https://[::ffff:127.0.0.1]/", "https://0.0.0.0/",
     "https://100.64.0.1/",
-    # IPv6 forms wrapping a loopback/private IPv4 (NAT64, local-use NAT64, 6to4, IPv4-compatible)
+    # IPv6 forms wrapping a loopback/private IPv4 (NAT64, local-use NAT64, 6to4, IPv4-compatible,
+    # IPv4-translated)
     "https://[64:ff9b::7f00:1]/", "https://[64:ff9b::a9fe:a9fe]/", "https://[64:ff9b:1::7f00:1]/",
     "https://[2002:7f00:1::]/", "https://[2002:c0a8:1::1]/", "https://[::127.0.0.1]/", "https://[::10.0.0.1]/",
+    "https://[::ffff:0:7f00:1]/", "https://[::ffff:0:a9fe:a9fe]/", "https://[::ffff:0:10.0.0.1]/",
 ])
 def test_non_public_addresses_are_refused(url):
     with pytest.raises(EgressRefused, match="non-public"):
@@ -65,7 +67,7 @@ def test_public_https_is_pinned_to_the_checked_address():
 
 
 def test_wrapped_public_ipv4_stays_public():
-    for url in ("https://[64:ff9b::808:808]/", "https://[2002:808:808::1]/"):
+    for url in ("https://[64:ff9b::808:808]/", "https://[2002:808:808::1]/", "https://[::ffff:0:808:808]/"):
         assert check_url(url, EgressPolicy()).host
 
 

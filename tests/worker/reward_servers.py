@@ -50,6 +50,8 @@ class _Handler(QuietHandler):
             message = {"role": "assistant", "content": "Reasonable answer. Score: 0.8"}
         elif "silent" in user:
             message = {"role": "assistant", "content": "No opinion."}
+        elif "digits" in user:  # a judge made to write many digits (what a tenant could ask it to encode)
+            message = {"role": "assistant", "content": json.dumps({"result": 0.123456789012345})}
         else:
             message = {"role": "assistant", "content": json.dumps({"result": len(user), "steps": []})}
         answer = {"choices": [{"index": 0, "message": message}], "model": body["model"],

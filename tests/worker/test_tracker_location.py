@@ -31,12 +31,13 @@ def test_a_started_mlflow_run_is_an_info_event_naming_it(tmp_path):
     integration = Integration.model_validate({"type": "mlflow", "mlflow": {"tracking_uri": f"file:{store}",
                                                                           "experiment": "exp"}})
     events = []
-    trackers = Trackers([integration], "ftjob-where", settings, {}, lambda message, **kw: events.append((message, kw)))
+    trackers = Trackers([integration], "ftjob-where", settings, {}, lambda message, **kw: events.append((message, kw)),
+                        project_id="proj-a")
     try:
         run_id = trackers.live["mlflow"].run_id
     finally:
         trackers.finish("succeeded")
     [(message, kw)] = events
-    assert message == (f"The mlflow integration logs to MLflow run {run_id} in experiment 'exp' at file:{store} "
+    assert message == (f"The mlflow integration logs to MLflow run {run_id} in experiment 'proj-a/exp' at file:{store} "
                        f"(read it with MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri file:{store})")
     assert kw == {"level": "info", "data": {"integration": "mlflow"}}

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from service.egress import EgressPolicy, bearer
-from service.schemas.reward_remote import ScoreModelReward
+from service.schemas.reward_remote import SCORE_DIGITS, ScoreModelReward
 from service.schemas.templates import SampleParseError, TemplateError, render
 from worker.rewards.builtins import last_number
 from worker.rewards.errors import ScoringError
@@ -63,6 +64,13 @@ def _sampling(spec: ScoreModelReward, cap: int | None) -> dict[str, Any]:
     if cap is not None:
         params["max_tokens"] = min(params.get("max_tokens", cap), cap)
     return params
+
+
+def on_scale(value: float, low: float, high: float) -> float:
+    """The judge's number clipped to [low, high] and rounded to SCORE_DIGITS significant digits of the range's
+    width (0.1235 on [0, 1], 7.123 on [0, 10]): a score, not a channel for whatever digits the judge wrote."""
+    digits = SCORE_DIGITS - math.ceil(math.log10(high - low))
+    return min(max(round(value, digits), low), high)
 
 
 class JudgeBatchScorer:
@@ -113,8 +121,7 @@ class JudgeBatchScorer:
         if value is None:
             length = len(content) if isinstance(content, str) else 0
             return None, f"judge reply: no number in the judge's reply ({length} characters, not shown)", usage
-        low, high = self.spec.range
-        return min(max(value, low), high), None, usage
+        return on_scale(value, *self.spec.range), None, usage
 
     def close(self) -> None:
         pass

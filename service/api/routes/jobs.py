@@ -61,7 +61,8 @@ def _present(session, who: Principal, job: Job, settings: Settings) -> JobObject
 def _dry_run(session, store, who: Principal, settings: Settings, body: JobCreate) -> DryRunObject:
     try:
         prepared = jobs_service.prepare(session, who.project_id, body, settings=settings)
-        report = run_dry_run(session, store, who.project_id, body, prepared.spec, hub_url=settings.model_hub_url)
+        report = run_dry_run(session, store, who.project_id, body, prepared.spec, hub_url=settings.model_hub_url,
+                             hub_cache=settings.resolved_hf_hub_cache(), hub_offline=settings.hf_hub_offline)
     finally:
         session.rollback()
     return DryRunObject(spec=prepared.spec.model_dump(mode="json"), estimated_seconds=report.estimated_seconds,

@@ -1,0 +1,36 @@
+"""The worker's scratch roots and the serving channel's file are the owner's only, also where CISPO_WORK_DIR lies
+outside the private home: they hold every tenant's datasets, weights, prompts and answers."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from service.serving.channel import SqliteChannel
+from service.settings import Settings
+from worker import eval_runner, scratch
+from worker.serving.server import ServingWorker
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_scratch_roots_are_0700_and_the_serving_channel_0600(tmp_path):
+    old = os.umask(0o022)  # the usual umask: what mkdir made 0755 and sqlite 0644
+    try:
+        settings = Settings(home=tmp_path / "home", work_dir=tmp_path / "shared" / "work",
+                            storage_url=str(tmp_path / "objects"))
+        (tmp_path / "shared" / "eval-work").mkdir(parents=True, mode=0o755)  # left wide by an older version
+        run = scratch.run_dir(settings, "ftjob-x", 1)
+        run.mkdir(parents=True)
+        evals = eval_runner.work_dir(settings, "eval-x")
+        channel = SqliteChannel(tmp_path / "shared" / "serve.db")
+        channel.push("k", {"prompt": "secret"}, ttl_s=60)
+        worker = ServingWorker(settings, [], channel=channel)
+    finally:
+        os.umask(old)
+    assert _mode(tmp_path / "shared" / "work") == 0o700 and run.is_relative_to(tmp_path / "shared" / "work")
+    assert _mode(tmp_path / "shared" / "eval-work") == 0o700 and evals.parent == tmp_path / "shared" / "eval-work"
+    assert worker.scratch.parent == tmp_path / "shared" / "work"
+    assert _mode(tmp_path / "shared" / "serve.db") == 0o600
