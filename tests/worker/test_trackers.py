@@ -102,9 +102,16 @@ def _port(server) -> int:
 
 def _start(integrations: list[dict], settings: Settings, project_id: str = "proj_alpha",
            job_id: str = "ftjob-1") -> tuple[Trackers, list[dict]]:
+    """The trackers and the events that say one failed (the info event naming where a run went is
+    tests/worker/test_tracker_location.py's)."""
     events: list[dict] = []
+
+    def event(message, **kw):
+        if kw.get("level") != "info":
+            events.append({"message": message, **kw})
+
     started = Trackers([Integration.model_validate(i) for i in integrations], job_id, settings, {"steps": 3},
-                       lambda message, **kw: events.append({"message": message, **kw}), project_id=project_id)
+                       event, project_id=project_id)
     return started, events
 
 
