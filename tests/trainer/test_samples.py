@@ -57,3 +57,23 @@ def test_each_group_s_best_and_worst_for_the_first_eight_groups(tok):
     samples = pick_samples(tok, rollout, feedback, torch.zeros(10, 2), 2, multi_turn=False)
     assert len(samples) == 16 and [s["reward"] for s in samples] == [1.0, 0.0] * 8
     assert pick_indices([1.0] * 8, 4, groups=8) == [0, 4]  # all equal: one per group
+
+
+def test_a_chatml_prompt_keeps_its_role_markers_though_they_are_the_bos_and_pad_tokens(real_model_dir):
+    """SmolLM2's BOS is <|im_start|> and its pad <|im_end|>: the prompt shows them, as the model saw it."""
+    from transformers import AutoTokenizer
+
+    from worker.model.turns import chat_ids
+
+    tok = AutoTokenizer.from_pretrained(real_model_dir)
+    assert (tok.bos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>")
+    prompt = chat_ids(tok, [{"role": "user", "content": "What is the capital of France?"}])
+    answer = tok("Paris", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    rollout = Rollout(rows=[{}] * 2, token_ids=[prompt + answer] * 2, action_mask=[[0] * len(prompt) + [1] * 2] * 2,
+                      action_turns=[[0, 0]] * 2, prompt_lengths=[len(prompt)] * 2, completions=["Paris"] * 2,
+                      truncated=[False] * 2, turns=[1] * 2)
+    [sample] = pick_samples(tok, rollout, Feedback([[1.0], [1.0]]), torch.zeros(1, 2), 2, multi_turn=False)
+    assert sample["prompt"] == tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False)
+    assert sample["prompt"].startswith("<|im_start|>system\n")
+    assert sample["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -160,6 +161,31 @@ def test_warm_start_pins_the_loaded_policy_as_reference(toy_dir, tmp_path):
         torch.testing.assert_close(_policy_logprobs(resumed.policy.model, tok), expected_ref, rtol=0, atol=1e-6)
     # the trained policy has moved away from its reference
     assert not torch.allclose(_policy_logprobs(resumed.policy.model, tok), expected_ref, atol=1e-5)
+
+
+def test_a_job_continues_an_all_linear_adapter_of_twenty_linears_or_more(toy_dir, tmp_path):
+    """PEFT writes such an adapter's targets as the shortest suffixes that select them (Llama's seven *_proj names,
+    as on every real model): a warm start with all-linear takes them for what they are and loads the weights."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    model_dir = tmp_path / "three-layers"
+    tok = AutoTokenizer.from_pretrained(toy_dir / "model")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                 num_attention_heads=2, num_key_value_heads=2, bos_token_id=tok.bos_token_id,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    spec = small_spec(toy_dir, steps=1, checkpoint_interval=1).model_copy(update={"model": str(model_dir)})
+    source = train(spec, tmp_path / "source").last_checkpoint
+    written = json.loads((source / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(written) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    warm = Trainer(spec.model_copy(update={"init_from": str(source)}), tmp_path / "warm")
+    loaded = {n.replace(".default", ""): p for n, p in warm.policy.model.named_parameters() if "lora_" in n
+              and ".default" in n}
+    saved = adapter_tensors(source)
+    assert len(saved) == 2 * 21
+    for name, tensor in saved.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
 
 
 def test_kl_old_and_kl_ref_agree_at_step_1(toy_dir, tmp_path):

@@ -229,6 +229,29 @@ def test_check_lora_config_understands_all_linear(tmp_path):
         check_lora_config(adapter, LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
 
 
+def test_an_all_linear_adapter_of_twenty_linears_or_more_matches_an_all_linear_job(tmp_path):
+    """PEFT writes such an adapter's targets as the shortest suffixes that select them (Llama's seven *_proj
+    names): given the job's model, the check sees they select exactly the modules the job's adapter wraps."""
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def three_layers(targets):
+        torch.manual_seed(0)
+        return get_peft_model(LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": 3})),
+                              lora_config(target_modules=targets))
+
+    saved = three_layers("all-linear")
+    adapter = load_checkpoint(save(tmp_path / "step-00000001", saved, None, step=1)).adapter_dir
+    assert sorted(json.loads((adapter / "adapter_config.json").read_text())["target_modules"]) == sorted(every)
+    job = three_layers("all-linear")
+    check_lora_config(adapter, LoraSpec(r=4, alpha=8, target_modules="all-linear"), job)
+    check_lora_config(adapter, LoraSpec(r=4, alpha=8, target_modules=every), three_layers(every))
+    with pytest.raises(CheckpointError, match="target_modules: checkpoint .* vs job \\['q_proj', 'v_proj'\\]"):
+        check_lora_config(adapter, LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+                          three_layers(["q_proj", "v_proj"]))
+    with pytest.raises(CheckpointError, match="vs job all-linear"):  # without the model: not provable
+        check_lora_config(adapter, LoraSpec(r=4, alpha=8, target_modules="all-linear"))
+
+
 def test_rng_state_survives_a_checkpoint(tmp_path, trained):
     random.seed(11), np.random.seed(12), torch.manual_seed(13)
     rng_state, rng_tensors = capture_rng()

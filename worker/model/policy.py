@@ -186,7 +186,7 @@ def _lora_model(spec: JobSpec, base: torch.nn.Module, resume_from: Checkpoint | 
     model = get_peft_model(base, lora_config(spec.lora))
     source = resume_from or warm_start
     if source is not None:
-        check_lora_config(source.adapter_dir, spec.lora)
+        check_lora_config(source.adapter_dir, spec.lora, model)
         if reads:
             _load_adapter_weights(model, source.adapter_dir, "default")
     reference_dir = resume_from.reference_dir if resume_from is not None else (

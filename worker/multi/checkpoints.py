@@ -36,7 +36,7 @@ class AdapterView:
 
 def restore(shared: SharedBase, name: str, checkpoint: Checkpoint, optimizer: torch.optim.Optimizer) -> None:
     """Load a checkpoint's adapter into job `name`'s adapter and its optimizer state into `optimizer`."""
-    check_lora_config(checkpoint.adapter_dir, shared.specs[name])
+    check_lora_config(checkpoint.adapter_dir, shared.specs[name], shared.model, name)
     state = load_file(str(Path(checkpoint.adapter_dir) / "adapter_model.safetensors"))
     result = set_peft_model_state_dict(shared.model, state, adapter_name=name)
     unexpected = [k for k in result.unexpected_keys if "lora_" in k]

@@ -45,10 +45,13 @@ def pick_indices(rewards: list[float], group_size: int, groups: int) -> list[int
 
 
 def prompt_text(tokenizer, ids: list[int]) -> str:
-    """The prompt as a person reads it: without the BOS and padding tokens the tokenizer adds (raw `<s>` in
-    the dashboard), but with a chat template's role markers, which are what the model saw."""
-    added = {tokenizer.bos_token_id, tokenizer.pad_token_id} - {None}
-    return tokenizer.decode([t for t in ids if t not in added])
+    """The prompt as a person reads it: without the tokens the tokenizer itself puts in front (the toy's `<s>`,
+    raw in the dashboard), but with every token of a chat template, which is what the model saw, also where the
+    template's role markers are the BOS or pad token (ChatML's <|im_start|> is SmolLM2's BOS, <|im_end|> its pad)."""
+    added = tokenizer("")["input_ids"]
+    if added and ids[:len(added)] == added:
+        ids = ids[len(added):]
+    return tokenizer.decode(ids)
 
 
 def pick_samples(tokenizer, rollout: Rollout, feedback: Feedback, advantages_PG: Tensor, group_size: int, *,
