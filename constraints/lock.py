@@ -71,7 +71,7 @@ def resolve(reqs: list[str], *, platform: bool) -> dict[str, str]:
 
 def constraints_text(name: str, versions: dict[str, str]) -> str:
     lines = [f"# The {name} set's locked versions, written by `make lock` (constraints/lock.py); do not edit by hand.",
-             "# pip install -c constraints/" + f"{name}.txt ...  installs exactly these where a requirement names them."]
+             f"# pip install -c constraints/{name}.txt ...  installs exactly these where a requirement names them."]
     for package in sorted(versions, key=_canonical):
         if _canonical(package) == PROJECT:
             continue

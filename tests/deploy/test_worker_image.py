@@ -27,7 +27,8 @@ def test_worker_image_installs_a_c_compiler():
 def test_vllm_is_installed_with_torch_in_one_pip_run_at_the_locked_versions():
     """torch, vLLM and the worker extra in one pip run under the locked CUDA set, whose torch the build checks."""
     installs = [r for r in _worker_runs() if "pip install" in r]
-    pinned = [r for r in installs if re.search(r"pip install -c constraints/cuda\.txt torch vllm \"\.\[worker,vllm[,\]]", r)]
+    one_run = r"pip install -c constraints/cuda\.txt torch vllm \"\.\[worker,vllm[,\]]"
+    pinned = [r for r in installs if re.search(one_run, r)]
     assert pinned, installs
     for run in installs:
         for command in re.split(r"&&|;", run):
@@ -39,7 +40,8 @@ def test_vllm_is_installed_with_torch_in_one_pip_run_at_the_locked_versions():
 
 
 def test_the_api_image_installs_the_locked_cpu_set():
-    installs = [rest for instr, rest in stage_chain(dockerfile_stages(), "api") if instr == "RUN" and "pip install" in rest]
+    runs = [rest for instr, rest in stage_chain(dockerfile_stages(), "api") if instr == "RUN"]
+    installs = [run for run in runs if "pip install" in run]
     commands = [c for run in installs for c in re.split(r"&&|;", run) if "pip install" in c and "--no-deps" not in c]
     assert commands and all("-c constraints/cpu.txt" in c for c in commands), commands
 
