@@ -25,7 +25,8 @@ def _compiled(monkeypatch) -> None:
 
 
 def _packed_toy_linears(monkeypatch) -> None:
-    monkeypatch.setattr(packed_linears, "FLOAT32_PACK_MIN_ELEMENTS", 0)  # the toy model's linears pack too
+    monkeypatch.setattr(packed_linears, "FLOAT32_PACK_MIN_ELEMENTS", 0)  # the toy model's linears pack too,
+    monkeypatch.setattr(rollout, "PACK_MIN_NEW_TOKENS", 0)  # in its short rollouts
 
 
 # optimisation -> (what its plain run needs as well, how the forced run makes it fail)
