@@ -51,7 +51,7 @@ REQUIREMENTS = {
     "httpx": "httpx>=0.27",
     "tokenizers": "tokenizers>=0.20",
     "safetensors": "safetensors>=0.4",
-    "transformers": "transformers>=5.19,<5.26",
+    "transformers": "transformers>=5.19,<5.21",
     "accelerate": "accelerate>=1.0",
     "peft": "peft>=0.21,<0.22",
     "datasets": "datasets",
