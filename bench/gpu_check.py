@@ -7,8 +7,10 @@
 
 Self-contained on a bare GPU machine whose Python is not ours: it runs on that
 machine's interpreter and its torch, installs only the packages whose modules
-are missing (never torch: pip runs under a constraint that pins the installed
-torch, and with --wheels from the bundle alone), sets HF_HUB_OFFLINE=1 and
+are missing, at the locked CUDA set's versions (constraints/cuda.txt; never
+torch: pip runs under a constraint that pins the installed torch, and with
+--wheels from the bundle alone, which --build-wheels fills with the locked
+versions), sets HF_HUB_OFFLINE=1 and
 builds every model locally. Stages (bench/gpu_check_stages.py):
 
   env      versions, the device, a C compiler for Triton
@@ -49,12 +51,14 @@ REQUIREMENTS = {
     "httpx": "httpx>=0.27",
     "tokenizers": "tokenizers>=0.20",
     "safetensors": "safetensors>=0.4",
-    "transformers": "transformers>=4.56",
+    "transformers": "transformers>=5.19,<5.21",
     "accelerate": "accelerate>=1.0",
-    "peft": "peft>=0.17",
+    "peft": "peft>=0.21,<0.22",
     "datasets": "datasets",
-    "trl": "trl>=1.16,<2",
+    "trl": "trl>=1.16,<1.17",
 }
+LOCK = ROOT / "constraints" / "cuda.txt"  # the locked CUDA set (`make lock`)
+TORCH_FAMILY = ("torch==", "triton==", "nvidia-")  # torch and the wheels it brings: the machine's own
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
@@ -64,11 +68,20 @@ def missing_requirements(find=importlib.util.find_spec) -> list[str]:
     return [req for module, req in REQUIREMENTS.items() if find(module) is None]
 
 
+def locked_constraints(torch_version: str | None) -> str:
+    """The locked CUDA set (constraints/cuda.txt, the versions the image and the tests ran), less torch and what
+    torch itself depends on (triton, the nvidia-* wheels: the machine's torch brings its own), plus the installed
+    torch where given."""
+    lines = [line for line in LOCK.read_text().splitlines()
+             if line and not line.startswith("#") and not line.startswith(TORCH_FAMILY)]
+    return "\n".join(lines + ([f"torch=={torch_version}"] if torch_version else [])) + "\n"
+
+
 def pip_install_command(missing: list[str], torch_version: str, constraints: Path,
                         wheels: Path | None) -> list[str]:
-    """pip for the missing requirements, with the installed torch pinned (so nothing replaces it) and, given a
-    wheel bundle, nothing but the bundle."""
-    constraints.write_text(f"torch=={torch_version}\n")
+    """pip for the missing requirements at the locked CUDA set's versions, with the installed torch pinned (so
+    nothing replaces it) and, given a wheel bundle, nothing but the bundle."""
+    constraints.write_text(locked_constraints(torch_version))
     command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-c", str(constraints)]
     if wheels is not None:
         command += ["--no-index", "--find-links", str(wheels)]
@@ -85,6 +98,8 @@ def install_missing(wheels: Path | None, log) -> list[str]:
         return []
     import torch
 
+    if f"torch=={torch.__version__.split('+')[0]}" not in LOCK.read_text().splitlines():
+        log(f"torch {torch.__version__} here, not the locked set's: the other packages stay at the lock's versions")
     with tempfile.TemporaryDirectory() as tmp:
         command = pip_install_command(missing, torch.__version__, Path(tmp) / "constraints.txt", wheels)
         log("installing: " + " ".join(command))
@@ -100,9 +115,13 @@ def build_wheels(out: Path, python_version: str) -> None:
     """Download wheels of every requirement but torch (and of their dependencies) for `python_version` on
     manylinux x86_64, to carry to a machine without network. torch is left out: the GPU machine has its own."""
     out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--dest", str(out), "--only-binary=:all:",
-                    "--python-version", python_version, "--platform", "manylinux2014_x86_64",
-                    "--platform", "manylinux_2_28_x86_64", *REQUIREMENTS.values()], check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        constraints = Path(tmp) / "constraints.txt"
+        constraints.write_text(locked_constraints(None))  # the locked versions; torch's own come with the machine
+        subprocess.run([sys.executable, "-m", "pip", "download", "--dest", str(out), "--only-binary=:all:",
+                        "-c", str(constraints), "--python-version", python_version,
+                        "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64",
+                        *REQUIREMENTS.values()], check=True)
     for torch_wheel in [*out.glob("torch-*.whl"), *out.glob("nvidia_*.whl"), *out.glob("triton-*.whl")]:
         torch_wheel.unlink()  # dependencies of torch; the machine's torch brings its own
     print(f"{len(list(out.glob('*.whl')))} wheels in {out}")

@@ -37,14 +37,16 @@ def save_dtype(spec_dtype: str, base_model: str) -> torch.dtype:
 def merge_adapter(base_model: str, adapter_dir: Path, dest: Path, dtype: torch.dtype) -> Path:
     """Write base + adapter, merged in float32 and saved in `dtype`, to `dest` (atomically); returns dest."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from worker.model.loading import load_causal_lm
 
     dest = Path(dest)
     tmp = dest.parent / f".tmp-{dest.name}-{uuid.uuid4().hex}"
     tmp.mkdir(parents=True)
     try:
         # Merged in float32 whatever the base's dtype: W + scale * B @ A rounds once, when saved.
-        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+        base = load_causal_lm(base_model, dtype=torch.float32)
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
         merged = merged.to(dtype)
         merged.config.dtype = dtype

@@ -58,12 +58,34 @@ def test_a_stage_is_killed_at_its_timeout_and_its_output_kept(tmp_path, monkeypa
 
 def test_install_plan_pins_the_installed_torch_and_uses_only_the_bundle(tmp_path):
     missing = gpu_check.missing_requirements(find=lambda module: None if module in ("trl", "datasets") else True)
-    assert missing == ["datasets", "trl>=1.16,<2"]
+    assert missing == ["datasets", "trl>=1.16,<1.17"]
     command = gpu_check.pip_install_command(missing, "2.14.0+cu130", tmp_path / "c.txt", tmp_path / "wheels")
-    assert (tmp_path / "c.txt").read_text() == "torch==2.14.0+cu130\n"
+    constraints = (tmp_path / "c.txt").read_text().splitlines()
+    assert constraints[-1] == "torch==2.14.0+cu130" and sum(c.startswith("torch==") for c in constraints) == 1
     assert command[command.index("-c") + 1] == str(tmp_path / "c.txt")
     assert "--no-index" in command and command[command.index("--find-links") + 1] == str(tmp_path / "wheels")
     assert not any(arg.startswith("torch") for arg in command)
+
+
+def test_installs_and_bundles_take_the_locked_cuda_set_but_torch_s_own_wheels():
+    """What the first GPU run installs is what the image and the tests ran: constraints/cuda.txt, less torch and
+    the wheels torch brings (the machine's torch keeps its own)."""
+    locked = [line for line in gpu_check.LOCK.read_text().splitlines() if line and not line.startswith("#")]
+    constraints = gpu_check.locked_constraints(None).splitlines()
+    assert constraints == [line for line in locked if not line.startswith(("torch==", "triton==", "nvidia-"))]
+    assert any(c.startswith("transformers==") for c in constraints) and any(c.startswith("trl==") for c in constraints)
+
+
+def test_the_requirements_keep_pyproject_s_ranges():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {r.split(">")[0].split("=")[0].split("<")[0].split("[")[0]: r for r in
+                [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]}
+    for requirement in gpu_check.REQUIREMENTS.values():
+        name = requirement.split(">")[0].split("=")[0].split("<")[0]
+        if name in declared:
+            assert requirement == declared[name].split(";")[0].split("#")[0].strip(), (requirement, declared[name])
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
+
+from worker.model.loading import load_causal_lm
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def toy_lora_model(toy_dir, dtype: torch.dtype = torch.float32):
     """The toy model in `dtype` with a LoRA (float32, as PEFT keeps adapters) whose B matrices are far from zero, so
     the adapter changes what it computes."""
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=dtype)
+    base = load_causal_lm(toy_dir / "model", dtype=dtype)  # as the worker loads it
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -81,11 +81,11 @@ def test_only_llama_style_silu_mlps_are_patched_and_the_block_restores_them(lora
 
 def _bf16_model(toy_dir, *, lora: bool):
     """The toy model in bf16: whole, or with float32 adapters (as the policy keeps them, under a bf16 autocast)."""
-    from transformers import AutoModelForCausalLM
+    from worker.model.loading import load_causal_lm
 
     if lora:
         return toy_lora_model(toy_dir, torch.bfloat16).train()
-    return AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.bfloat16).train()
+    return load_causal_lm(toy_dir / "model", dtype=torch.bfloat16).train()
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full bf16", "bf16 base, float32 LoRA, autocast"])
@@ -139,3 +139,62 @@ def test_under_fsdp_the_norms_are_left_alone(lora_model):
     with lean_backward(lora_model, norms=False):
         assert not any("forward" in m.__dict__ for m in lora_model.modules() if "RMSNorm" in type(m).__name__)
         assert any("forward" in m.__dict__ for m in lora_model.modules() if isinstance(m, LlamaMLP))
+
+
+def _hub_kernel_mode_switch(model) -> None:
+    """What transformers' train() and eval() do with hub kernels on (the default from transformers 5.25): the
+    kernels library's kernelize puts each kernel layer's own (or the hub's) forward back, dropping the instance's."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.__dict__.pop("forward", None)
+
+
+def test_a_forward_put_back_inside_the_block_leaves_the_block_cleanly(lora_model):
+    """The hub kernels' mode switch drops the norms' lean forwards mid-update: the block still gives the plain
+    gradients, ends without an error, and leaves no forward of its own behind."""
+    batch = collate_sequences(*groups(), pad_id=PAD, device=CPU, share_prefixes=True)
+    lora_model.train()
+    _, _, want = score(lora_model, batch)
+    with lean_backward(lora_model):
+        _hub_kernel_mode_switch(lora_model)
+        _, _, grads = score(lora_model, batch)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], rtol=0, atol=0, msg=name)
+    assert not [n for n, m in lora_model.named_modules() if "forward" in m.__dict__]
+
+
+def test_with_the_installed_transformers_hub_kernels_on_the_block_leaves_their_layers_alone():
+    """transformers' own kernel machinery (where the installed kernels library is one it can use): the layers it
+    owns keep its forwards, the MLPs still run lean, and train()/eval() inside the block break nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import is_kernels_available
+
+    if not is_kernels_available():
+        pytest.skip("no kernels library this transformers can use")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    model.set_use_kernels(True)
+    ids = torch.randint(0, 32, (2, 6))
+    model.train()
+    model(ids).logits.sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with lean_backward(model):
+        assert "forward" in model.model.layers[0].mlp.__dict__
+        model.eval()
+        model.train()
+        model(ids).logits.sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=0, atol=0, msg=name)
+    assert "forward" not in model.model.layers[0].mlp.__dict__
+
+
+def test_the_worker_loads_models_without_hub_kernels(toy_dir):
+    """From transformers 5.25 from_pretrained turns hub kernels on by default (kernel code fetched from the hub,
+    forwards swapped at every train() and eval()); the worker runs the model's own code."""
+    from worker.model.loading import load_causal_lm
+
+    model = load_causal_lm(toy_dir / "model", dtype=torch.float32)
+    assert getattr(model, "use_kernels", False) is False

@@ -17,7 +17,9 @@
 Both run the same operations on the same values as the modules' own forwards,
 so the outputs and the gradients are the same bit for bit. Only modules whose
 forward is the Llama class's own code (Qwen2, Qwen3, Mistral and the other
-copies of it) are patched, MLPs only with a SiLU; any other runs as is.
+copies of it) are patched, MLPs only with a SiLU; any other runs as is, and so
+does a module whose forward transformers' hub kernels own (a class carrying a
+kernel_layer_name while the model's use_kernels is on).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from worker.model.optional_swaps import guarded, optional, restore_forwards
+
+NAME = "lean backward"
 
 
 class _SiluMul(torch.autograd.Function):
@@ -78,24 +84,37 @@ class _RecomputedNorm(torch.autograd.Function):
 def lean_backward(model: torch.nn.Module, *, norms: bool = True):
     """Within the block, `model`'s Llama-style SiLU MLPs and (with `norms`) RMSNorms keep less for backward (see
     the module). `norms=False` under FSDP: a recomputed norm reads its weight again in backward, where FSDP's
-    own unsharding, not this function, decides which tensor that is."""
-    patched = []
-    for module in model.modules():
-        if "forward" in module.__dict__:
-            continue
-        kind = _kind(type(module))
-        if kind == "mlp" and _silu(module):
-            module.forward = _mlp_forward(module)
-        elif kind == "norm" and norms:
-            module.forward = _norm_forward(module)
-        else:
-            continue
-        patched.append(module)
+    own unsharding, not this function, decides which tensor that is. Where it cannot apply the model runs its own
+    forwards (worker/model/optional_swaps.py)."""
+    with optional(model, NAME, lambda: _patched(model, norms)):
+        yield model
+
+
+@contextmanager
+def _patched(model: torch.nn.Module, norms: bool):
+    patched: dict[torch.nn.Module, object] = {}  # module -> the forward set here
+    kernels = _hub_kernels_active(model)
     try:
+        for module in model.modules():
+            if "forward" in module.__dict__ or (kernels and hasattr(type(module), "kernel_layer_name")):
+                continue  # a forward of someone else's: another swap's, or one transformers' hub kernels own
+            kind = _kind(type(module))
+            if kind == "mlp" and _silu(module):
+                fast = _mlp_forward(module)
+            elif kind == "norm" and norms:
+                fast = _norm_forward(module)
+            else:
+                continue
+            module.forward = patched[module] = guarded(model, NAME, fast, type(module).forward.__get__(module))
         yield model
     finally:
-        for module in patched:
-            del module.forward  # the class's forward again
+        restore_forwards(patched)
+
+
+def _hub_kernels_active(model: torch.nn.Module) -> bool:
+    """Whether transformers' hub kernels are on for `model` (from_pretrained's use_kernels, the default from
+    transformers 5.25): they then own the forwards of the classes that carry a kernel_layer_name."""
+    return any(getattr(m, "use_kernels", False) is True for m in model.modules())
 
 
 def _mlp_forward(module):

@@ -22,20 +22,32 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from worker.model.optional_swaps import guarded, optional, restore_forwards
+
+NAME = "fused LoRA forward"
+
 
 @contextmanager
 def fused_lora_linears(model: torch.nn.Module):
-    """Within the block, every plain PEFT LoRA Linear of `model` adds its adapters' output with one addmm."""
+    """Within the block, every plain PEFT LoRA Linear of `model` adds its adapters' output with one addmm; where
+    that cannot apply, PEFT's forward runs (worker/model/optional_swaps.py)."""
+    with optional(model, NAME, lambda: _patched(model)):
+        yield model
+
+
+@contextmanager
+def _patched(model: torch.nn.Module):
     from peft.tuners.lora.layer import Linear
 
-    patched = [m for m in model.modules() if type(m) is Linear and "forward" not in m.__dict__]
-    for module in patched:
-        module.forward = _fused_forward(module)
+    patched: dict[torch.nn.Module, object] = {}
     try:
+        for module in model.modules():
+            if type(module) is Linear and "forward" not in module.__dict__:
+                plain = type(module).forward.__get__(module)
+                module.forward = patched[module] = guarded(model, NAME, _fused_forward(module), plain)
         yield model
     finally:
-        for module in patched:
-            del module.forward  # the class's (PEFT's) forward again
+        restore_forwards(patched)  # the class's (PEFT's) forward again
 
 
 def _fused_forward(module):

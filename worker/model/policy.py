@@ -37,6 +37,7 @@ from worker.distributed import group
 from worker.distributed.shard import shard_model
 from worker.distributed.state import receive_from_rank0
 from worker.model import precision, quantization
+from worker.model.loading import load_causal_lm
 
 REFERENCE = "reference"
 MASTER_PREFIX = "master."  # a whole model's float32 weights among a checkpoint's trainer-state tensors
@@ -116,7 +117,7 @@ def load_policy(spec: JobSpec, *, resume_from: Checkpoint | None, warm_start: Ch
 
     def from_pretrained(where, load_dtype: torch.dtype, **extra) -> torch.nn.Module:
         if reads:
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=load_dtype, **extra)
+            model = load_causal_lm(where, dtype=load_dtype, **extra)
             if not group.active() and not extra:  # a 4-bit model is placed by its device_map
                 model = model.to(device)  # under FSDP fully_shard moves only this rank's shard to the device
         else:

@@ -97,10 +97,11 @@ class SharedWorker:
 
     def _load_base(self, spec: JobSpec) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        from worker.multi.lora import SharedBase
         from worker.model import precision
+        from worker.model.loading import load_causal_lm
+        from worker.multi.lora import SharedBase
         from worker.model.policy import pick_device
 
         self.device = pick_device()
@@ -110,7 +111,7 @@ class SharedWorker:
         tokenizer.padding_side = "left"
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        base = AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype).to(self.device)
+        base = load_causal_lm(spec.model, dtype=dtype).to(self.device)
         self.shape, self.base_bytes = memory.BaseShape.of(base), memory.model_bytes(base)
         self.base_parameters = sum(p.numel() for p in base.parameters())
         gib = self.settings.worker_memory_gib

@@ -34,16 +34,26 @@ from torch import Tensor
 from torch.nn.modules import module as nn_module
 
 from worker.model.lora_forward import vanilla_adapters
+from worker.model.optional_swaps import enabled, fall_back, guarded, optional, restore_forwards
 from worker.rollout.packed_linears import packable, packed_copy, packed_forward, packed_weight
 
 __all__ = ["rollout_weights", "kept_copies"]
 
+EFFECTIVE, LEAN, PACKED = "effective weights", "lean LoRA rollout forward", "packed linears"
 kept_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {name: kept weight copy}
 
 
 @contextmanager
 def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bool = False,
                     pack: bool = False):
+    """`_effective_weights` where it can apply; else `model` as it is (PEFT's forwards, its own dtype: the same
+    tokens up to float rounding), said once (worker/model/optional_swaps.py)."""
+    with optional(model, EFFECTIVE, lambda: _effective_weights(model, dtype, head_float32=head_float32, pack=pack)):
+        yield model
+
+
+@contextmanager
+def _effective_weights(model, dtype: torch.dtype | None, *, head_float32: bool, pack: bool):
     """Run `model` as a plain causal LM on its effective weights: active LoRA adapters applied, cast to `dtype`.
 
     Each adapted linear runs base(x) + B(A(x)) * scaling through a lean
@@ -88,8 +98,8 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
     if peft and _quantized_base(model, LoraLayer):  # QLoRA: a 4-bit weight cannot take the adapter folded in
         yield model  # the adapters run unmerged, the base in its own 4-bit kernels
         return
-    lean: list[torch.nn.Module] = []  # LoRA linears running _lean_lora_forward
-    packed: list[torch.nn.Module] = []  # Linears running on a prepacked weight (worker/rollout/packed_linears.py)
+    lean: dict[torch.nn.Module, object] = {}  # LoRA linears running _lean_lora_forward -> that forward
+    packed: dict[torch.nn.Module, object] = {}  # Linears running on a prepacked weight -> that forward
     try:
         with torch.no_grad():
             for module in model.modules() if peft else ():
@@ -98,9 +108,10 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
                 adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
                 if not adapters:
                     continue
-                if _lean_applies(module, adapters):
-                    module.forward = _lean_lora_forward(module, adapters)
-                    lean.append(module)
+                if _lean_applies(module, adapters) and enabled(model, LEAN):
+                    module.forward = guarded(model, LEAN, _lean_lora_forward(module, adapters),
+                                             _merged_linear(module, adapters, dtype))
+                    lean[module] = module.forward
                     continue
                 base = module.get_base_layer()
                 merged = base.weight.detach()
@@ -117,18 +128,23 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
                         if p is None or not p.is_floating_point() or p.dtype == dtype:
                             continue
                         if (pname != "weight" or dtype is not torch.bfloat16 or not packable(module, p, dtype)
-                                or (head_float32 and module is head)):
+                                or (head_float32 and module is head) or not enabled(model, PACKED)):
                             swap(module, pname, p)
                             continue
                         kept = kept_copies.setdefault(module, {})
-                        if id(p) in shared:  # a tied head: the plain copy stays its weight, shared with its twin
+                        try:
+                            if id(p) in shared:  # a tied head: the plain copy stays its weight, shared with its twin
+                                weight = packed_weight(module, p, kept, dtype, key="weight.packed")
+                                swap(module, pname, p)
+                            else:  # the packed copy is the only one
+                                weight = module._parameters[pname] = packed_weight(module, p, kept, dtype)
+                                swapped.append((module, pname, p))
+                        except Exception as error:  # the plain cast copy instead
+                            fall_back(model, PACKED, error)
                             swap(module, pname, p)
-                            weight = packed_weight(module, p, kept, dtype, key="weight.packed")
-                        else:  # the packed copy is the only one
-                            weight = module._parameters[pname] = packed_weight(module, p, kept, dtype)
-                            swapped.append((module, pname, p))
-                        module.forward = packed_forward(module, weight)
-                        packed.append(module)
+                            continue
+                        module.forward = packed[module] = guarded(model, PACKED, packed_forward(module, weight),
+                                                                  _cast_linear(module, p, dtype))
             if head_float32 and head.weight.dtype != torch.float32:
                 current = head._parameters["weight"]  # maybe already a copy in `dtype`; a tied twin keeps it
                 kept = kept_copies.setdefault(head, {})
@@ -146,12 +162,17 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
                     weight = module._parameters.get("weight")
                     if (weight is None or weight.is_mkldnn or (dtype is not None and weight.dtype != dtype)
                             or "forward" in module.__dict__ or (peft and ".lora_" in f".{name}")
-                            or not packable(module, weight, weight.dtype)):
+                            or not enabled(model, PACKED) or not packable(module, weight, weight.dtype)):
                         continue
-                    # Held by this forward only: `del module.forward` on exit frees it (not kept between
-                    # rollouts: a copy would add the weight's own size to the update's peak).
-                    module.forward = packed_forward(module, packed_copy(weight))
-                    packed.append(module)
+                    try:
+                        copy = packed_copy(weight)
+                    except Exception as error:
+                        fall_back(model, PACKED, error)
+                        continue
+                    # Held by this forward only: removing it on exit frees it (not kept between rollouts: a copy
+                    # would add the weight's own size to the update's peak).
+                    module.forward = packed[module] = guarded(model, PACKED, packed_forward(module, copy),
+                                                              type(module).forward.__get__(module))
         if peft:
             with model.disable_adapter():
                 yield model
@@ -162,8 +183,7 @@ def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bo
             hook.remove()
         for module, name, original in reversed(swapped):
             module._parameters[name] = original
-        for module in lean + packed:
-            del module.forward  # the class's (PEFT's, torch's) forward again
+        restore_forwards({**lean, **packed})  # the class's (PEFT's, torch's) forward again
 
 
 def _shared_weights(model) -> set[int]:
@@ -219,6 +239,36 @@ def _lean_lora_forward(module, adapters: list[str]):
             else:
                 result = result + linear(h, b_weight, b_bias) * scaling
         return result if result.dtype == result_dtype else result.to(result_dtype)
+
+    return forward
+
+
+def _merged_linear(module, adapters: list[str], dtype: torch.dtype | None):
+    """The lean forward's fallback, the plain path's own arithmetic: the base Linear on its weight with the adapters
+    folded in, cast to the rollout's dtype (made at the first call, for the rest of the rollout: the next one
+    folds them as the plain path does)."""
+    base = module.get_base_layer()
+    weight = base._parameters["weight"]  # the model's own, before any cast copy replaces it
+    merged: list[Tensor] = []
+
+    def forward(x: Tensor, *args, **kwargs) -> Tensor:
+        if not merged:
+            with torch.no_grad():
+                folded = weight.detach()
+                for adapter in adapters:
+                    folded = folded + module.get_delta_weight(adapter).to(folded.dtype)
+                merged.append(folded.to(dtype or folded.dtype))
+        return torch.nn.functional.linear(x, merged[0], base.bias)
+
+    return forward
+
+
+def _cast_linear(module, source: Tensor, dtype: torch.dtype):
+    """The Linear on `source` cast to `dtype` at each call (a packed forward's fallback, whose module holds only the
+    packed copy; for the rest of that rollout: the next one casts once)."""
+
+    def forward(x: Tensor) -> Tensor:
+        return torch.nn.functional.linear(x, source.to(dtype), module.bias)
 
     return forward
 

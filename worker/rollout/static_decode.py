@@ -7,9 +7,9 @@ and one static cache is kept per (batch bucket, length bucket), the last few
 used, so eval batches and later turns reuse a graph near their size and do
 not evict the training shape's cache (and its CUDA graphs' addresses). If
 compiling a shape fails, that rollout decodes eagerly and the failure is
-kept for the trainer to report (`take_compile_fallbacks`: a metric and a
-warning event); the shape is compiled again next time, up to
-MAX_COMPILE_TRIES failures.
+kept for the trainer to report (`take_compile_fallbacks`: a metric; the
+model's first failure also a warn event, worker/model/optional_swaps.py);
+the shape is compiled again next time, up to MAX_COMPILE_TRIES failures.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from transformers import StaticCache
 
 from worker.model.cache_arg import CACHE_ARG
+from worker.model.optional_swaps import report_once
 from worker.rollout.token_picking import Picker
 
 __all__ = ["static_loop", "compiled_step", "decode_step", "shape_key", "batch_bucket", "compile_allowed",
@@ -116,8 +117,9 @@ def compile_failed(model, key: tuple[int, int], error: Exception) -> None:
              f"after {failures[key]} failures this shape decodes eagerly from now on")
     message = (f"compiled decoding failed for batch bucket {key[0]}, cache length {key[1]} "
                f"({type(error).__name__}: {str(error)[:300]}); this rollout decoded eagerly, {after}")
-    log.warning(message, exc_info=error)  # the traceback goes to the log; the event gets the message
-    _fallbacks.append(message)
+    _fallbacks.append(message)  # counted in the step's metrics
+    # one warn event for the model (the first failure); every one is logged with its traceback
+    report_once(model, "compiled decoding", error, f"a rollout decoded eagerly instead, {after}")
 
 
 def take_compile_fallbacks() -> list[str]:

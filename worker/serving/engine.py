@@ -17,12 +17,13 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from service.storage import ObjectStore
 from worker.artifacts import download_checkpoint
 from worker.checkpoint import load_checkpoint
 from worker.model import precision
+from worker.model.loading import load_causal_lm
 from worker.rollout.effective_weights import rollout_weights
 from worker.model.policy import pick_device
 
@@ -35,7 +36,7 @@ class ResidentModel:
         self.device = pick_device()
         self.dtype = precision.compute_dtype("auto", base, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(base)
-        self.model = AutoModelForCausalLM.from_pretrained(base, dtype=self.dtype).to(self.device).eval()
+        self.model = load_causal_lm(base, dtype=self.dtype).to(self.device).eval()
         self.max_len = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.adapters: OrderedDict[str, None] = OrderedDict()  # checkpoint id -> loaded, oldest use first
 

@@ -54,6 +54,7 @@ from worker.trainer.data import PromptSampler, load_splits
 from worker.trainer.optimizer import adamw
 from worker.trainer.metrics import UpdateStats
 from worker.rollout.rollout_state import release_rollout_state
+from worker.model.optional_swaps import take_messages
 from worker.rollout.static_decode import take_compile_fallbacks
 from worker.model import precision
 from worker.model.policy import MASTER_PREFIX, REFERENCE, Policy, load_policy
@@ -285,9 +286,7 @@ class Trainer:
             rollout_s = time.perf_counter() - started
             release_rollout_state(self.policy.model)  # a large model's decode caches and copies
             fallbacks = take_compile_fallbacks()  # this step's and the last evaluation's
-            if (warn := getattr(self.callbacks, "on_warning", None)) is not None:
-                for message in fallbacks:
-                    warn(self.step + 1, message)
+            self._warn_fallbacks(self.step + 1)
             feedback = collect_feedback(rollout, self.scorer, failure_score=tc.reward_failure_score)
         # Every rank judges the whole step's errors, so all stop together.
         errors = _concat_ranks({"errors": feedback.errors})["errors"]
@@ -311,6 +310,7 @@ class Trainer:
         update_started = time.perf_counter()
         stats = self.updater.run(rollout, advantages.per_token, indices, step=self.step)
         update_s = time.perf_counter() - update_started
+        self._warn_fallbacks(self.step + 1)
         if self.pipeline is not None:
             self.pipeline.publish(self.step + 1, self.policy.model)
         step_s = time.perf_counter() - started
@@ -460,6 +460,14 @@ class Trainer:
         if self._owns_engine and self.engine is not None:
             self.engine.close()
 
+    def _warn_fallbacks(self, step: int) -> None:
+        """A warn event for each optimisation that fell back to the plain path since the last call (once per
+        optimisation and model: worker/model/optional_swaps.py)."""
+        messages = take_messages()
+        if messages and (warn := getattr(self.callbacks, "on_warning", None)) is not None:
+            for message in messages:
+                warn(step, message)
+
     def _warn_emulated_bf16(self) -> None:
         from worker.rollout import sampling_dtype
 
@@ -471,6 +479,7 @@ class Trainer:
     def _run(self, callbacks: Callbacks | None) -> TrainResult:
         cb = self.callbacks = callbacks or NoCallbacks()
         tc = self.spec.training
+        take_messages()  # fallbacks of models of earlier runs in this process, reported (or not) by those
         self._warn_emulated_bf16()
         first_eval = last_eval = None
         if self.step == 0:
