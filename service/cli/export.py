@@ -10,7 +10,6 @@ HTTP only, like the rest of the CLI: no torch here.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from service.cli.client import EXIT_JOB_ENDED_BADLY, Client, UsageError, checkpoint_id, download_verified
+from service.cli.client import EXIT_JOB_ENDED_BADLY, Client, UsageError, checkpoint_id, download_verified, file_sha256
 from service.storage_layout import MANIFEST
 
 
@@ -28,14 +27,6 @@ def _fetch(client: Client, url: str, dest: Path) -> str | None:
     """Stream `url` to dest; the API's sha256 when the bytes match it, else None."""
     expected, actual, _ = download_verified(client, url, dest)
     return expected if expected == actual else None
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _verify(root: Path, listed: dict, within: str = "") -> str | None:
@@ -46,7 +37,7 @@ def _verify(root: Path, listed: dict, within: str = "") -> str | None:
         path = root / rel
         if not path.is_file():
             return f"{rel} is missing from the download"
-        if _file_sha256(path) != meta["sha256"]:
+        if file_sha256(path) != meta["sha256"]:
             return f"{rel} does not match the manifest's sha256"
     return None
 
