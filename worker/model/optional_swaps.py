@@ -17,6 +17,7 @@ import weakref
 from contextlib import contextmanager
 
 import torch
+import torch.utils.checkpoint
 
 __all__ = ["OPTIMISATIONS", "enabled", "fall_back", "report_once", "take_messages", "optional", "guarded",
            "switched_off", "restore_forwards"]
@@ -60,9 +61,16 @@ def take_messages() -> list[str]:
     return taken
 
 
+# Raised through a forward on purpose: non-reentrant activation checkpointing stops a recomputation with it once
+# it has what backward needs (torch.utils.checkpoint's early stop). Not a failure; taking it for one and running
+# the plain path would recompute past the stop and break the checkpoint's state.
+_CONTROL_FLOW = tuple(e for e in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if e)
+
+
 def _recoverable(error: BaseException) -> bool:
     # Out of memory is the job's size, not the optimisation's fault: the plain path would not fit either.
-    return isinstance(error, Exception) and not isinstance(error, torch.OutOfMemoryError)
+    return (isinstance(error, Exception) and not isinstance(error, torch.OutOfMemoryError)
+            and not isinstance(error, _CONTROL_FLOW))
 
 
 @contextmanager
