@@ -141,7 +141,7 @@ def prepare_run(claimed: Claimed, store: ObjectStore, work: Path, reporter: JobR
     """The job's data and newest committed checkpoint on local disk: (the spec pointing at them, the run
     directory the trainer resumes in)."""
     reporter.event("Fetching the dataset")
-    local_spec = _materialize(claimed.spec, store, work / "data")
+    local_spec = _materialize(claimed.spec, store, scratch.make_run_dir(work) / "data")
     run_dir = work / "run"
     # Only the committed checkpoint may be resumed from: a local one left by a failed or killed run on
     # this machine was never recorded (a final one would then never be uploaded at all).

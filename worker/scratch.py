@@ -26,7 +26,16 @@ log = logging.getLogger(__name__)
 
 
 def run_dir(settings: Settings, job_id: str, epoch: int) -> Path:
-    return private_root(settings.resolved_work_dir()) / job_id / f"epoch-{epoch:06d}"
+    """This run's own directory, named only: make_run_dir makes it inside the run, so a work root that cannot be
+    made fails the run (an attempt, retried with backoff) instead of escaping the job runner."""
+    return settings.resolved_work_dir() / job_id / f"epoch-{epoch:06d}"
+
+
+def make_run_dir(work: Path) -> Path:
+    """The run directory `run_dir` named, under its work root made 0700 (private_root)."""
+    private_root(work.parent.parent)
+    work.mkdir(parents=True, exist_ok=True)
+    return work
 
 
 def private_root(root: Path) -> Path:

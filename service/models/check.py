@@ -115,9 +115,10 @@ def _hub(model: str, hub_url: str, cache: Path | None, offline: bool) -> ModelIn
     url = f"{hub_url.rstrip('/')}/{model}/resolve/main/config.json"
     try:
         response = httpx.get(url, timeout=HUB_TIMEOUT_S, follow_redirects=True)
-    except httpx.HTTPError as e:
-        raise ModelProblem(f"{model!r} is not in the model cache and the hub ({hub_url}) did not answer "
-                           f"({type(e).__name__}), so no worker can download it now; {RELATIVE}") from None
+    except httpx.HTTPError as e:  # an outage says nothing of the model: a warning, as with no hub to ask
+        return ModelInfo("hub", "warning", f"hub id: format checked only; it is not in the model cache and the hub "
+                         f"({hub_url}) did not answer ({type(e).__name__}), so the job fails (invalid_job) if no "
+                         f"worker can download it; {RELATIVE}")
     if response.status_code in (401, 403, 404):
         raise ModelProblem(f"{model!r}: the hub has no config.json for it (HTTP {response.status_code}: "
                            f"no such model, or a gated or private one); {RELATIVE}")

@@ -99,10 +99,10 @@ def test_a_reachable_hub_is_asked_for_the_config(database_url, tmp_path):
         assert model["status"] == "passed" and "Qwen2ForCausalLM" in model["message"]
         assert_error(dry(api, {**body, "model": "org/missing"}), 400, "model: ", "HTTP 404")
         assert_error(dry(api, {**body, "model": "org/encoder"}), 400, "model: ", "not a causal LM")
-    # the same hub, gone, and the model not in the cache: no worker could download it (the job would fail)
+    # the same hub, gone, and the model not in the cache: unknown whether a worker can download it, a warning
     with running_api(database_url, tmp_path / "2", model_hub_url=f"http://127.0.0.1:{free_port()}") as api:
-        assert_error(dry(api, cispo_body(uploaded(api.client, ROWS), model="org/good")), 400, "model: ",
-                     "did not answer", "no worker can download it now")
+        [model] = checks(dry(api, cispo_body(uploaded(api.client, ROWS), model="org/good")))["model"]
+        assert model["status"] == "warning" and "did not answer" in model["message"]
 
 
 def test_rows_that_lack_a_field_the_reward_reads_are_listed_by_line(api, toy_dir):

@@ -83,7 +83,7 @@ def test_lone_surrogates_are_refused_before_they_reach_the_database(api):
     # Valid JSON ("\ud800" escaped) that no UTF-8 column stores: the driver's encode was a 500.
     body = json.dumps(cispo_body(uploaded(api.client), suffix="a\ud800")).encode()
     r = api.client.post(JOBS, content=body, headers={"content-type": "application/json"})
-    assert assert_error(r, 422, "suffix", "lone UTF-16 surrogate")["param"] == "suffix"
+    assert assert_error(r, 400, "suffix", "lone UTF-16 surrogate")["param"] == "suffix"
 
 
 def test_non_finite_numbers_are_refused_naming_the_field(api):

@@ -60,6 +60,7 @@ DEFAULTS_SUFFICE = {
     "rate_limit_per_s": "20 requests/s per key",
     "rate_limit_burst": "bursts of 100",
     "max_active_jobs": "10 queued or running jobs per project",
+    "max_active_evals": "4 queued or running eval runs per project",
     "scoring_timeout_s": "60 s per reward test",
     "scoring_per_project": "2 reward tests at once per project",
     "scoring_total": "8 reward tests at once in all",

@@ -22,8 +22,7 @@ def test_scratch_roots_are_0700_and_the_serving_channel_0600(tmp_path):
         settings = Settings(home=tmp_path / "home", work_dir=tmp_path / "shared" / "work",
                             storage_url=str(tmp_path / "objects"))
         (tmp_path / "shared" / "eval-work").mkdir(parents=True, mode=0o755)  # left wide by an older version
-        run = scratch.run_dir(settings, "ftjob-x", 1)
-        run.mkdir(parents=True)
+        run = scratch.make_run_dir(scratch.run_dir(settings, "ftjob-x", 1))
         evals = eval_runner.work_dir(settings, "eval-x")
         channel = SqliteChannel(tmp_path / "shared" / "serve.db")
         channel.push("k", {"prompt": "secret"}, ttl_s=60)
