@@ -127,7 +127,7 @@ def test_a_prompt_two_jobs_sampled_is_held_once_per_job(toy_dir):
     and a collision no longer costs the whole micro-batch its prefix sharing."""
     from types import SimpleNamespace
 
-    from worker.multi.update import _collate
+    from worker.multi.routed import collate_rows
 
     prompt, other = [5, 6, 7], [8, 9]
 
@@ -137,7 +137,10 @@ def test_a_prompt_two_jobs_sampled_is_held_once_per_job(toy_dir):
         return SimpleNamespace(name=name, rollout=SimpleNamespace(token_ids=seqs, action_mask=masks))
 
     a, b = job("job-a", [prompt, other]), job("job-b", [prompt])
-    batch = _collate(None, [(a, [0, 1, 2, 3]), (b, [0, 1])], pad_id=0, device=CPU)
+    parts = [(a, [0, 1, 2, 3]), (b, [0, 1])]
+    batch = collate_rows([j.rollout.token_ids[i] for j, m in parts for i in m],
+                         [j.rollout.action_mask[i] for j, m in parts for i in m],
+                         [j.name for j, m in parts for _ in m], pad_id=0, device=CPU)
     assert batch.prefix_of_B is not None
     assert batch.prefix_of_B.tolist() == [0, 0, 1, 1, 2, 2]  # job-a's two prompts, then job-b's own copy
     assert batch.prefix_ids_GP[0].tolist() == batch.prefix_ids_GP[2].tolist() == [5, 6]

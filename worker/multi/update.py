@@ -27,15 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
 from service.job_spec.spec import JobSpec
-from worker.cispo import LossInputs, cispo_loss, sequence_weights, token_logprobs
+from worker.cispo import LossInputs, cispo_loss, sequence_weights
 from worker.multi.lora import BASE_ONLY, SharedBase
 from worker.rollout.rollout import Rollout
 from worker.trainer.metrics import UpdateStats
-from worker.model.cache_arg import CACHE_ARG
-from worker.trainer.scoring import last_hidden, collate_sequences
+from worker.multi.routed import collate_rows, routed_hidden, row_slices, rows_logprobs
 from worker.model.streams import generator
 from worker.trainer.update import micro_batches, off_policy_options
 
@@ -86,60 +84,16 @@ def _prepare(job: JobUpdate) -> None:
                 for mini in (mini_batches(job, job.indices, epoch) if job.indices else [])]
 
 
-def _collate(shared: SharedBase, parts: list[tuple[JobUpdate, list[int]]], pad_id: int, device):
-    """The combined micro-batch, each job's shared prompts held once, as the trainer alone holds them
-    (scoring.py): a prompt two jobs sampled is held once per job, since each job's prompt pass is its own
-    adapter's."""
-    ids = [job.rollout.token_ids[i] for job, micro in parts for i in micro]
-    masks = [job.rollout.action_mask[i] for job, micro in parts for i in micro]
-    owners = [job.name for job, micro in parts for _ in micro]
-    return collate_sequences(ids, masks, pad_id=pad_id, device=device, share_prefixes=True, owners=owners)
-
-
-def _hidden(shared: SharedBase, batch, names: list[str | None], autocast) -> Tensor:
-    """scoring.py's _hidden_states over the shared base, each pass routed: the prompt pass by the job of each
-    distinct prompt, the rest by the job of each row."""
-    model = shared.model
-    if batch.prefix_ids_GP is None:
-        with shared.router.rows(names), autocast():
-            return last_hidden(model, input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
-                                use_cache=False)
-    prefix_names: list[str | None] = [None] * batch.prefix_ids_GP.shape[0]
-    for name, g in zip(names, batch.prefix_of_B.tolist()):
-        prefix_names[g] = name
-    cache = DynamicCache(config=model.config)
-    prefix_mask_GP = batch.prefix_mask_GP
-    with shared.router.rows(prefix_names), autocast():
-        model(input_ids=batch.prefix_ids_GP, attention_mask=prefix_mask_GP,
-              position_ids=(prefix_mask_GP.cumsum(-1) - 1).clamp(min=0), **{CACHE_ARG: cache}, use_cache=True,
-              logits_to_keep=1)
-    cache.batch_select_indices(batch.prefix_of_B)
-    start_B1 = prefix_mask_GP.sum(-1)[batch.prefix_of_B][:, None]
-    T = batch.input_ids_BT.shape[1]
-    with shared.router.rows(names), autocast():
-        return last_hidden(model, input_ids=batch.input_ids_BT,
-                            attention_mask=torch.cat([prefix_mask_GP[batch.prefix_of_B], batch.attention_mask_BT], 1),
-                            position_ids=start_B1 + torch.arange(T, device=start_B1.device), **{CACHE_ARG: cache},
-                            use_cache=True)
+def _collate(parts: list[tuple[JobUpdate, list[int]]], pad_id: int, device):
+    """The combined micro-batch of the jobs' sequences `parts`, each job's shared prompts held once (routed.py)."""
+    return collate_rows([job.rollout.token_ids[i] for job, micro in parts for i in micro],
+                        [job.rollout.action_mask[i] for job, micro in parts for i in micro],
+                        [job.name for job, micro in parts for _ in micro], pad_id=pad_id, device=device)
 
 
 def _job_logprobs(shared: SharedBase, job: JobUpdate, hidden_BTH: Tensor, batch, rows: slice):
-    """(logp_BT, entropy_BT) of job's rows `rows` of the combined batch, at its own temperature and chunking."""
-    action_BT = batch.action_mask_BT[rows].bool()
-    logp_1N, entropy_1N = token_logprobs(shared.model.get_output_embeddings(), hidden_BTH[rows][action_BT][None],
-                                         batch.targets_BT[rows][action_BT][None],
-                                         temperature=job.spec.sampling.temperature,
-                                         chunk_size=job.spec.training.logprob_chunk_size)
-    zeros_BT = logp_1N.new_zeros(action_BT.shape)
-    return zeros_BT.index_put((action_BT,), logp_1N[0]), zeros_BT.index_put((action_BT,), entropy_1N[0])
-
-
-def _row_slices(parts: list[tuple[JobUpdate, list[int]]]) -> list[slice]:
-    slices, start = [], 0
-    for _, micro in parts:
-        slices.append(slice(start, start + len(micro)))
-        start += len(micro)
-    return slices
+    return rows_logprobs(shared, hidden_BTH, batch, rows, temperature=job.spec.sampling.temperature,
+                         chunk_size=job.spec.training.logprob_chunk_size)
 
 
 def _frozen_logprobs(shared: SharedBase, jobs: list[JobUpdate], *, reference: bool, pad_id: int, device,
@@ -156,10 +110,10 @@ def _frozen_logprobs(shared: SharedBase, jobs: list[JobUpdate], *, reference: bo
     with torch.no_grad():
         for k in range(max(map(len, micros), default=0)):
             parts = [(j, micros[j][k]) for j in range(len(jobs)) if k < len(micros[j])]
-            batch = _collate(shared, [(jobs[j], m) for j, m in parts], pad_id, device)
+            batch = _collate([(jobs[j], m) for j, m in parts], pad_id, device)
             names = [BASE_ONLY if reference else jobs[j].name for j, m in parts for _ in m]
-            hidden = _hidden(shared, batch, names, autocast)
-            for (j, micro), rows in zip(parts, _row_slices([(jobs[j], m) for j, m in parts])):
+            hidden = routed_hidden(shared, batch, names, autocast)
+            for (j, micro), rows in zip(parts, row_slices([len(m) for _, m in parts])):
                 logp, _ = _job_logprobs(shared, jobs[j], hidden, batch, rows)
                 mask = batch.action_mask_BT[rows].bool()
                 lengths = mask.sum(-1).long().tolist()
@@ -215,11 +169,11 @@ def _round(shared: SharedBase, jobs: list[JobUpdate], r: int, pad_id: int, devic
     losses = {job.name: 0.0 for job in stepping}
     for k in range(max((len(micros[job.name]) for job in stepping), default=0)):
         parts = [(job, micros[job.name][k]) for job in stepping if k < len(micros[job.name])]
-        batch = _collate(shared, parts, pad_id, device)
+        batch = _collate(parts, pad_id, device)
         names = [job.name for job, micro in parts for _ in micro]
-        hidden = _hidden(shared, batch, names, autocast)
+        hidden = routed_hidden(shared, batch, names, autocast)
         total = None
-        for (job, micro), rows in zip(parts, _row_slices(parts)):
+        for (job, micro), rows in zip(parts, row_slices([len(micro) for _, micro in parts])):
             with autocast():
                 logp, entropy = _job_logprobs(shared, job, hidden, batch, rows)
             out = _job_loss(job, micro, logp, batch.action_mask_BT[rows], normalizers[job.name],

@@ -1,0 +1,70 @@
+"""Scoring rows of many adapters in one forward over the shared base: collate, route, per-token log-probs.
+
+The pieces every batched training forward is built from (the resident jobs' update, worker/multi/update.py, and
+the engine's forward_backward): rows are given with the name of the adapter each goes through, sorted so an
+adapter's rows are contiguous (worker/multi/lora.py's SegmentRouter).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from worker.cispo import token_logprobs
+from worker.model.cache_arg import CACHE_ARG
+from worker.multi.lora import SharedBase
+from worker.trainer.scoring import collate_sequences, last_hidden
+
+
+def collate_rows(ids: list[list[int]], masks: list[list[int]], owners: list[str | None], *, pad_id: int, device):
+    """The combined batch, each adapter's shared prompts held once, as the trainer alone holds them (scoring.py):
+    a prompt two adapters' rows share is held once per adapter, since each prompt pass is its own adapter's."""
+    return collate_sequences(ids, masks, pad_id=pad_id, device=device, share_prefixes=True, owners=owners)
+
+
+def routed_hidden(shared: SharedBase, batch, names: list[str | None], autocast) -> Tensor:
+    """scoring.py's _hidden_states over the shared base, each pass routed: the prompt pass by the adapter of each
+    distinct prompt, the rest by the adapter of each row."""
+    model = shared.model
+    if batch.prefix_ids_GP is None:
+        with shared.router.rows(names), autocast():
+            return last_hidden(model, input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
+                               use_cache=False)
+    prefix_names: list[str | None] = [None] * batch.prefix_ids_GP.shape[0]
+    for name, g in zip(names, batch.prefix_of_B.tolist()):
+        prefix_names[g] = name
+    cache = DynamicCache(config=model.config)
+    prefix_mask_GP = batch.prefix_mask_GP
+    with shared.router.rows(prefix_names), autocast():
+        model(input_ids=batch.prefix_ids_GP, attention_mask=prefix_mask_GP,
+              position_ids=(prefix_mask_GP.cumsum(-1) - 1).clamp(min=0), **{CACHE_ARG: cache}, use_cache=True,
+              logits_to_keep=1)
+    cache.batch_select_indices(batch.prefix_of_B)
+    start_B1 = prefix_mask_GP.sum(-1)[batch.prefix_of_B][:, None]
+    T = batch.input_ids_BT.shape[1]
+    with shared.router.rows(names), autocast():
+        return last_hidden(model, input_ids=batch.input_ids_BT,
+                           attention_mask=torch.cat([prefix_mask_GP[batch.prefix_of_B], batch.attention_mask_BT], 1),
+                           position_ids=start_B1 + torch.arange(T, device=start_B1.device), **{CACHE_ARG: cache},
+                           use_cache=True)
+
+
+def rows_logprobs(shared: SharedBase, hidden_BTH: Tensor, batch, rows: slice, *, temperature: float,
+                  chunk_size: int | None) -> tuple[Tensor, Tensor]:
+    """(logp_BT, entropy_BT) of the rows `rows` of the combined batch at their action tokens (zero elsewhere)."""
+    action_BT = batch.action_mask_BT[rows].bool()
+    logp_1N, entropy_1N = token_logprobs(shared.model.get_output_embeddings(), hidden_BTH[rows][action_BT][None],
+                                         batch.targets_BT[rows][action_BT][None], temperature=temperature,
+                                         chunk_size=chunk_size)
+    zeros_BT = logp_1N.new_zeros(action_BT.shape)
+    return zeros_BT.index_put((action_BT,), logp_1N[0]), zeros_BT.index_put((action_BT,), entropy_1N[0])
+
+
+def row_slices(counts: list[int]) -> list[slice]:
+    """Consecutive slices of the combined batch, one per part of `counts` rows."""
+    slices, start = [], 0
+    for n in counts:
+        slices.append(slice(start, start + n))
+        start += n
+    return slices
