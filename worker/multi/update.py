@@ -29,13 +29,13 @@ import torch
 from torch import Tensor
 
 from service.job_spec.spec import JobSpec
-from worker.cispo import LossInputs, cispo_loss, sequence_weights
+from worker.cispo import sequence_weights
 from worker.multi.lora import BASE_ONLY, SharedBase
 from worker.rollout.rollout import Rollout
 from worker.trainer.metrics import UpdateStats
 from worker.multi.routed import collate_rows, routed_hidden, row_slices, rows_logprobs
-from worker.model.streams import generator
-from worker.trainer.update import micro_batches, off_policy_options
+from worker.trainer.step import micro_batch_loss, optimizer_step
+from worker.trainer.update import micro_batches, shuffled_mini_batches
 
 
 @dataclass
@@ -63,14 +63,6 @@ class JobUpdate:
         return [len(ids) for ids in self.rollout.token_ids]
 
 
-def mini_batches(job: JobUpdate, indices: list[int], epoch: int) -> list[list[int]]:
-    """worker/trainer/update.py's Updater._mini_batches in one process: a shuffle keyed by the job seed, step
-    and epoch, cut into training.mini_batches parts."""
-    shuffle = torch.randperm(len(indices), generator=generator("minibatch", job.spec.seed, job.step, epoch))
-    order = torch.tensor(indices, dtype=torch.long)[shuffle]
-    return [cut.tolist() for cut in order.tensor_split(min(job.spec.training.mini_batches, len(indices)))]
-
-
 def _prepare(job: JobUpdate) -> None:
     counts = job.rollout.action_counts
     job.indices = [i for i in job.indices if counts[i] > 0]
@@ -81,7 +73,8 @@ def _prepare(job: JobUpdate) -> None:
     if job.rollout.sampler_logprobs is not None:
         job.sampler = {i: torch.tensor(job.rollout.sampler_logprobs[i], dtype=torch.float32) for i in job.indices}
     job.plan = [mini for epoch in range(job.spec.training.update_epochs)
-                for mini in (mini_batches(job, job.indices, epoch) if job.indices else [])]
+                for mini in (shuffled_mini_batches(job.indices, job.spec.seed, job.step, epoch,
+                                                   job.spec.training.mini_batches) if job.indices else [])]
 
 
 def _collate(parts: list[tuple[JobUpdate, list[int]]], pad_id: int, device):
@@ -120,12 +113,6 @@ def _frozen_logprobs(shared: SharedBase, jobs: list[JobUpdate], *, reference: bo
                 results[j].update(zip(micro, logp[mask].split(lengths)))
     shared.set_training(was_training)
     return results
-
-
-def _scatter(per_seq: dict[int, Tensor], idx: list[int], mask_BT: Tensor, like_BT: Tensor) -> Tensor:
-    out = torch.zeros_like(like_BT).detach()
-    out[mask_BT] = torch.cat([per_seq[i] for i in idx]).to(device=out.device, dtype=out.dtype)
-    return out
 
 
 def batched_update(shared: SharedBase, jobs: list[JobUpdate], *, pad_id: int, device,
@@ -176,39 +163,14 @@ def _round(shared: SharedBase, jobs: list[JobUpdate], r: int, pad_id: int, devic
         for (job, micro), rows in zip(parts, row_slices([len(micro) for _, micro in parts])):
             with autocast():
                 logp, entropy = _job_logprobs(shared, job, hidden, batch, rows)
-            out = _job_loss(job, micro, logp, batch.action_mask_BT[rows], normalizers[job.name],
-                            weight_of[job.name])
+            out = micro_batch_loss(job.spec, micro, logp, batch.action_mask_BT[rows], normalizers[job.name],
+                                   token_adv=job.token_adv, old=job.old, ref=job.ref, sampler=job.sampler,
+                                   weight_of=weight_of[job.name])
             total = out.loss if total is None else total + out.loss
             losses[job.name] += float(out.loss.detach())
             job.stats.add(out, float((entropy * batch.action_mask_BT[rows]).sum()))
         total.backward()  # one backward for every job's micro-batch: the adapters are disjoint
     for job in stepping:
-        max_norm = job.spec.optimizer.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(job.params, max_norm if max_norm is not None else float("inf"))
-        job.stats.grad_norms.append(float(norm))
-        job.optimizer.step()
+        job.stats.grad_norms.append(optimizer_step(job.params, job.optimizer, job.spec.optimizer.max_grad_norm))
         job.stats.step_losses.append(losses[job.name])
 
-
-def _job_loss(job: JobUpdate, micro: list[int], logp: Tensor, action_mask_BT: Tensor, normalizer: float,
-              weight_of: dict[int, float] | None):
-    mask = action_mask_BT.bool()
-    loss = job.spec.loss
-    return cispo_loss(
-        LossInputs(
-            logprobs_BT=logp,
-            old_logprobs_BT=logp.detach() if job.old is None else _scatter(job.old, micro, mask, logp),
-            advantages_B=_scatter(job.token_adv, micro, mask, logp),
-            action_mask_BT=action_mask_BT,
-            ref_logprobs_BT=None if job.ref is None else _scatter(job.ref, micro, mask, logp),
-            sampler_logprobs_BT=None if job.sampler is None else _scatter(job.sampler, micro, mask, logp),
-        ),
-        normalizer=normalizer,
-        ratio_max=loss.ratio_max,
-        kl_beta=loss.kl_beta,
-        kl_clamp=loss.kl_clamp,
-        per_sequence=loss.normalization == "sequence",
-        tis_cap=job.spec.rollout.tis_cap,
-        sequence_weights_B=None if weight_of is None else logp.new_tensor([weight_of[i] for i in micro]),
-        **off_policy_options(loss),
-    )

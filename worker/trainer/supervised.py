@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
+from worker.trainer.step import optimizer_step
 from worker.model.turns import chat_ids
 
 
@@ -112,9 +113,7 @@ def supervised_step(policy, optimizer, examples: list[Example], *, micro_batch_s
         loss = supervised_loss(logp, mask, max(total, 1))
         loss.backward()
         step_loss += float(loss.detach())
-    params = policy.trainable_parameters()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf"))
-    optimizer.step()
+    norm = optimizer_step(policy.trainable_parameters(), optimizer, max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": step_loss, "grad_norm": float(norm), "target_tokens": float(total),
+    return {"loss": step_loss, "grad_norm": norm, "target_tokens": float(total),
             "sequence_tokens": float(sum(len(e.token_ids) for e in examples))}

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from service.job_spec.spec import JobSpec
-from worker.cispo import LossInputs, cispo_loss, sequence_weights
+from worker.cispo import sequence_weights
 from worker.distributed import group
 from worker.distributed.shard import unsharded
 from worker.trainer.metrics import UpdateStats
@@ -45,6 +45,7 @@ from worker.model.lean_backward import lean_backward
 from worker.rollout.rollout import Rollout
 from worker.trainer.packing import collate_packed, pack_rows
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
+from worker.trainer.step import micro_batch_loss, optimizer_step
 from worker.model.streams import generator
 
 
@@ -60,6 +61,14 @@ def micro_batches(indices: list[int], lengths: list[int], size: int) -> list[lis
     gradient is accumulated, not what it is.
     """
     return _chunks(sorted(indices, key=lambda i: lengths[i]), size)
+
+
+def shuffled_mini_batches(indices: list[int], seed: int, step: int, epoch: int, parts: int) -> list[list[int]]:
+    """The sequences `indices` shuffled by a stream keyed by the job seed, the trainer step and the epoch, cut
+    into `parts` mini-batches (fewer when there are fewer sequences): the order of the epoch's optimizer steps."""
+    shuffle = torch.randperm(len(indices), generator=generator("minibatch", seed, step, epoch))
+    order = torch.tensor(indices, dtype=torch.long)[shuffle]
+    return [cut.tolist() for cut in order.tensor_split(min(parts, len(indices)))]
 
 
 def _per_sequence(values_BT: Tensor, action_mask_BT: Tensor) -> list[Tensor]:
@@ -142,10 +151,8 @@ class Updater:
         starts = [sum(n for n, _ in shares[:r]) for r in range(len(shares))]
         offset = starts[group.rank()]
         everyone = [start + i for start, (_, kept) in zip(starts, shares) for i in kept]
-        shuffle = torch.randperm(len(everyone), generator=generator("minibatch", self.spec.seed, step, epoch))
-        order = torch.tensor(everyone, dtype=torch.long)[shuffle]
-        cuts = order.tensor_split(min(self.training.mini_batches, len(everyone)))
-        return [[i - offset for i in cut.tolist() if offset <= i < offset + sequences] for cut in cuts]
+        cuts = shuffled_mini_batches(everyone, self.spec.seed, step, epoch, self.training.mini_batches)
+        return [[i - offset for i in cut if offset <= i < offset + sequences] for cut in cuts]
 
     def run(self, rollout: Rollout, advantages: Tensor | list[Tensor], indices: list[int], *,
             step: int = 0) -> UpdateStats:
@@ -187,7 +194,6 @@ class Updater:
         else:
             old = None if self.reuses_current_logprobs() else self._frozen_logprobs(rollout, indices, reference=False)
         ref = self._frozen_logprobs(rollout, indices, reference=True) if loss_spec.kl_beta > 0 else None
-        per_sequence = loss_spec.normalization == "sequence"
         by_prompt = loss_spec.normalization == "prompt"
         model = self.policy.model
         model.train()
@@ -214,34 +220,12 @@ class Updater:
                             head_dtype=self.head_dtype,
                         )
                     action_mask_BT = batch.sequence_action_mask_BT  # logp's layout: one row per sequence
-                    mask = action_mask_BT.bool()
-                    old_logp = logp.detach() if old is None else _scatter(old, micro, mask, logp)
-                    ref_logp = None if ref is None else _scatter(ref, micro, mask, logp)
-                    out = cispo_loss(
-                        LossInputs(
-                            logprobs_BT=logp,
-                            old_logprobs_BT=old_logp,
-                            advantages_B=_scatter(token_adv, micro, mask, logp),
-                            action_mask_BT=action_mask_BT,
-                            ref_logprobs_BT=ref_logp,
-                            sampler_logprobs_BT=None if sampler is None else _scatter(sampler, micro, mask, logp),
-                        ),
-                        normalizer=normalizer,
-                        ratio_max=loss_spec.ratio_max,
-                        kl_beta=loss_spec.kl_beta,
-                        kl_clamp=loss_spec.kl_clamp,
-                        per_sequence=per_sequence,
-                        tis_cap=self.spec.rollout.tis_cap,
-                        sequence_weights_B=None if weight_of is None else logp.new_tensor([weight_of[i] for i in micro]),
-                        **off_policy_options(loss_spec),
-                    )
+                    out = micro_batch_loss(self.spec, micro, logp, action_mask_BT, normalizer,
+                                           token_adv=token_adv, old=old, ref=ref, sampler=sampler, weight_of=weight_of)
                     (out.loss * world).backward()  # FSDP averages gradients over ranks; the sum is wanted
                     step_loss += float(out.loss.detach())
                     stats.add(out, float((entropy * action_mask_BT).sum()))
-                max_norm = self.spec.optimizer.max_grad_norm
-                norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-                stats.grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-                self.optimizer.step()
+                stats.grad_norms.append(optimizer_step(params, self.optimizer, self.spec.optimizer.max_grad_norm))
                 stats.step_losses.append(group.sum_all(step_loss))
         self.optimizer.zero_grad(set_to_none=True)
         return stats
@@ -254,18 +238,3 @@ class Updater:
             logp, _ = sequence_logprobs(self.policy.model, batch, temperature=self.temperature,
                                         chunk_size=self.training.logprob_chunk_size, head_dtype=self.head_dtype)
         (logp.sum() * 0.0).backward()
-
-
-def off_policy_options(loss_spec) -> dict:
-    """cispo_loss's importance-ratio level and AgileRL masks, from the spec's loss section."""
-    mask = loss_spec.off_policy_mask
-    return {"importance_sampling_level": loss_spec.importance_sampling_level,
-            "token_mask_bounds": None if mask is None else mask.token_bounds,
-            "sequence_mask_threshold": None if mask is None else mask.sequence_threshold}
-
-
-def _scatter(per_seq: dict[int, Tensor], idx: list[int], mask_BT: Tensor, like_BT: Tensor) -> Tensor:
-    """Place per-sequence action-token values back into a (B, T) tensor shaped like the batch."""
-    out = torch.zeros_like(like_BT, dtype=like_BT.dtype).detach()
-    out[mask_BT] = torch.cat([per_seq[i] for i in idx]).to(device=out.device, dtype=out.dtype)
-    return out
