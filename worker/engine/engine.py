@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import Tensor
 
 from service.job_spec.spec import LoraSpec
 from worker.checkpoint import CheckpointError, file_sha256, fsync_dir
