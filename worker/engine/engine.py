@@ -1,0 +1,236 @@
+"""The engine: one resident base, LoRA adapters on it, and Tinker's training primitives per adapter.
+
+forward_backward runs every pass of a call, whatever its adapter, in one routed forward over the shared base
+(worker/multi/routed.py) and one backward: each adapter's gradient comes from its own rows only
+(worker/multi/lora.py), and gradients accumulate across calls until that adapter's optim_step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.job_spec.spec import LoraSpec
+from worker.checkpoint import CheckpointError, file_sha256, fsync_dir
+from worker.engine.losses import loss_fn
+from worker.engine.types import AdamParams, AdapterConfig, Pass, PassResult
+from worker.model.loading import load_causal_lm
+from worker.multi.lora import SharedBase
+from worker.multi.routed import collate_rows, routed_hidden, row_slices, rows_logprobs
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+STATE_FORMAT = 1
+MANIFEST = "manifest.json"
+ADAPTER_FILE, OPTIMIZER_FILE, OPTIMIZER_META, CONFIG_FILE = (
+    "adapter.safetensors", "optimizer.safetensors", "optimizer.json", "config.json")
+
+
+def lora_spec(config: AdapterConfig) -> LoraSpec:
+    """The adapter as the job spec names LoRA (what SharedBase adds)."""
+    if config.train_unembed:
+        raise ValueError("train_unembed is not served: the shared base routes LoRA linears of the decoder only")
+    targets = (ATTN if config.train_attn else []) + (MLP if config.train_mlp else [])
+    if not targets:
+        raise ValueError("an adapter must train the attention (train_attn) or the MLP (train_mlp) projections")
+    alpha = 2.0 * config.rank if config.alpha is None else config.alpha
+    return LoraSpec(r=config.rank, alpha=alpha, target_modules=targets)
+
+
+class Engine:
+    def __init__(self, base: torch.nn.Module):
+        self.shared = SharedBase(base)
+        self.configs: dict[str, AdapterConfig] = {}
+        self.optimizers: dict[str, torch.optim.AdamW] = {}
+        config = base.config
+        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        self.pad_id = int(pad[0] if isinstance(pad, list) else (pad or 0))
+
+    @classmethod
+    def load(cls, where: str | Path) -> Engine:
+        """The base from a local directory, float32 on the CPU (as the adapters train)."""
+        return cls(load_causal_lm(str(where), dtype=torch.float32))
+
+    # adapters
+
+    def create(self, adapter_id: str, config: AdapterConfig) -> None:
+        if adapter_id in self.configs:
+            raise ValueError(f"adapter {adapter_id!r} already exists")
+        spec = lora_spec(config)
+        if config.seed is None:
+            self.shared.add(adapter_id, spec)
+        else:  # the adapter's own RNG: the same seed gives the same adapter, and the global stream is untouched
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(config.seed)
+                self.shared.add(adapter_id, spec)
+        self.configs[adapter_id] = config
+
+    def drop(self, adapter_id: str) -> None:
+        self._config(adapter_id)
+        self.shared.remove(adapter_id)
+        del self.configs[adapter_id]
+        self.optimizers.pop(adapter_id, None)
+
+    def _config(self, adapter_id: str) -> AdapterConfig:
+        if adapter_id not in self.configs:
+            raise KeyError(f"no adapter {adapter_id!r}")
+        return self.configs[adapter_id]
+
+    # training
+
+    def forward_backward(self, passes: list[Pass]) -> list[PassResult]:
+        """All passes' datums in one routed forward; one backward over the losses of the passes that train.
+
+        The rows are sorted by adapter (the router needs each adapter's rows contiguous); results come back in
+        the passes' order. Each row is a datum's tokens, and its targets are the datum's target_tokens, put in
+        the batch in place of the shifted ids (which would tie the targets to the next tokens)."""
+        if not passes:
+            return []
+        for p in passes:
+            self._config(p.adapter)
+            loss_fn(p.loss)  # an unknown loss is refused before any forward
+            for d in p.datums:
+                if len(d.inputs["target_tokens"]) != len(d.tokens):
+                    raise ValueError("a datum's target_tokens must have one entry per token")
+        order = sorted(range(len(passes)), key=lambda i: list(self.configs).index(passes[i].adapter))
+        ids, masks, owners, targets = [], [], [], []
+        for i in order:
+            for d in passes[i].datums:
+                # one dummy id after the tokens: collate shifts by one, so its inputs are exactly `tokens`
+                ids.append(list(d.tokens) + [self.pad_id])
+                masks.append([0] + [1] * len(d.tokens))
+                owners.append(passes[i].adapter)
+                targets.append(d.inputs["target_tokens"].tolist())
+        train = any(not p.forward_only for p in passes)
+        batch = collate_rows(ids, masks, owners, pad_id=self.pad_id, device=torch.device("cpu"))
+        width = batch.input_ids_BT.shape[1]
+        batch.targets_BT = torch.tensor([t + [self.pad_id] * (width - len(t)) for t in targets], dtype=torch.long)
+        self.shared.set_training(False)  # no dropout: the engine's adapters have none, and forwards are exact
+        results: dict[int, PassResult] = {}
+        total = None
+        with torch.enable_grad() if train else torch.no_grad():
+            hidden = routed_hidden(self.shared, batch, owners, nullcontext)
+            for i, rows in zip(order, row_slices([len(passes[i].datums) for i in order])):
+                p = passes[i]
+                logp_BT, _ = rows_logprobs(self.shared, hidden, batch, rows, temperature=1.0, chunk_size=1024)
+                per_datum = [logp_BT[b, : len(d.tokens)] for b, d in enumerate(p.datums)]
+                if p.datums:
+                    inputs = {k: torch.cat([d.inputs[k] for d in p.datums])
+                              for k in p.datums[0].inputs if k != "target_tokens"}
+                    loss, metrics = loss_fn(p.loss)(torch.cat(per_datum), inputs, dict(p.config))
+                    if not p.forward_only:
+                        total = loss if total is None else total + loss
+                else:
+                    metrics = {"loss:sum": 0.0}
+                results[i] = PassResult([lp.detach().float() for lp in per_datum], metrics)
+        if total is not None and total.requires_grad:
+            total.backward()
+        return [results[i] for i in range(len(passes))]
+
+    def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
+        """One AdamW step on the accumulated gradient (hyperparameters from this call), then the gradient is
+        zeroed. The optimizer is made at the adapter's first step."""
+        self._config(adapter_id)
+        weights = self.shared.parameters(adapter_id)
+        opt = self.optimizers.get(adapter_id)
+        if opt is None:
+            opt = self.optimizers[adapter_id] = torch.optim.AdamW(weights, lr=params.learning_rate)
+        for group in opt.param_groups:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                         weight_decay=params.weight_decay)
+        with_grad = [w for w in weights if w.grad is not None]
+        max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm)) if with_grad else 0.0
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate}
+
+    # state
+
+    def save_state(self, adapter_id: str, directory: str | Path) -> None:
+        """Adapter weights, optimizer state and config, safetensors and JSON only (no pickle), built in a hidden
+        sibling and renamed into place, the manifest (sha256 per file) written last."""
+        directory = Path(directory)
+        config = self._config(adapter_id)
+        if directory.exists():
+            raise FileExistsError(f"{directory} exists: a saved state is never overwritten")
+        tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        try:
+            save_file({k: v.detach().clone().contiguous() for k, v in self.shared.adapter_state(adapter_id).items()},
+                      tmp / ADAPTER_FILE)
+            tensors, meta = {}, None
+            opt = self.optimizers.get(adapter_id)
+            if opt is not None:
+                sd = opt.state_dict()
+                meta = {"param_groups": sd["param_groups"]}
+                for idx, pstate in sd["state"].items():
+                    for name, value in pstate.items():
+                        tensors[f"{idx}.{name}"] = torch.as_tensor(value).detach().clone().contiguous()
+            save_file(tensors, tmp / OPTIMIZER_FILE)
+            (tmp / OPTIMIZER_META).write_text(json.dumps(meta))
+            (tmp / CONFIG_FILE).write_text(json.dumps(asdict(config)))
+            files = {f.name: file_sha256(f, fsync=True) for f in sorted(tmp.iterdir())}
+            (tmp / MANIFEST).write_text(json.dumps({"format": STATE_FORMAT, "sha256": files}))
+            file_sha256(tmp / MANIFEST, fsync=True)
+            fsync_dir(tmp)
+            os.rename(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fsync_dir(directory.parent)
+
+    def load_state(self, adapter_id: str, directory: str | Path, optimizer: bool = True) -> None:
+        """A saved state into adapter `adapter_id` (made from the saved config if absent), every file's sha256
+        checked against the manifest before any is read; `optimizer` restores the AdamW moments too."""
+        directory = Path(directory)
+        _verified(directory)
+        config = AdapterConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+        if adapter_id not in self.configs:
+            self.create(adapter_id, config)
+        elif lora_spec(self.configs[adapter_id]) != lora_spec(config):
+            raise CheckpointError(f"{directory}: saved for another LoRA shape than adapter {adapter_id!r}'s")
+        saved = load_file(directory / ADAPTER_FILE)
+        key = f".{adapter_id}."
+        current = {n.replace(key, "."): p for n, p in self.shared.model.named_parameters()
+                   if key in n and ".lora_" in n}
+        if set(saved) != set(current):
+            raise CheckpointError(f"{directory}: the saved adapter's tensors do not match the adapter's")
+        with torch.no_grad():
+            for name, param in current.items():
+                param.copy_(saved[name])
+        self.optimizers.pop(adapter_id, None)
+        meta = json.loads((directory / OPTIMIZER_META).read_text())
+        if optimizer and meta is not None:
+            weights = self.shared.parameters(adapter_id)
+            opt = self.optimizers[adapter_id] = torch.optim.AdamW(weights)
+            state: dict[int, dict] = {}
+            for k, v in load_file(directory / OPTIMIZER_FILE).items():
+                idx, name = k.split(".", 1)
+                state.setdefault(int(idx), {})[name] = v
+            groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
+            opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _verified(directory: Path) -> None:
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"{directory}: no {MANIFEST} (not a saved state, or its save did not finish)")
+    doc = json.loads(manifest.read_text())
+    if doc.get("format") != STATE_FORMAT:
+        raise CheckpointError(f"{directory}: format {doc.get('format')!r}, this code reads {STATE_FORMAT}")
+    files = doc["sha256"]
+    if set(files) != {ADAPTER_FILE, OPTIMIZER_FILE, OPTIMIZER_META, CONFIG_FILE}:
+        raise CheckpointError(f"{directory}: the manifest lists {sorted(files)}")
+    for name, digest in files.items():
+        path = directory / name
+        if not path.is_file() or file_sha256(path) != digest:
+            raise CheckpointError(f"{directory}: {name} does not match its sha256 in the manifest")
