@@ -25,6 +25,7 @@ from worker.engine.types import AdamParams, AdapterConfig, Pass, PassResult
 from worker.model.loading import load_causal_lm
 from worker.multi.lora import SharedBase
 from worker.multi.routed import collate_rows, routed_hidden, row_slices, rows_logprobs
+from worker.trainer.step import optimizer_step
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -146,10 +147,7 @@ class Engine:
         for group in opt.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)
-        with_grad = [w for w in weights if w.grad is not None]
-        max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm)) if with_grad else 0.0
-        opt.step()
+        norm = optimizer_step(weights, opt, params.grad_clip_norm if params.grad_clip_norm > 0 else None)
         opt.zero_grad(set_to_none=True)
         return {"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate}
 
