@@ -118,9 +118,9 @@ def test_tampered_state_is_refused(toy_dir, tmp_path):
     engine = _engine(toy_dir, one=CONFIGS["one"])
     _step(engine, 6)
     engine.save_state("one", tmp_path / "state")
-    path = tmp_path / "state" / "adapter.safetensors"
+    path = tmp_path / "state" / "adapter" / "adapter_model.safetensors"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="adapter.safetensors"):
+    with pytest.raises(CheckpointError, match="adapter_model.safetensors"):
         Engine.load(toy_dir / "model").load_state("one", tmp_path / "state")

@@ -7,34 +7,24 @@ forward_backward runs every pass of a call, whatever its adapter, in one routed 
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import uuid
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from service.job_spec.spec import LoraSpec
-from worker.checkpoint import CheckpointError, file_sha256, fsync_dir
+from worker.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from worker.engine.losses import loss_fn
 from worker.engine.types import AdamParams, AdapterConfig, Pass, PassResult
 from worker.model.loading import load_causal_lm
+from worker.multi.checkpoints import AdapterView, restore, restore_adapter
 from worker.multi.lora import SharedBase
 from worker.multi.routed import collate_rows, routed_hidden, row_slices, rows_logprobs
 from worker.trainer.step import optimizer_step
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
-STATE_FORMAT = 1
-MANIFEST = "manifest.json"
-ADAPTER_FILE, OPTIMIZER_FILE, OPTIMIZER_META, CONFIG_FILE = (
-    "adapter.safetensors", "optimizer.safetensors", "optimizer.json", "config.json")
-
-
 def lora_spec(config: AdapterConfig) -> LoraSpec:
     """The adapter as the job spec names LoRA (what SharedBase adds)."""
     if config.train_unembed:
@@ -154,81 +144,28 @@ class Engine:
     # state
 
     def save_state(self, adapter_id: str, directory: str | Path) -> None:
-        """Adapter weights, optimizer state and config, safetensors and JSON only (no pickle), built in a hidden
-        sibling and renamed into place, the manifest (sha256 per file) written last."""
+        """Adapter weights, optimizer state and config as a job's checkpoint (worker/checkpoint.py: atomic, sha256
+        manifest, no pickle), one adapter of the shared base presented as PEFT's "default" (AdapterView)."""
         directory = Path(directory)
         config = self._config(adapter_id)
         if directory.exists():
             raise FileExistsError(f"{directory} exists: a saved state is never overwritten")
-        tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)
-        try:
-            save_file({k: v.detach().clone().contiguous() for k, v in self.shared.adapter_state(adapter_id).items()},
-                      tmp / ADAPTER_FILE)
-            tensors, meta = {}, None
-            opt = self.optimizers.get(adapter_id)
-            if opt is not None:
-                sd = opt.state_dict()
-                meta = {"param_groups": sd["param_groups"]}
-                for idx, pstate in sd["state"].items():
-                    for name, value in pstate.items():
-                        tensors[f"{idx}.{name}"] = torch.as_tensor(value).detach().clone().contiguous()
-            save_file(tensors, tmp / OPTIMIZER_FILE)
-            (tmp / OPTIMIZER_META).write_text(json.dumps(meta))
-            (tmp / CONFIG_FILE).write_text(json.dumps(asdict(config)))
-            files = {f.name: file_sha256(f, fsync=True) for f in sorted(tmp.iterdir())}
-            (tmp / MANIFEST).write_text(json.dumps({"format": STATE_FORMAT, "sha256": files}))
-            file_sha256(tmp / MANIFEST, fsync=True)
-            fsync_dir(tmp)
-            os.rename(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        fsync_dir(directory.parent)
+        save_checkpoint(directory, model=AdapterView(self.shared, adapter_id), optimizer=self.optimizers.get(adapter_id),
+                        state={"adapter_config": asdict(config)})
 
     def load_state(self, adapter_id: str, directory: str | Path, optimizer: bool = True) -> None:
-        """A saved state into adapter `adapter_id` (made from the saved config if absent), every file's sha256
-        checked against the manifest before any is read; `optimizer` restores the AdamW moments too."""
-        directory = Path(directory)
-        _verified(directory)
-        config = AdapterConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+        """A saved state into adapter `adapter_id` (made from the saved config if absent), its hashes checked by
+        load_checkpoint before any weight is read; `optimizer` restores the AdamW moments too."""
+        checkpoint = load_checkpoint(Path(directory))
+        config = AdapterConfig(**checkpoint.state["adapter_config"])
         if adapter_id not in self.configs:
             self.create(adapter_id, config)
         elif lora_spec(self.configs[adapter_id]) != lora_spec(config):
             raise CheckpointError(f"{directory}: saved for another LoRA shape than adapter {adapter_id!r}'s")
-        saved = load_file(directory / ADAPTER_FILE)
-        key = f".{adapter_id}."
-        current = {n.replace(key, "."): p for n, p in self.shared.model.named_parameters()
-                   if key in n and ".lora_" in n}
-        if set(saved) != set(current):
-            raise CheckpointError(f"{directory}: the saved adapter's tensors do not match the adapter's")
-        with torch.no_grad():
-            for name, param in current.items():
-                param.copy_(saved[name])
         self.optimizers.pop(adapter_id, None)
-        meta = json.loads((directory / OPTIMIZER_META).read_text())
-        if optimizer and meta is not None:
-            weights = self.shared.parameters(adapter_id)
-            opt = self.optimizers[adapter_id] = torch.optim.AdamW(weights)
-            state: dict[int, dict] = {}
-            for k, v in load_file(directory / OPTIMIZER_FILE).items():
-                idx, name = k.split(".", 1)
-                state.setdefault(int(idx), {})[name] = v
-            groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
-            opt.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _verified(directory: Path) -> None:
-    manifest = directory / MANIFEST
-    if not manifest.is_file():
-        raise CheckpointError(f"{directory}: no {MANIFEST} (not a saved state, or its save did not finish)")
-    doc = json.loads(manifest.read_text())
-    if doc.get("format") != STATE_FORMAT:
-        raise CheckpointError(f"{directory}: format {doc.get('format')!r}, this code reads {STATE_FORMAT}")
-    files = doc["sha256"]
-    if set(files) != {ADAPTER_FILE, OPTIMIZER_FILE, OPTIMIZER_META, CONFIG_FILE}:
-        raise CheckpointError(f"{directory}: the manifest lists {sorted(files)}")
-    for name, digest in files.items():
-        path = directory / name
-        if not path.is_file() or file_sha256(path) != digest:
-            raise CheckpointError(f"{directory}: {name} does not match its sha256 in the manifest")
+        opt = torch.optim.AdamW(self.shared.parameters(adapter_id))
+        if optimizer and checkpoint.optimizer is not None:
+            restore(self.shared, adapter_id, checkpoint, opt)
+            self.optimizers[adapter_id] = opt
+        else:
+            restore_adapter(self.shared, adapter_id, checkpoint)

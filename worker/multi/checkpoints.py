@@ -36,10 +36,15 @@ class AdapterView:
 
 def restore(shared: SharedBase, name: str, checkpoint: Checkpoint, optimizer: torch.optim.Optimizer) -> None:
     """Load a checkpoint's adapter into job `name`'s adapter and its optimizer state into `optimizer`."""
+    restore_adapter(shared, name, checkpoint)
+    optimizer.load_state_dict(optimizer_state_dict(optimizer, checkpoint))
+
+
+def restore_adapter(shared: SharedBase, name: str, checkpoint: Checkpoint) -> None:
+    """Load a checkpoint's adapter into job `name`'s adapter (its LoRA shape checked first)."""
     check_lora_config(checkpoint.adapter_dir, shared.specs[name], shared.model, name)
     state = load_file(str(Path(checkpoint.adapter_dir) / "adapter_model.safetensors"))
     result = set_peft_model_state_dict(shared.model, state, adapter_name=name)
     unexpected = [k for k in result.unexpected_keys if "lora_" in k]
     if unexpected:
         raise ValueError(f"adapter in {checkpoint.adapter_dir} does not fit the model: unexpected {unexpected[:3]}")
-    optimizer.load_state_dict(optimizer_state_dict(optimizer, checkpoint))
