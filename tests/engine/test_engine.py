@@ -30,7 +30,9 @@ def _engine(toy_dir, **configs) -> Engine:
     return engine
 
 
-CONFIGS = {"one": AdapterConfig(rank=4, seed=1), "two": AdapterConfig(rank=2, seed=2, train_mlp=False, alpha=8.0)}
+CONFIGS = {"one": AdapterConfig(rank=4, seed=1), "two": AdapterConfig(rank=2, seed=2, train_mlp=False, alpha=8.0),
+           # a LoRA beside the LM head only (Tinker's train_unembed)
+           "head": AdapterConfig(rank=3, seed=3, train_attn=False, train_mlp=False, train_unembed=True)}
 
 
 def _datums(seed: int, lengths=(5, 3)) -> list[Datum]:
@@ -51,7 +53,8 @@ def _grads(engine, name):
 
 
 def test_two_adapters_in_one_call_match_each_alone(toy_dir):
-    passes = [Pass("two", _datums(1), "cispo", {"clip_high_threshold": 1.5}), Pass("one", _datums(2), "ppo")]
+    passes = [Pass("two", _datums(1), "cispo", {"clip_high_threshold": 1.5}), Pass("one", _datums(2), "ppo"),
+              Pass("head", _datums(4), "importance_sampling")]
     both = _engine(toy_dir, **CONFIGS)
     together = both.forward_backward(passes)
     for p, result in zip(passes, together):
@@ -64,13 +67,16 @@ def test_two_adapters_in_one_call_match_each_alone(toy_dir):
             assert torch.allclose(g, h, atol=TOL)
 
 
-def test_cross_entropy_logprobs_are_the_peft_models(toy_dir):
-    engine = _engine(toy_dir, one=CONFIGS["one"])
+@pytest.mark.parametrize("name", ["one", "head"])
+def test_cross_entropy_logprobs_are_the_peft_models(toy_dir, name):
+    engine = _engine(toy_dir, **{name: CONFIGS[name]})
     datums = _datums(3)
-    (result,) = engine.forward_backward([Pass("one", datums, "cross_entropy", forward_only=True)])
-    assert all(p.grad is None for p in engine.shared.parameters("one"))  # forward_only: no gradient
-    model = get_peft_model(toy_base(toy_dir), lora_config(lora_spec(CONFIGS["one"])))
-    set_peft_model_state_dict(model, {k: v.clone() for k, v in engine.shared.adapter_state("one").items()})
+    (result,) = engine.forward_backward([Pass(name, datums, "cross_entropy", forward_only=True)])
+    assert all(p.grad is None for p in engine.shared.parameters(name))  # forward_only: no gradient
+    model = get_peft_model(toy_base(toy_dir), lora_config(lora_spec(CONFIGS[name])))
+    state = engine.shared.adapter_state(name)
+    assert any("lm_head" in k for k in state) == (name == "head")
+    set_peft_model_state_dict(model, {k: v.clone() for k, v in state.items()})
     model.eval()
     for datum, logp in zip(datums, result.logprobs):
         with torch.no_grad():
@@ -111,7 +117,7 @@ def test_same_seed_same_adapter(toy_dir):
     for x, y in zip(one.shared.parameters("x"), two.shared.parameters("x"), strict=True):
         assert torch.equal(x, y)
     with pytest.raises(ValueError, match="train_unembed"):
-        one.create("y", AdapterConfig(rank=4, train_unembed=True))
+        one.create("y", AdapterConfig(rank=4, train_attn=False, train_mlp=False))
 
 
 def test_tampered_state_is_refused(toy_dir, tmp_path):

@@ -25,13 +25,13 @@ from worker.trainer.step import optimizer_step
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
+UNEMBED = ["lm_head"]  # a LoRA beside the LM head (the base's head stays frozen, tied to the embeddings or not)
 def lora_spec(config: AdapterConfig) -> LoraSpec:
     """The adapter as the job spec names LoRA (what SharedBase adds)."""
-    if config.train_unembed:
-        raise ValueError("train_unembed is not served: the shared base routes LoRA linears of the decoder only")
-    targets = (ATTN if config.train_attn else []) + (MLP if config.train_mlp else [])
+    targets = (ATTN if config.train_attn else []) + (MLP if config.train_mlp else []) + \
+        (UNEMBED if config.train_unembed else [])
     if not targets:
-        raise ValueError("an adapter must train the attention (train_attn) or the MLP (train_mlp) projections")
+        raise ValueError("an adapter must train some of train_attn, train_mlp and train_unembed")
     alpha = 2.0 * config.rank if config.alpha is None else config.alpha
     return LoraSpec(r=config.rank, alpha=alpha, target_modules=targets)
 
@@ -111,7 +111,8 @@ class Engine:
             hidden = routed_hidden(self.shared, batch, owners, nullcontext)
             for i, rows in zip(order, row_slices([len(passes[i].datums) for i in order])):
                 p = passes[i]
-                logp_BT, _ = rows_logprobs(self.shared, hidden, batch, rows, temperature=1.0, chunk_size=1024)
+                logp_BT, _ = rows_logprobs(self.shared, hidden, batch, rows, temperature=1.0, chunk_size=1024,
+                                           owner=p.adapter)
                 per_datum = [logp_BT[b, : len(d.tokens)] for b, d in enumerate(p.datums)]
                 if p.datums:
                     inputs = {k: torch.cat([d.inputs[k] for d in p.datums])

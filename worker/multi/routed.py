@@ -51,14 +51,28 @@ def routed_hidden(shared: SharedBase, batch, names: list[str | None], autocast) 
 
 
 def rows_logprobs(shared: SharedBase, hidden_BTH: Tensor, batch, rows: slice, *, temperature: float,
-                  chunk_size: int | None) -> tuple[Tensor, Tensor]:
-    """(logp_BT, entropy_BT) of the rows `rows` of the combined batch at their action tokens (zero elsewhere)."""
+                  chunk_size: int | None, owner: str | None = None) -> tuple[Tensor, Tensor]:
+    """(logp_BT, entropy_BT) of the rows `rows` (all of adapter `owner`) of the combined batch at their action
+    tokens (zero elsewhere)."""
     action_BT = batch.action_mask_BT[rows].bool()
-    logp_1N, entropy_1N = token_logprobs(shared.model.get_output_embeddings(), hidden_BTH[rows][action_BT][None],
+    logp_1N, entropy_1N = token_logprobs(routed_head(shared, owner), hidden_BTH[rows][action_BT][None],
                                          batch.targets_BT[rows][action_BT][None], temperature=temperature,
                                          chunk_size=chunk_size)
     zeros_BT = logp_1N.new_zeros(action_BT.shape)
     return zeros_BT.index_put((action_BT,), logp_1N[0]), zeros_BT.index_put((action_BT,), entropy_1N[0])
+
+
+def routed_head(shared: SharedBase, owner: str | None):
+    """The LM head; where an adapter has a LoRA on it (the engine's train_unembed), the head routed to `owner`
+    for every token it is given (token_logprobs hands it chunks of tokens, not rows)."""
+    head = shared.model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        return head  # the plain head: token_logprobs' fused path
+
+    def routed(hidden_NH: Tensor) -> Tensor:
+        with shared.router.rows([owner] * hidden_NH.shape[0]):
+            return head(hidden_NH)
+    return routed
 
 
 def row_slices(counts: list[int]) -> list[slice]:

@@ -86,7 +86,7 @@ def _collate(parts: list[tuple[JobUpdate, list[int]]], pad_id: int, device):
 
 def _job_logprobs(shared: SharedBase, job: JobUpdate, hidden_BTH: Tensor, batch, rows: slice):
     return rows_logprobs(shared, hidden_BTH, batch, rows, temperature=job.spec.sampling.temperature,
-                         chunk_size=job.spec.training.logprob_chunk_size)
+                         chunk_size=job.spec.training.logprob_chunk_size, owner=job.name)
 
 
 def _frozen_logprobs(shared: SharedBase, jobs: list[JobUpdate], *, reference: bool, pad_id: int, device,
