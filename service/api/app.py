@@ -24,7 +24,7 @@ from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.ratelimit import rate_limit, scoring_slots
 from service.api.request_metrics import RecordRequests, RequestMetrics
 from service.api.routes import (completions, environments, evals, files, graders, health, job_outputs, jobs, models,
-                                prometheus, reward_functions, secrets, webhooks)
+                                prometheus, reward_functions, secrets, tinker, webhooks)
 from service.dashboard import routes as dashboard
 from service.auth import PrincipalCache
 from service.db.session import read_session_factory, session_factory
@@ -83,7 +83,8 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     envelope.install(app)
     app.add_middleware(BodySpool, settings=settings)  # inside BodySizeLimit, which counts what it spools
     app.add_middleware(BodySizeLimit, max_json_bytes=settings.max_request_bytes,
-                       max_upload_bytes=settings.max_upload_bytes)
+                       max_upload_bytes=settings.max_upload_bytes,
+                       max_protobuf_bytes=settings.tinker_max_body_bytes)
     app.add_middleware(Authenticate, reads=app.state.read_sessions, writes=app.state.sessions,
                        limits=rate_limit(settings),
                        principals=app.state.principals)
@@ -92,6 +93,6 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.request_metrics = RequestMetrics()
     app.add_middleware(RecordRequests, metrics=app.state.request_metrics)  # outermost: times everything
     for module in (health, files, reward_functions, environments, jobs, job_outputs, evals, secrets, graders, models,
-                   prometheus, dashboard, webhooks, completions):
+                   prometheus, dashboard, webhooks, completions, tinker):
         app.include_router(module.router)
     return app
