@@ -156,6 +156,9 @@ class Settings(BaseSettings):
     tinker_session_timeout_s: float = Field(120.0, gt=0, description="A Tinker session whose heartbeats (the SDK "
                                             "sends one every 10 s) stopped this long ago ends; its models are "
                                             "released, their saved checkpoints stay.")
+    tinker_poll_hold_s: float = Field(25.0, ge=0, le=40, description="How long POST /api/v1/retrieve_future holds "
+                                      "a poll for a request that has not ended before it answers try_again "
+                                      "(the SDK reads for 45 s).")
     tinker_max_training_clients: int = Field(8, ge=1, description="Live Tinker training clients (LoRA models) "
                                              "per project.")
     tinker_max_saved_states: int = Field(200, ge=1, description="Unexpired saved Tinker checkpoints (weights and "

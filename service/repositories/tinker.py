@@ -24,8 +24,7 @@ from sqlalchemy import and_, exists, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
-from service.db.models import (TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler, TinkerSession, new_id,
-                               now)
+from service.db.models import Project, TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler, TinkerSession, now
 from service.repositories.inserts import upsert
 
 GAP_GRACE_S = 2.0
@@ -145,15 +144,23 @@ def get_model(session: Session, project_id: str, model_id: str) -> TinkerModel |
 
 
 def live_models(session: Session, project_id: str) -> int:
-    """The project's training clients that have not been released (the training-client quota counts these)."""
+    """The project's training clients that have not been released (the training-client quota counts these),
+    under the project row's lock (as jobs.active_count), so two concurrent creates cannot both take the last
+    place."""
+    session.execute(select(Project.id).where(Project.id == project_id).with_for_update())
     return session.scalar(select(func.count()).select_from(TinkerModel)
                           .where(TinkerModel.project_id == project_id, TinkerModel.released_at.is_(None)))
+
+
+def sampler_id_for(session_id: str, sampling_session_seq_id: int) -> str:
+    """A sampling session's id; an unnamed save_weights_for_sampler of a model of `session_id` makes this one."""
+    return f"{session_id}:sample:{sampling_session_seq_id}"
 
 
 def add_sampler(session: Session, project_id: str, session_id: str, sampling_session_seq_id: int, *,
                 base_model: str, model_path: str | None = None, source_model_id: str | None = None) -> str:
     """A sampling session "<session>:sample:<n>"; the same call again answers the same id."""
-    sampler_id = f"{session_id}:sample:{sampling_session_seq_id}"
+    sampler_id = sampler_id_for(session_id, sampling_session_seq_id)
     if session.scalar(select(TinkerSampler.id).where(TinkerSampler.id == sampler_id)) is None:
         session.add(TinkerSampler(id=sampler_id, session_id=session_id, project_id=project_id,
                                   base_model=base_model, model_path=model_path, source_model_id=source_model_id))
@@ -173,6 +180,16 @@ def set_sampler_weights(session: Session, sampler_id: str, model_path: str) -> N
 
 
 # -- checkpoints -------------------------------------------------------------------
+
+
+CHECKPOINT_KINDS = ("weights", "sampler_weights")
+
+
+def checkpoint_path(model_id: str, kind: str, name: str) -> str:
+    """The tinker:// path of a model's saved state ("weights") or of weights saved for sampling."""
+    if kind not in CHECKPOINT_KINDS:
+        raise ValueError(f"kind must be one of {CHECKPOINT_KINDS}, not {kind!r}")
+    return f"tinker://{model_id}/{kind}/{name}"
 
 
 def record_checkpoint(session: Session, *, path: str, project_id: str, model_id: str, kind: str, storage_key: str,
@@ -340,7 +357,3 @@ def fail_running_of(session: Session, worker_id: str, message: str) -> list[str]
 def request_for_runner(session: Session, request_id: str) -> RequestRow | None:
     row = session.scalar(select(TinkerRequest).where(TinkerRequest.id == request_id))
     return _plain(row) if row is not None else None
-
-
-def new_request_id() -> str:
-    return new_id("treq_")
