@@ -272,7 +272,40 @@ def test_the_real_sdk_creates_a_session_and_reads_capabilities(api, monkeypatch)
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     with LiveServer(api.app) as base:
         client = tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}")
-        capabilities = client.get_server_capabilities()
+        rest = tinker.RestClient(base_url=base, api_key=f"tml-{_key(api.client)}")
+        capabilities = rest.get_server_capabilities().result()
         assert [m.model_name for m in capabilities.supported_models] == [BASE]
         with session_factory(api.database_url)() as s:
             assert repo.heartbeat(s, _project_id(api), client.holder.get_session_id()) is True
+
+
+def test_the_real_sdk_waits_on_a_future_until_the_runner_ends_its_row(api, monkeypatch):
+    """create_lora_training_client: the SDK submits create_model, polls its future (try_again while pending),
+    gets the runner's result and reads the model's info, all from the rows."""
+    pytest.importorskip("tinker")
+    import tinker
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    stop = threading.Event()
+
+    def runner():
+        while not stop.is_set():
+            with session_factory(api.database_url)() as s:
+                for row in repo.claim_ready(s, "test-runner", time.time()):
+                    assert row.kind == "create_model" and row.seq_id == repo.CREATE_SEQ_ID
+                    repo.complete(s, row.id, json.dumps({"model_id": row.model_id}).encode(), "json")
+                s.commit()
+            time.sleep(0.7)  # longer than the poll hold: the SDK sees try_again first
+
+    thread = threading.Thread(target=runner, daemon=True)
+    thread.start()
+    try:
+        with LiveServer(api.app) as base:
+            client = tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}")
+            training = client.create_lora_training_client(base_model=BASE, rank=8).result()
+            info = training.get_info()
+            assert info.model_id.endswith(":train:0") and info.lora_rank == 8
+            assert info.model_data.model_name == BASE
+    finally:
+        stop.set()
+        thread.join(timeout=5)

@@ -423,7 +423,8 @@ async def retrieve_future(request: Request, who: PrincipalDep, settings: Setting
             await join()
 
 
-@router.api_route("/{method:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+@router.api_route("/{method:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                  include_in_schema=False)
 async def unknown_method(method: str, request: Request, who: PrincipalDep) -> JSONResponse:
     """An SDK method this server does not offer: a 404 that names it, in the SDK's error shape."""
     return JSONResponse({"error": f"this server does not offer the Tinker API method {method!r} "
