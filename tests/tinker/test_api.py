@@ -309,3 +309,89 @@ def test_the_real_sdk_waits_on_a_future_until_the_runner_ends_its_row(api, monke
     finally:
         stop.set()
         thread.join(timeout=5)
+
+
+class StandInRunner:
+    """Plays worker/tinker/'s part through the repository functions it calls: claims ready rows and answers
+    each kind as the runner would (results encoded by service/tinker/wire.py), with no model behind it. It
+    records the order in which each model's calls ran."""
+
+    def __init__(self, database_url: str):
+        self.database_url, self.ran = database_url, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+    def loop(self):
+        while not self.stop.wait(0.05):
+            with session_factory(self.database_url)() as s:
+                for row in repo.claim_ready(s, "stand-in", time.time()):
+                    self.ran.append((row.model_id, row.seq_id, row.kind))
+                    result, result_type = self.answer(s, row)
+                    repo.complete(s, row.id, result, result_type)
+                s.commit()
+
+    def answer(self, s, row: repo.RequestRow) -> tuple[bytes, str]:
+        from service.tinker import wire
+
+        if row.kind in ("forward_backward", "forward"):
+            call = wire.decode_forward_backward(row.body)
+            logprobs = [[-1.0] * len(d.inputs["target_tokens"]) for d in call.datums]
+            return wire.encode_forward_backward(logprobs, {"loss:sum": float(len(call.datums))}), "protobuf"
+        if row.kind == "asample":
+            body = json.loads(row.body)
+            sequences = [([7, 8], [-0.5, -0.25], "length") for _ in range(body["num_samples"])]
+            return wire.encode_sample(sequences, None), "protobuf"
+        body = json.loads(row.body)
+        if row.kind in ("create_model", "load_weights"):
+            answer = {"model_id": row.model_id, "path": body.get("path")}
+        elif row.kind == "optim_step":
+            answer = {"metrics": {"grad_norm:mean": 0.5}}
+        elif row.kind == "save_weights_for_sampler" and body.get("path") is None:
+            sampler_id = repo.sampler_id_for(row.session_id, body["sampling_session_seq_id"])
+            repo.set_sampler_weights(s, sampler_id, f"snapshot-of-{row.model_id}")
+            answer = {"sampling_session_id": sampler_id}
+        else:  # save_weights, a named save_weights_for_sampler
+            kind = "weights" if row.kind == "save_weights" else "sampler_weights"
+            path = repo.checkpoint_path(row.model_id, kind, body["path"])
+            repo.record_checkpoint(s, path=path, project_id=row.project_id, model_id=row.model_id, kind=kind,
+                                   storage_key=f"objects/{row.id}")
+            answer = {"path": path}
+        return json.dumps(answer).encode(), "json"
+
+
+def test_the_real_sdk_trains_samples_saves_and_resumes_over_the_request_rows(api, monkeypatch):
+    pytest.importorskip("tinker")
+    import tinker
+    from tinker import types
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    with LiveServer(api.app) as base, StandInRunner(api.database_url) as runner:
+        client = tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}")
+        training = client.create_lora_training_client(base_model=BASE, rank=8).result()
+        datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})
+        fb = training.forward_backward([datum, datum], "cross_entropy")
+        step = training.optim_step(types.AdamParams(learning_rate=1e-4))
+        out = fb.result()
+        assert step.result().metrics == {"grad_norm:mean": 0.5}
+        assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-1.0] * 3] * 2
+        saved = training.save_state("step1").result()
+        assert saved.path == f"tinker://{training.model_id}/weights/step1"
+        sampler = training.save_weights_and_get_sampling_client().result()
+        sample = sampler.sample(types.ModelInput.from_ints([1, 2]), num_samples=2,
+                                sampling_params=types.SamplingParams(max_tokens=2)).result()
+        assert [s.tokens for s in sample.sequences] == [[7, 8], [7, 8]]
+        assert len({s.sequence_id for s in sample.sequences}) == 2
+        resumed = client.create_training_client_from_state_with_optimizer(saved.path).result()
+        assert resumed.model_id.endswith(":train:1") and resumed.get_info().lora_rank == 8
+        first = [(seq, kind) for model, seq, kind in runner.ran if model == training.model_id]
+        assert first == [(0, "create_model"), (1, "forward_backward"), (2, "optim_step"), (3, "save_weights"),
+                         (4, "save_weights_for_sampler")]
