@@ -395,3 +395,20 @@ def test_the_real_sdk_trains_samples_saves_and_resumes_over_the_request_rows(api
         first = [(seq, kind) for model, seq, kind in runner.ran if model == training.model_id]
         assert first == [(0, "create_model"), (1, "forward_backward"), (2, "optim_step"), (3, "save_weights"),
                          (4, "save_weights_for_sampler")]
+
+
+def test_a_large_forward_backward_arrives_in_chunks_first_chunk_last_and_runs_in_seq_id_order(api, monkeypatch):
+    pytest.importorskip("tinker")
+    import tinker
+    from tinker import types
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    with LiveServer(api.app) as base, StandInRunner(api.database_url) as runner:
+        client = tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}")
+        training = client.create_lora_training_client(base_model=BASE, rank=8).result()
+        data = [types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
+                            loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})] * 1100
+        out = training.forward_backward(data, "cross_entropy").result()  # the SDK sends at most 1024 per chunk
+        assert len(out.loss_fn_outputs) == 1100
+        ran = [(seq, kind) for model, seq, kind in runner.ran if model == training.model_id]
+        assert ran == [(0, "create_model"), (1, "forward_backward"), (2, "forward_backward")]
