@@ -159,6 +159,8 @@ class Settings(BaseSettings):
     tinker_poll_hold_s: float = Field(25.0, ge=0, le=40, description="How long POST /api/v1/retrieve_future holds "
                                       "a poll for a request that has not ended before it answers try_again "
                                       "(the SDK reads for 45 s).")
+    tinker_request_retention_s: float = Field(86400.0, gt=0, description="How long an ended Tinker request "
+                                              "(its future's result) is kept before the reconciler deletes it.")
     tinker_max_training_clients: int = Field(8, ge=1, description="Live Tinker training clients (LoRA models) "
                                              "per project.")
     tinker_max_saved_states: int = Field(200, ge=1, description="Unexpired saved Tinker checkpoints (weights and "

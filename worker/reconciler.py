@@ -10,7 +10,8 @@ is sent again, for a message lost without anyone noticing (a duplicate
 message is harmless: the lease admits one runner). Eval runs queued that long
 are sent again too (their claim admits one runner); a running eval run whose
 lease expired is failed (service/repositories/evals.py says why it is not retried). Tinker sessions whose
-heartbeats stopped end, releasing their models (service/repositories/tinker.py).
+heartbeats stopped end, releasing their models, and Tinker requests that ended long ago are deleted
+(service/repositories/tinker.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def reconcile_once(settings: Settings, *, resend_after_s: float = 300.0, sent: d
         waiting_evals = evals.queued_before(s, int(t - resend_after_s))
         lost_evals = evals.fail_expired(s)
         released = tinker.expire_sessions(s, t, settings.tinker_session_timeout_s)
+        tinker.prune_ended(s, t - settings.tinker_request_retention_s)
     for model_id in released:
         log.info("tinker model %s: its session stopped heartbeating; released", model_id)
     for job_id in requeued:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import and_, exists, func, or_, select, update
+from sqlalchemy import and_, delete, exists, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
@@ -28,6 +28,9 @@ from service.db.models import Project, TinkerCheckpoint, TinkerModel, TinkerRequ
 from service.repositories.inserts import upsert
 
 GAP_GRACE_S = 2.0
+# An ended request keeps its result, not its body (a forward_backward chunk is up to ~5 MB): the row still
+# dedupes a late retry and answers its future.
+ENDED_BODY = b""
 OPEN = ("pending", "running")
 CREATE_SEQ_ID = 0  # create_model's (or a creating load's) place in its model's order
 
@@ -322,7 +325,8 @@ def complete(session: Session, request_id: str, result: bytes, result_type: str)
     is not running (already ended, or failed by a sweep)."""
     done = session.execute(update(TinkerRequest).where(TinkerRequest.id == request_id,
                                                        TinkerRequest.state == "running")
-                           .values(state="done", result=result, result_type=result_type, finished_at=time.time())
+                           .values(state="done", result=result, result_type=result_type, finished_at=time.time(),
+                                   body=ENDED_BODY)
                            .execution_options(synchronize_session=False))
     return done.rowcount == 1
 
@@ -333,7 +337,8 @@ def fail(session: Session, request_id: str, message: str, category: str) -> bool
         raise ValueError(f"category must be 'user' or 'server', not {category!r}")
     done = session.execute(update(TinkerRequest).where(TinkerRequest.id == request_id,
                                                        TinkerRequest.state.in_(OPEN))
-                           .values(state="failed", error=message, error_category=category, finished_at=time.time())
+                           .values(state="failed", error=message, error_category=category, finished_at=time.time(),
+                                   body=ENDED_BODY)
                            .execution_options(synchronize_session=False))
     return done.rowcount == 1
 
@@ -347,7 +352,8 @@ def fail_running_of(session: Session, worker_id: str, message: str) -> list[str]
             and_(TinkerRequest.state == "pending", TinkerRequest.model_id.in_(held))))))
     if lost:
         session.execute(update(TinkerRequest).where(TinkerRequest.id.in_(lost), TinkerRequest.state.in_(OPEN))
-                        .values(state="failed", error=message, error_category="server", finished_at=time.time())
+                        .values(state="failed", error=message, error_category="server", finished_at=time.time(),
+                                body=ENDED_BODY)
                         .execution_options(synchronize_session=False))
     session.execute(update(TinkerModel).where(TinkerModel.worker_id == worker_id).values(worker_id=None)
                     .execution_options(synchronize_session=False))
@@ -357,3 +363,12 @@ def fail_running_of(session: Session, worker_id: str, message: str) -> list[str]
 def request_for_runner(session: Session, request_id: str) -> RequestRow | None:
     row = session.scalar(select(TinkerRequest).where(TinkerRequest.id == request_id))
     return _plain(row) if row is not None else None
+
+
+def prune_ended(session: Session, finished_before: float) -> int:
+    """Delete requests that ended before `finished_before` (their futures were long since read, and the SDK
+    retries a submission for minutes, not days); returns how many went."""
+    gone = session.execute(delete(TinkerRequest).where(TinkerRequest.state.in_(("done", "failed")),
+                                                       TinkerRequest.finished_at < finished_before)
+                           .execution_options(synchronize_session=False))
+    return gone.rowcount

@@ -225,3 +225,19 @@ def test_a_checkpoint_resolves_only_for_its_project(database_url):
         assert repo.resolve_checkpoint(s, alpha, path).storage_key == "two"
         assert repo.resolve_checkpoint(s, beta, path) is None
         assert repo.saved_checkpoints(s, alpha) == 1 and repo.saved_checkpoints(s, beta) == 0
+
+
+def test_an_ended_request_keeps_its_result_not_its_body_and_goes_after_the_retention(database_url):
+    project_id = _project(database_url)
+    ended, pending = (_submit(database_url, project_id, None, None, kind="asample") for _ in range(2))
+    with session_factory(database_url)() as s:
+        (claimed, _) = repo.claim_ready(s, "w1", time.time(), limit=2)
+        assert repo.complete(s, ended, b"result", "protobuf") and repo.fail(s, pending, "gave up", "user")
+        late = repo.submit(s, project_id, kind="asample", body=b"{}", body_type="json")[0]
+        s.commit()
+        assert repo.get_request(s, project_id, ended).body == b""
+        assert repo.prune_ended(s, time.time() - 60) == 0  # not yet
+        assert repo.prune_ended(s, time.time() + 1) == 2
+        s.commit()
+        assert repo.get_request(s, project_id, ended) is None
+        assert repo.get_request(s, project_id, late).state == "pending"  # open requests stay
