@@ -264,6 +264,12 @@ def get_request(session: Session, project_id: str, request_id: str) -> RequestRo
     return _plain(row) if row is not None else None
 
 
+def ended_among(session: Session, request_ids: list[str]) -> set[str]:
+    """Which of the requests have ended (done or failed): what held retrieve_future polls wait for."""
+    return set(session.scalars(select(TinkerRequest.id).where(TinkerRequest.id.in_(request_ids),
+                                                              TinkerRequest.state.in_(("done", "failed")))))
+
+
 # -- requests: the runner's side -------------------------------------------------------
 
 

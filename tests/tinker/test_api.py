@@ -412,3 +412,15 @@ def test_a_large_forward_backward_arrives_in_chunks_first_chunk_last_and_runs_in
         assert len(out.loss_fn_outputs) == 1100
         ran = [(seq, kind) for model, seq, kind in runner.ran if model == training.model_id]
         assert ran == [(0, "create_model"), (1, "forward_backward"), (2, "forward_backward")]
+
+
+def test_a_held_poll_holds_no_admission_place(database_url, tmp_path):
+    with running_api(database_url, tmp_path, **{**SETTINGS, "tinker_poll_hold_s": 3}, api_threads=1) as api:
+        created = _create_model(api.client, _session(api.client)).json()
+        held = threading.Thread(target=_retrieve, args=(api.client, created["request_id"]))
+        held.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        assert api.client.post("/api/v1/session_heartbeat", json={"session_id": "tsess_x"}).status_code == 404
+        assert time.monotonic() - started < 2 and held.is_alive()  # answered while the poll is still held
+        held.join()

@@ -11,9 +11,7 @@ train are refused at submission with a 400 that names them, which the SDK raises
 from __future__ import annotations
 
 import json
-import time
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
@@ -32,7 +30,6 @@ router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
 # The losses worker/engine/losses.py trains (tests/tinker/test_api.py keeps the two lists equal).
 SERVED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
-POLL_STEPS_S = (0.02, 0.05, 0.1, 0.2, 0.5)  # then every 0.5 s
 
 
 class QuotaExceeded(InvalidRequest):
@@ -393,34 +390,28 @@ def _answer(row: repo.RequestRow) -> Response | None:
 
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request, who: PrincipalDep, settings: SettingsDep):
-    """The request's result once its row has ended; until then the poll is held (up to the tinker_poll_hold_s setting), reading
-    the row in short steps, and answered try_again. A held poll gives up its admission place and its thread
-    between reads (service/api/access.py), so thousands of waiting futures hold neither."""
+    """The request's result once its row has ended; until then the poll is held (up to the tinker_poll_hold_s
+    setting) and answered try_again. A held poll holds no thread, no connection and no admission place
+    (service/api/access.py): it waits for service/api/future_waits.py to see its row end."""
     body, _ = await _body(request, sdk.RetrieveFuture)
     read_sessions = request.app.state.read_sessions
-    leave = getattr(request.state, "leave_admission", None)
-    join = getattr(request.state, "join_admission", None)
 
     def read() -> repo.RequestRow | None:
         with read_sessions() as session:
             return repo.get_request(session, who.project_id, body.request_id)
 
-    deadline = time.monotonic() + settings.tinker_poll_hold_s
-    step = 0
-    while True:
-        row = await run_in_threadpool(read)
-        if row is None:
-            raise NotFound(f"request_id: no request {body.request_id!r}", param="request_id")
-        if (answer := _answer(row)) is not None:
-            return answer
-        if time.monotonic() >= deadline:
-            return {"type": "try_again", "request_id": row.id, "queue_state": "active"}
-        if leave is not None:
+    row = await run_in_threadpool(read)
+    if row is None:
+        raise NotFound(f"request_id: no request {body.request_id!r}", param="request_id")
+    if (answer := _answer(row)) is None and settings.tinker_poll_hold_s > 0:
+        if (leave := getattr(request.state, "leave_admission", None)) is not None:
             leave()
-        await anyio.sleep(POLL_STEPS_S[min(step, len(POLL_STEPS_S) - 1)])
-        step += 1
-        if join is not None:
+        ended = await request.app.state.future_waits.wait(row.id, settings.tinker_poll_hold_s)
+        if (join := getattr(request.state, "join_admission", None)) is not None:
             await join()
+        if ended and (row := await run_in_threadpool(read)) is not None:
+            answer = _answer(row)
+    return answer or {"type": "try_again", "request_id": row.id, "queue_state": "active"}
 
 
 @router.api_route("/{method:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
