@@ -99,6 +99,7 @@ def upgrade() -> None:
         sa.Column('project_id', sa.String(length=40), nullable=False),
         sa.Column('base_model', sa.String(length=512), nullable=False),
         sa.Column('lora_config', sa.JSON(), nullable=False),
+        sa.Column('user_metadata', sa.JSON(), nullable=True),
         sa.Column('worker_id', sa.String(length=200), nullable=True),
         sa.Column('created_at', sa.BigInteger(), nullable=False),
         sa.Column('released_at', sa.BigInteger(), nullable=True),

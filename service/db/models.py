@@ -340,6 +340,7 @@ class TinkerModel(Base):
     project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
     base_model: Mapped[str] = mapped_column(String(512))
     lora_config: Mapped[dict] = mapped_column(JSON)  # rank, seed, train_mlp, train_attn, train_unembed
+    user_metadata: Mapped[dict | None] = mapped_column(JSON)  # the client's, shown back (the cookbook's renderer)
     worker_id: Mapped[str | None] = mapped_column(String(200))  # the runner that holds its adapter, once claimed
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     released_at: Mapped[int | None] = mapped_column(BigInteger)

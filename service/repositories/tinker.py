@@ -131,12 +131,12 @@ def model_id_for(session_id: str, model_seq_id: int) -> str:
 
 
 def add_model(session: Session, project_id: str, session_id: str, model_seq_id: int, *, base_model: str,
-              lora_config: dict) -> str:
+              lora_config: dict, user_metadata: dict | None = None) -> str:
     """The model row of a create_model (or of a load that creates the model); the same call again is harmless."""
     model_id = model_id_for(session_id, model_seq_id)
     if session.scalar(select(TinkerModel.id).where(TinkerModel.id == model_id)) is None:
         session.add(TinkerModel(id=model_id, session_id=session_id, project_id=project_id, base_model=base_model,
-                                lora_config=lora_config))
+                                lora_config=lora_config, user_metadata=user_metadata))
         session.flush()
     return model_id
 
@@ -144,6 +144,11 @@ def add_model(session: Session, project_id: str, session_id: str, model_seq_id: 
 def get_model(session: Session, project_id: str, model_id: str) -> TinkerModel | None:
     return session.scalar(select(TinkerModel).where(TinkerModel.id == model_id,
                                                     TinkerModel.project_id == project_id))
+
+
+def last_request_at(session: Session, model_id: str) -> float | None:
+    """When the model's newest request arrived."""
+    return session.scalar(select(func.max(TinkerRequest.created_at)).where(TinkerRequest.model_id == model_id))
 
 
 def live_models(session: Session, project_id: str) -> int:

@@ -42,6 +42,7 @@ class CreateModel(SdkBody):
     model_seq_id: int = Field(ge=0)
     base_model: str = Field(min_length=1, max_length=512)
     lora_config: LoraConfig = Field(default_factory=LoraConfig)
+    user_metadata: dict[str, Any] | None = None
 
 
 class ModelRef(SdkBody):
@@ -85,6 +86,7 @@ class LoadWeights(SdkBody):
     model_seq_id: int | None = Field(None, ge=0)
     path: str = Field(min_length=1, max_length=1024)
     optimizer: bool = False
+    user_metadata: dict[str, Any] | None = None
 
 
 class CreateSamplingSession(SdkBody):

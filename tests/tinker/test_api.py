@@ -375,7 +375,8 @@ def test_the_real_sdk_trains_samples_saves_and_resumes_over_the_request_rows(api
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     with LiveServer(api.app) as base, StandInRunner(api.database_url) as runner:
         client = tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}")
-        training = client.create_lora_training_client(base_model=BASE, rank=8).result()
+        training = client.create_lora_training_client(base_model=BASE, rank=8,
+                                                      user_metadata={"renderer_name": "role_colon"}).result()
         datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                             loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})
         fb = training.forward_backward([datum, datum], "cross_entropy")
@@ -392,6 +393,10 @@ def test_the_real_sdk_trains_samples_saves_and_resumes_over_the_request_rows(api
         assert len({s.sequence_id for s in sample.sequences}) == 2
         resumed = client.create_training_client_from_state_with_optimizer(saved.path).result()
         assert resumed.model_id.endswith(":train:1") and resumed.get_info().lora_rank == 8
+        run = tinker.RestClient(base_url=base, api_key=f"tml-{_key(api.client)}") \
+            .get_training_run_by_tinker_path(saved.path).result()
+        assert (run.training_run_id, run.base_model, run.lora_rank) == (training.model_id, BASE, 8)
+        assert run.user_metadata == {"renderer_name": "role_colon"}  # the cookbook's, read back on resume
         first = [(seq, kind) for model, seq, kind in runner.ran if model == training.model_id]
         assert first == [(0, "create_model"), (1, "forward_backward"), (2, "optim_step"), (3, "save_weights"),
                          (4, "save_weights_for_sampler")]

@@ -11,6 +11,7 @@ train are refused at submission with a 400 that names them, which the SDK raises
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -200,7 +201,7 @@ async def create_model(request: Request, who: PrincipalDep, settings: SettingsDe
         if repo.get_model(session, who.project_id, model_id) is None:  # a retry takes no new place
             _training_client_room(session, who.project_id, settings)
         repo.add_model(session, who.project_id, body.session_id, body.model_seq_id, base_model=body.base_model,
-                       lora_config=body.lora_config.model_dump())
+                       lora_config=body.lora_config.model_dump(), user_metadata=body.user_metadata)
         request_id, _ = repo.submit(session, who.project_id, kind="create_model", body=raw, body_type="json",
                                     session_id=body.session_id, model_id=model_id, seq_id=repo.CREATE_SEQ_ID)
         return _future(session, request_id, model_id=model_id)
@@ -215,6 +216,19 @@ def get_info(body: sdk.ModelRef, session: SessionDep, who: PrincipalDep) -> dict
         raise NotFound(f"model_id: no model {body.model_id!r}", param="model_id")
     return {"type": "get_info", "model_id": model.id, "is_lora": True, "lora_rank": model.lora_config.get("rank"),
             "model_data": {"model_name": model.base_model, "tokenizer_id": model.base_model}}
+
+
+@router.get("/training_runs/{training_run_id}")
+def get_training_run(training_run_id: str, session: SessionDep, who: PrincipalDep) -> dict:
+    """A training client as the SDK's RestClient shows it (the cookbook reads its user_metadata on resume)."""
+    model = repo.get_model(session, who.project_id, training_run_id)
+    if model is None:
+        raise NotFound(f"no training run {training_run_id!r}", param="training_run_id")
+    last = repo.last_request_at(session, model.id) or model.created_at
+    return {"training_run_id": model.id, "base_model": model.base_model, "model_owner": who.project_name,
+            "is_lora": True, "lora_rank": model.lora_config.get("rank"), "corrupted": False,
+            "last_request_time": datetime.fromtimestamp(last, timezone.utc).isoformat(),
+            "user_metadata": model.user_metadata}
 
 
 @router.post("/forward_backward")
@@ -305,7 +319,7 @@ async def load_weights(request: Request, who: PrincipalDep, settings: SettingsDe
         if repo.get_model(session, who.project_id, model_id) is None:
             _training_client_room(session, who.project_id, settings)
         repo.add_model(session, who.project_id, body.session_id, body.model_seq_id, base_model=source.base_model,
-                       lora_config=source.lora_config)
+                       lora_config=source.lora_config, user_metadata=body.user_metadata or source.user_metadata)
         request_id, _ = repo.submit(session, who.project_id, kind="load_weights", body=raw, body_type="json",
                                     session_id=body.session_id, model_id=model_id, seq_id=repo.CREATE_SEQ_ID)
         return _future(session, request_id, model_id=model_id)
