@@ -92,9 +92,18 @@ def heartbeat(session: Session, project_id: str, session_id: str) -> bool | None
     return False if get_session(session, project_id, session_id) is not None else None
 
 
+def _drop_pending_of(session: Session, session_ids: list[str], why: str) -> None:
+    """Fail the requests of ended sessions that no runner took yet: nobody waits for them any more."""
+    session.execute(update(TinkerRequest)
+                    .where(TinkerRequest.session_id.in_(session_ids), TinkerRequest.state == "pending")
+                    .values(state="failed", error=why, error_category="user", finished_at=time.time(),
+                            body=ENDED_BODY)
+                    .execution_options(synchronize_session=False))
+
+
 def finish_session(session: Session, project_id: str, session_id: str) -> bool:
-    """End a session and release its models (their saved checkpoints stay); False when the project has none such.
-    Finishing twice is harmless."""
+    """End a session and release its models (their saved checkpoints stay); its requests not yet taken fail.
+    False when the project has no such session. Finishing twice is harmless."""
     if get_session(session, project_id, session_id) is None:
         return False
     t = now()
@@ -102,12 +111,13 @@ def finish_session(session: Session, project_id: str, session_id: str) -> bool:
                     .values(finished_at=t).execution_options(synchronize_session=False))
     session.execute(update(TinkerModel).where(TinkerModel.session_id == session_id, TinkerModel.released_at.is_(None))
                     .values(released_at=t).execution_options(synchronize_session=False))
+    _drop_pending_of(session, [session_id], "the session ended before this request ran")
     return True
 
 
 def expire_sessions(session: Session, now_s: float, timeout_s: float) -> list[str]:
     """Finish the sessions whose heartbeats stopped `timeout_s` before `now_s`; returns the models that released
-    (the runner may drop their adapters). Saved checkpoints stay."""
+    (the runner may drop their adapters). Saved checkpoints stay; their requests not yet taken fail."""
     stale = list(session.scalars(select(TinkerSession.id).where(TinkerSession.finished_at.is_(None),
                                                                 TinkerSession.heartbeat_at < now_s - timeout_s)))
     if not stale:
@@ -119,6 +129,7 @@ def expire_sessions(session: Session, now_s: float, timeout_s: float) -> list[st
                     .values(finished_at=t).execution_options(synchronize_session=False))
     session.execute(update(TinkerModel).where(TinkerModel.id.in_(released), TinkerModel.released_at.is_(None))
                     .values(released_at=t).execution_options(synchronize_session=False))
+    _drop_pending_of(session, stale, "the session stopped sending heartbeats before this request ran")
     return released
 
 

@@ -179,9 +179,13 @@ def test_stopped_heartbeats_end_the_session_and_release_its_models(database_url)
                                model_id=silent, kind="weights", storage_key="k")
         assert repo.heartbeat(s, project_id, live_session) is True
         s.commit()
+    orphan = _submit(database_url, project_id, silent, 1, session_id=silent_session)
+    kept = _submit(database_url, project_id, live, 1, session_id=live_session)
     with session_factory(database_url)() as s:
         assert repo.expire_sessions(s, time.time(), 0.2) == [silent]
         s.commit()
+        assert repo.get_request(s, project_id, orphan).state == "failed"  # nobody waits for it any more
+        assert repo.get_request(s, project_id, kept).state == "pending"
     with session_factory(database_url)() as s:
         assert repo.heartbeat(s, project_id, silent_session) is False  # the API answers 410
         assert repo.heartbeat(s, project_id, "tsess_unknown") is None

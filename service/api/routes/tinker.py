@@ -372,16 +372,19 @@ async def asample(request: Request, who: PrincipalDep, settings: SettingsDep) ->
     body, raw = await _body(request, sdk.Sample)
 
     def work(session) -> dict:
+        session_id = None
         if body.sampling_session_id is not None:
-            if repo.get_sampler(session, who.project_id, body.sampling_session_id) is None:
+            sampler = repo.get_sampler(session, who.project_id, body.sampling_session_id)
+            if sampler is None:
                 raise NotFound(f"sampling_session_id: no sampler {body.sampling_session_id!r}",
                                param="sampling_session_id")
             if body.seq_id is None:
                 raise InvalidRequest("seq_id: required with sampling_session_id", param="seq_id")
+            session_id = sampler.session_id
         else:
             _sampler_base(session, who, settings, body.base_model, body.model_path)
         request_id, _ = repo.submit(session, who.project_id, kind="asample", body=raw, body_type="json",
-                                    sampler_id=body.sampling_session_id,
+                                    session_id=session_id, sampler_id=body.sampling_session_id,
                                     seq_id=body.seq_id if body.sampling_session_id is not None else None)
         # One id per sample, the same on a retry (the same request id): the SDK names its sequences by them.
         return _future(session, request_id, sample_sequence_ids=[f"{request_id}:{i}" for i in
