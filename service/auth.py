@@ -1,4 +1,5 @@
-"""API-key authentication: `Authorization: Bearer <key>` -> the project every route is scoped to.
+"""API-key authentication: `Authorization: Bearer <key>` (or the Tinker SDK's `X-API-Key: tml-<key>`) -> the
+project every route is scoped to.
 
 It runs before the request body is read (service/api/access.py), so an
 unauthenticated caller cannot make the API read, parse or store anything.
@@ -45,6 +46,15 @@ def bearer_key(authorization: str | None) -> str:
     if scheme.lower() != "bearer" or not key:
         raise Unauthenticated("malformed Authorization header: expected 'Bearer <key>'")
     return key
+
+
+TINKER_KEY_PREFIX = "tml-"
+
+
+def bearer_from_api_key(api_key: str) -> str:
+    """An `X-API-Key` header (the Tinker SDK's) as the Authorization header it stands for. The SDK refuses keys
+    that do not start with "tml-", so a project key may come as "tml-<key>"; a plain key works as well."""
+    return f"Bearer {api_key.strip().removeprefix(TINKER_KEY_PREFIX)}"
 
 
 def authenticate(reads: sessionmaker[Session], writes: sessionmaker[Session], authorization: str | None) -> Principal:

@@ -147,6 +147,24 @@ class Settings(BaseSettings):
     wandb_entities: str = Field("", description="Comma-separated W&B entities a job's wandb integration may "
                                 "name (runs log with the worker's key); empty: none, runs go to the key's default "
                                 "entity. Every project's runs go to W&B projects named <project id>-<name>.")
+    # The Tinker API (service/api/routes/tinker.py): the SDK's training clients and samplers, run by worker/tinker/.
+    tinker_base_models: str = Field("", description="Comma-separated base models Tinker training clients and "
+                                    "samplers may name (get_server_capabilities lists them); empty: those of "
+                                    "serve_base_models. A local directory under model_dirs is accepted as well.")
+    tinker_max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="A protobuf request body of the Tinker "
+                                       "API (a forward_backward chunk: the SDK sends up to about 5 MB).")
+    tinker_session_timeout_s: float = Field(120.0, gt=0, description="A Tinker session whose heartbeats (the SDK "
+                                            "sends one every 10 s) stopped this long ago ends; its models are "
+                                            "released, their saved checkpoints stay.")
+    tinker_poll_hold_s: float = Field(25.0, ge=0, le=40, description="How long POST /api/v1/retrieve_future holds "
+                                      "a poll for a request that has not ended before it answers try_again "
+                                      "(the SDK reads for 45 s).")
+    tinker_request_retention_s: float = Field(86400.0, gt=0, description="How long an ended Tinker request "
+                                              "(its future's result) is kept before the reconciler deletes it.")
+    tinker_max_training_clients: int = Field(8, ge=1, description="Live Tinker training clients (LoRA models) "
+                                             "per project.")
+    tinker_max_saved_states: int = Field(200, ge=1, description="Unexpired saved Tinker checkpoints (weights and "
+                                         "sampler weights) per project.")
     secret_key: str = Field("", description="Fernet key that encrypts project secrets at rest; empty: a key "
                             "file HOME/secret.key (mode 0600) is created and used.")
 
@@ -194,6 +212,10 @@ class Settings(BaseSettings):
 
     def resolved_serve_base_models(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.serve_base_models.split(",") if m.strip())
+
+    def resolved_tinker_base_models(self) -> tuple[str, ...]:
+        listed = tuple(m.strip() for m in self.tinker_base_models.split(",") if m.strip())
+        return listed or self.resolved_serve_base_models()
 
     def resolved_serve_models(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.serve_models.split(",") if m.strip())

@@ -9,7 +9,9 @@ is sent on the next pass; and any job queued for longer than `resend_after_s`
 is sent again, for a message lost without anyone noticing (a duplicate
 message is harmless: the lease admits one runner). Eval runs queued that long
 are sent again too (their claim admits one runner); a running eval run whose
-lease expired is failed (service/repositories/evals.py says why it is not retried).
+lease expired is failed (service/repositories/evals.py says why it is not retried). Tinker sessions whose
+heartbeats stopped end, releasing their models, and Tinker requests that ended long ago are deleted
+(service/repositories/tinker.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 
 from service.db.session import session_factory
 from service.queue import enqueue_eval, enqueue_job
-from service.repositories import evals, job_messages, job_recovery, jobs
+from service.repositories import evals, job_messages, job_recovery, jobs, tinker
 from service.settings import Settings
 from worker import scratch
 
@@ -40,6 +42,10 @@ def reconcile_once(settings: Settings, *, resend_after_s: float = 300.0, sent: d
         due = {**{j: nb for j, nb in owed.items() if nb}, **{j: jobs.get_for_worker(s, j).not_before for j in requeued}}
         waiting_evals = evals.queued_before(s, int(t - resend_after_s))
         lost_evals = evals.fail_expired(s)
+        released = tinker.expire_sessions(s, t, settings.tinker_session_timeout_s)
+        tinker.prune_ended(s, t - settings.tinker_request_retention_s)
+    for model_id in released:
+        log.info("tinker model %s: its session stopped heartbeating; released", model_id)
     for job_id in requeued:
         log.warning("job %s: lease expired; re-queued", job_id)
     for eval_id in lost_evals:

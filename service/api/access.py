@@ -1,4 +1,5 @@
-"""Admission, authentication and the per-key rate limit, as ASGI middleware in front of every /v1 route.
+"""Admission, authentication and the per-key rate limit, as ASGI middleware in front of every /v1 and /api/v1
+route.
 
 It runs before anything reads the request body: an unauthenticated or
 over-limit caller gets its 401 / 429 while its upload is still unread (a
@@ -18,10 +19,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.envelope import database_unavailable, service_error_response
 from service.api.limits import RateLimit
-from service.auth import PrincipalCache, authenticate
+from service.auth import PrincipalCache, authenticate, bearer_from_api_key
 from service.errors import ServiceError
 
-PROTECTED_PREFIX = "/v1/"
+# The OpenAI-shaped API, and the Tinker API (service/api/routes/tinker.py), whose SDK sends its key as X-API-Key.
+PROTECTED_PREFIX = ("/v1/", "/api/v1/")
 
 
 class Admission:
@@ -83,8 +85,11 @@ class Authenticate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
             return await self.app(scope, receive, send)
-        raw = dict(scope["headers"]).get(b"authorization")
+        headers = dict(scope["headers"])
+        raw = headers.get(b"authorization")
         authorization = raw.decode("latin-1") if raw else None
+        if authorization is None and (api_key := headers.get(b"x-api-key")):
+            authorization = bearer_from_api_key(api_key.decode("latin-1"))
         try:
             principal = self.principals.get(authorization)
             if principal is None:

@@ -18,16 +18,18 @@ from fastapi import FastAPI
 from service.api import envelope
 from service.api.access import Admission, Authenticate
 from service.api.body_spool import BodySpool
+from service.api.future_waits import FutureWaits
 from service.api.judge_budget import JudgeBudget
 from service.api.poll_cache import PollCache
 from service.api.guards import BodySizeLimit, RefuseNulInUrl
 from service.api.ratelimit import rate_limit, scoring_slots
 from service.api.request_metrics import RecordRequests, RequestMetrics
 from service.api.routes import (completions, environments, evals, files, graders, health, job_outputs, jobs, models,
-                                prometheus, reward_functions, secrets, webhooks)
+                                prometheus, reward_functions, secrets, tinker, webhooks)
 from service.dashboard import routes as dashboard
 from service.auth import PrincipalCache
 from service.db.session import read_session_factory, session_factory
+from service.repositories import tinker as tinker_requests
 from service.queue import JOBS_QUEUE, RUN_JOB, broker_ping, enqueue_eval, enqueue_job, make_celery, ping
 from service.secrets.box import secret_box
 from service.settings import Settings, get_settings
@@ -45,6 +47,14 @@ def _broker(settings: Settings) -> tuple[Callable[[str], None], Callable[[str], 
         celery.send_task(RUN_JOB, args=[job_id], queue=JOBS_QUEUE)
 
     return enqueue, lambda eval_id: enqueue_eval(eval_id, app=celery), lambda: ping(celery)
+
+
+def _ended_among(read_sessions):
+    def ended_among(request_ids: list[str]) -> set[str]:
+        with read_sessions() as session:
+            return tinker_requests.ended_among(session, request_ids)
+
+    return ended_among
 
 
 def _lifespan(threads: int):
@@ -78,12 +88,14 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.judge_budget = JudgeBudget(settings.judge_tokens_per_project_hour)
     app.state.poll_cache = PollCache(settings.poll_cache_s)
     app.state.principals = PrincipalCache(settings.auth_cache_s)
+    app.state.future_waits = FutureWaits(_ended_among(app.state.read_sessions))
     secret_box(settings)  # fail at start, not at the first secret, when CISPO_SECRET_KEY is unusable
 
     envelope.install(app)
     app.add_middleware(BodySpool, settings=settings)  # inside BodySizeLimit, which counts what it spools
     app.add_middleware(BodySizeLimit, max_json_bytes=settings.max_request_bytes,
-                       max_upload_bytes=settings.max_upload_bytes)
+                       max_upload_bytes=settings.max_upload_bytes,
+                       max_protobuf_bytes=settings.tinker_max_body_bytes)
     app.add_middleware(Authenticate, reads=app.state.read_sessions, writes=app.state.sessions,
                        limits=rate_limit(settings),
                        principals=app.state.principals)
@@ -92,6 +104,6 @@ def create_app(settings: Settings | None = None, *, enqueue: Callable[[str], Non
     app.state.request_metrics = RequestMetrics()
     app.add_middleware(RecordRequests, metrics=app.state.request_metrics)  # outermost: times everything
     for module in (health, files, reward_functions, environments, jobs, job_outputs, evals, secrets, graders, models,
-                   prometheus, dashboard, webhooks, completions):
+                   prometheus, dashboard, webhooks, completions, tinker):
         app.include_router(module.router)
     return app

@@ -2,8 +2,8 @@
 
 BodySizeLimit: FastAPI sets no body limit of its own by default, and
 Content-Length can be absent (chunked uploads) or wrong, so the count happens
-on every `http.request` message. Uploads (multipart) and JSON bodies get
-separate limits.
+on every `http.request` message. Uploads (multipart), JSON bodies and
+protobuf ones (the Tinker API's) get separate limits.
 
 RefuseNulInUrl: PostgreSQL text cannot hold NUL, so an id or cursor with a
 %00 in it would fail deep in the driver (a 500); it is refused up front.
@@ -28,13 +28,16 @@ class BodyTooLarge(HTTPException):
 
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, *, max_json_bytes: int, max_upload_bytes: int):
+    def __init__(self, app: ASGIApp, *, max_json_bytes: int, max_upload_bytes: int, max_protobuf_bytes: int):
         self.app, self.max_json_bytes, self.max_upload_bytes = app, max_json_bytes, max_upload_bytes
+        self.max_protobuf_bytes = max_protobuf_bytes
 
     def _limit(self, scope: Scope) -> int:
         for name, value in scope.get("headers", []):
             if name == b"content-type" and value.lower().startswith(b"multipart/form-data"):
                 return self.max_upload_bytes
+            if name == b"content-type" and value.lower().startswith(b"application/x-protobuf"):
+                return self.max_protobuf_bytes  # the Tinker SDK's forward_backward chunks
         return self.max_json_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -20,6 +20,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -308,3 +309,98 @@ class EvalRun(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     started_at: Mapped[int | None] = mapped_column(BigInteger)
     finished_at: Mapped[int | None] = mapped_column(BigInteger)
+
+
+# -- the Tinker API (service/api/routes/tinker.py): its requests and futures are rows -----------------------------
+
+
+class TinkerSession(Base):
+    """A Tinker SDK client's session: it heartbeats while alive; its models are released when it stops."""
+
+    __tablename__ = "tinker_session"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("tsess_"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    tags: Mapped[list] = mapped_column(JSON)
+    user_metadata: Mapped[dict | None] = mapped_column(JSON)
+    sdk_version: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    heartbeat_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class TinkerModel(Base):
+    """A training client's LoRA model, "<session id>:train:<model seq id>" (the form the SDK's resume path
+    builds by itself). Released when its session ends; its saved checkpoints stay."""
+
+    __tablename__ = "tinker_model"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(120), unique=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("tinker_session.id", ondelete="CASCADE"), index=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    lora_config: Mapped[dict] = mapped_column(JSON)  # rank, seed, train_mlp, train_attn, train_unembed
+    user_metadata: Mapped[dict | None] = mapped_column(JSON)  # the client's, shown back (the cookbook's renderer)
+    worker_id: Mapped[str | None] = mapped_column(String(200))  # the runner that holds its adapter, once claimed
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    released_at: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class TinkerSampler(Base):
+    """A sampling session: a base model, or weights a training client saved for sampling (model_path, set by
+    the runner once a snapshot is written)."""
+
+    __tablename__ = "tinker_sampler"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(120), unique=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("tinker_session.id", ondelete="CASCADE"), index=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    model_path: Mapped[str | None] = mapped_column(String(1024))
+    source_model_id: Mapped[str | None] = mapped_column(String(120))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class TinkerRequest(Base):
+    """One submitted SDK call and its future: pending -> running -> done | failed.
+
+    A training client numbers its calls seq_id 1, 2, ... (create_model, or a resuming load, is seq 0): they run
+    per model in that order, and a retried submission of the same (model, seq_id) finds this row instead of
+    adding one. Sampling calls are numbered per sampler the same way."""
+
+    __tablename__ = "tinker_request"
+    __table_args__ = (UniqueConstraint("model_id", "seq_id"), UniqueConstraint("sampler_id", "seq_id"))
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("treq_"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    session_id: Mapped[str | None] = mapped_column(String(40))
+    model_id: Mapped[str | None] = mapped_column(String(120))
+    sampler_id: Mapped[str | None] = mapped_column(String(120))
+    seq_id: Mapped[int | None] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(40))  # create_model, forward_backward, forward, optim_step, ...
+    body: Mapped[bytes] = mapped_column(LargeBinary)  # as received
+    body_type: Mapped[str] = mapped_column(String(16))  # json | protobuf
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    result: Mapped[bytes | None] = mapped_column(LargeBinary)
+    result_type: Mapped[str | None] = mapped_column(String(16))  # json | protobuf
+    error: Mapped[str | None] = mapped_column(Text)
+    error_category: Mapped[str | None] = mapped_column(String(16))  # user | server
+    worker_id: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+
+
+class TinkerCheckpoint(Base):
+    """Saved weights by their tinker:// path ("tinker://<model id>/weights/<name>", ".../sampler_weights/<name>"),
+    scoped to a project, and where the runner stored them."""
+
+    __tablename__ = "tinker_checkpoint"
+    seq: Mapped[int] = mapped_column(SeqKey, primary_key=True, autoincrement=True)
+    path: Mapped[str] = mapped_column(String(1024), unique=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("project.id", ondelete="CASCADE"), index=True)
+    model_id: Mapped[str] = mapped_column(String(120), index=True)
+    kind: Mapped[str] = mapped_column(String(24))  # weights | sampler_weights
+    storage_key: Mapped[str] = mapped_column(String(1024))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    expires_at: Mapped[int | None] = mapped_column(BigInteger)
