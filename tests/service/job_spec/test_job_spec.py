@@ -9,27 +9,18 @@ from pydantic import ValidationError
 
 from service.job_spec.objective import ConstantSchedule, CosineSchedule
 from service.job_spec.spec import JobSpec
-
-
-def _spec(**overrides) -> dict:
-    spec = {
-        "model": "org/tiny-model",
-        "data": {"train_file": "train.jsonl"},
-        "reward": {"type": "import", "path": "pkg.mod:fn"},
-    }
-    spec.update(overrides)
-    return spec
+from tests.specs import job_spec, spec_fields
 
 
 def _errors(**overrides) -> list[dict]:
     with pytest.raises(ValidationError) as info:
-        JobSpec.model_validate(_spec(**overrides))
+        job_spec(**overrides)
     return info.value.errors()
 
 
 def test_minimal_spec_gets_defaults():
     """A minimal spec validates and is filled with the documented defaults."""
-    job = JobSpec.model_validate(_spec())
+    job = job_spec()
     assert job.model == "org/tiny-model"
     assert job.data.train_file == "train.jsonl"
     assert job.reward.path == "pkg.mod:fn"
@@ -45,7 +36,7 @@ def test_minimal_spec_gets_defaults():
 @pytest.mark.parametrize("missing", ["model", "data"])
 def test_required_fields(missing):
     """model and data have no default; the error's loc names the missing one."""
-    spec = _spec()
+    spec = spec_fields()
     del spec[missing]
     with pytest.raises(ValidationError) as info:
         JobSpec.model_validate(spec)
@@ -71,7 +62,7 @@ def test_max_output_tokens_must_be_below_max_model_len(out_tokens):
 
 def test_max_output_tokens_just_below_max_model_len_accepted():
     """One token of room for the prompt is enough."""
-    job = JobSpec.model_validate(_spec(sampling={"max_output_tokens": 1023, "max_model_len": 1024}))
+    job = job_spec(sampling={"max_output_tokens": 1023, "max_model_len": 1024})
     assert job.sampling.max_output_tokens == 1023
 
 
@@ -98,7 +89,7 @@ def test_ratio_max_below_one_refused():
 def test_low_ratio_max_accepted_with_warning():
     """ratio_max 1.5 is allowed but warns that the cap will bind on most off-policy tokens."""
     with pytest.warns(UserWarning, match="ratio_max=1.5"):
-        job = JobSpec.model_validate(_spec(loss={"ratio_max": 1.5}))
+        job = job_spec(loss={"ratio_max": 1.5})
     assert job.loss.ratio_max == 1.5
 
 
@@ -106,13 +97,13 @@ def test_usual_ratio_max_does_not_warn():
     """ratio_max in the recommended range validates silently."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        job = JobSpec.model_validate(_spec(loss={"ratio_max": 4.0}))
+        job = job_spec(loss={"ratio_max": 4.0})
     assert job.loss.ratio_max == 4.0
 
 
 def test_schedule_union_picks_cosine():
     """type: cosine selects CosineSchedule with its own knobs."""
-    job = JobSpec.model_validate(_spec(schedule={"type": "cosine", "warmup_steps": 10, "min_lr_ratio": 0.1}))
+    job = job_spec(schedule={"type": "cosine", "warmup_steps": 10, "min_lr_ratio": 0.1})
     assert isinstance(job.schedule, CosineSchedule)
     assert (job.schedule.warmup_steps, job.schedule.min_lr_ratio) == (10, 0.1)
 
@@ -131,7 +122,7 @@ def test_mini_batches_larger_than_sequences_refused():
     assert len(errors) == 1
     assert errors[0]["loc"] == ("training",)
     assert "mini_batches (3)" in errors[0]["msg"]
-    job = JobSpec.model_validate(_spec(training={"batch_size": 1, "group_size": 2, "mini_batches": 2}))
+    job = job_spec(training={"batch_size": 1, "group_size": 2, "mini_batches": 2})
     assert job.training.mini_batches == 2
 
 
@@ -144,12 +135,12 @@ def test_reward_path_must_be_module_colon_function():
 def test_exactly_one_of_reward_or_environment():
     """Neither or both is refused with a message naming both fields; an environment alone is a valid job."""
     env = {"type": "http", "url": "https://env.example.com/api/"}
-    spec = _spec()
+    spec = spec_fields()
     del spec["reward"]
     with pytest.raises(ValidationError, match="exactly one of reward .* or environment"):
         JobSpec.model_validate(spec)
     with pytest.raises(ValidationError, match="exactly one of reward .* or environment"):
-        JobSpec.model_validate(_spec(environment=env))
+        job_spec(environment=env)
     job = JobSpec.model_validate({**spec, "environment": env, "training": {"max_turns": 8},
                                   "advantages": {"per_turn": True}})
     assert job.reward is None and job.environment.url == "https://env.example.com/api"
@@ -160,16 +151,16 @@ def test_max_turns_bounds_and_reward_jobs_are_single_turn():
     assert _errors(training={"max_turns": 65})[0]["loc"] == ("training", "max_turns")
     assert _errors(training={"max_turns": 0})[0]["loc"] == ("training", "max_turns")
     with pytest.raises(ValidationError, match="max_turns is 2, but a reward function scores a single turn"):
-        JobSpec.model_validate(_spec(training={"max_turns": 2}))
+        job_spec(training={"max_turns": 2})
 
 
 def test_rollout_defaults_to_transformers_with_tis_on():
     """Without a rollout section the job samples with transformers; the TIS cap waits for an engine's log-probs."""
-    job = JobSpec.model_validate(_spec())
+    job = job_spec()
     assert job.rollout.engine == "hf"
     assert job.rollout.tis_cap == 2.0
     assert job.rollout.gpu_memory_utilization == 0.3
-    vllm = JobSpec.model_validate(_spec(rollout={"engine": "vllm", "gpu_memory_utilization": 0.5, "tis_cap": None}))
+    vllm = job_spec(rollout={"engine": "vllm", "gpu_memory_utilization": 0.5, "tis_cap": None})
     assert (vllm.rollout.engine, vllm.rollout.gpu_memory_utilization, vllm.rollout.tis_cap) == ("vllm", 0.5, None)
 
 
@@ -190,7 +181,7 @@ def test_rollout_bad_values_name_the_field(rollout, loc, kind):
 
 @pytest.mark.parametrize("cap", [0.0, 1.0, 3.0])
 def test_rollout_tis_cap_zero_disables_and_one_or_more_accepted(cap):
-    assert JobSpec.model_validate(_spec(rollout={"tis_cap": cap})).rollout.tis_cap == cap
+    assert job_spec(rollout={"tis_cap": cap}).rollout.tis_cap == cap
 
 
 def test_rollout_tis_cap_below_one_refused():
@@ -203,4 +194,4 @@ def test_rollout_tis_cap_below_one_refused():
 def test_float16_training_is_refused_but_float16_sampling_is_not():
     errors = _errors(dtype="float16")
     assert errors[0]["loc"] == ("dtype",) and "loss scaling" in errors[0]["msg"]
-    assert JobSpec.model_validate(_spec(dtype="bfloat16", rollout={"dtype": "float16"})).rollout.dtype == "float16"
+    assert job_spec(dtype="bfloat16", rollout={"dtype": "float16"}).rollout.dtype == "float16"

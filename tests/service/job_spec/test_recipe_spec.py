@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from service.job_spec.spec import JobSpec
-from tests.service.job_spec.test_job_spec import _errors, _spec
+from tests.service.job_spec.test_job_spec import _errors
+from tests.specs import job_spec
 
 
 def test_defaults_leave_every_knob_off():
-    spec = JobSpec.model_validate(_spec())
+    spec = job_spec()
     assert spec.advantages.scale == "none" and spec.loss.normalization == "token"
     assert spec.loss.importance_sampling_level == "token" and spec.loss.off_policy_mask is None
     assert spec.training.pass_rate_filter is None and spec.training.lm_head_float32 is False
@@ -18,14 +18,14 @@ def test_defaults_leave_every_knob_off():
 
 
 def test_enabled_knobs_take_the_recipes_defaults():
-    spec = JobSpec.model_validate(_spec(loss={"off_policy_mask": {}, "normalization": "prompt",
+    spec = job_spec(loss={"off_policy_mask": {}, "normalization": "prompt",
                                               "importance_sampling_level": "sequence"},
-                                        training={"pass_rate_filter": {}}, advantages={"scale": "batch_std"}))
+                                        training={"pass_rate_filter": {}}, advantages={"scale": "batch_std"})
     assert spec.loss.off_policy_mask.token_bounds == (0.5, 5.0)  # AgileRL's band
     assert spec.loss.off_policy_mask.sequence_threshold is None
     assert spec.training.pass_rate_filter.threshold == 0.9  # ScaleRL's
-    assert JobSpec.model_validate(_spec(loss={"off_policy_mask": {"token_bounds": None,
-                                                                  "sequence_threshold": 0.03}}))
+    assert job_spec(loss={"off_policy_mask": {"token_bounds": None,
+                                                                  "sequence_threshold": 0.03}})
 
 
 @pytest.mark.parametrize(
@@ -65,8 +65,8 @@ def test_a_worker_without_bitsandbytes_refuses_qlora_naming_the_field(monkeypatc
     from worker.model import quantization
 
     monkeypatch.setattr(quantization, "bitsandbytes_installed", lambda: False)
-    spec = JobSpec.model_validate(_spec(lora={"base_quantization": "nf4"}))
+    spec = job_spec(lora={"base_quantization": "nf4"})
     with pytest.raises(ValueError, match="lora.base_quantization is 'nf4'.*bitsandbytes is not installed"):
         quantization.refuse_unavailable_quantization(spec)
-    quantization.refuse_unavailable_quantization(JobSpec.model_validate(_spec()))  # no knob: nothing to refuse
-    assert quantization.base_load_kwargs(JobSpec.model_validate(_spec()), None, None) == {}
+    quantization.refuse_unavailable_quantization(job_spec())  # no knob: nothing to refuse
+    assert quantization.base_load_kwargs(job_spec(), None, None) == {}

@@ -27,6 +27,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from service.job_spec.spec import JobSpec
+from tests import specs
 from worker.toy.__main__ import toy_spec
 from worker.trainer.callbacks import NoCallbacks
 
@@ -36,14 +37,11 @@ KINDS = ("lora", "full")
 
 
 def job_spec(toy_dir: Path, kind: str, *, gpus: int = 1, dtype: str = "auto", **training) -> JobSpec:
-    raw = toy_spec(toy_dir)
-    raw["dtype"] = dtype
-    raw["lora"] = raw["lora"] if kind == "lora" else None
-    raw["loss"] = {"kl_beta": 0.1}
-    raw["resources"] = {"gpus": gpus}
-    raw["training"].update({"steps": 2, "batch_size": 2, "group_size": 4, "mini_batches": 1, "micro_batch_size": 2,
-                            "eval_interval": 0, "eval_max_rows": 4, "checkpoint_interval": 1, **training})
-    return JobSpec.model_validate(raw)
+    return specs.job_spec(toy_spec(toy_dir), dtype=dtype, lora={} if kind == "lora" else None, loss={"kl_beta": 0.1},
+                          resources={"gpus": gpus},
+                          training={"steps": 2, "batch_size": 2, "group_size": 4, "mini_batches": 1,
+                                    "micro_batch_size": 2, "eval_interval": 0, "eval_max_rows": 4,
+                                    "checkpoint_interval": 1, **training})
 
 
 def fixed_batch():
@@ -185,8 +183,8 @@ def async_job_spec(toy_dir: Path, kind: str, gpus: int = 1, **training) -> JobSp
     'fixed_lag' version policy: batch j sampled by version max(0, j - 1) whatever the timing, so runs compare."""
     training = {"steps": 3, "batch_size": 4, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
                 "checkpoint_interval": 0, **training}
-    raw = job_spec(toy_dir, kind, gpus=gpus, **training).model_dump(mode="json")
-    return JobSpec.model_validate({**raw, "rollout": {"max_staleness": 1, "version_policy": "fixed_lag"}})
+    return specs.job_spec(job_spec(toy_dir, kind, gpus=gpus, **training).model_dump(mode="json"),
+                          rollout={"max_staleness": 1, "version_policy": "fixed_lag"})
 
 
 def _async_task(rank: int, world: int, toy_dir: str, kind: str, out: str) -> None:

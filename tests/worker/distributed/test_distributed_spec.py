@@ -12,25 +12,21 @@ from safetensors.torch import load_file
 from service.job_spec.build import build_spec
 from service.job_spec.request import JobCreate
 from service.job_spec.spec import JobSpec
+from tests.specs import job_spec
 from worker.checkpoint import CheckpointError, load_checkpoint
 from worker.toy.__main__ import toy_spec
 
 
-def _spec(**overrides) -> dict:
-    return {"model": "org/tiny", "data": {"train_file": "t.jsonl"}, "reward": {"type": "import", "path": "m:f"},
-            **overrides}
-
-
 def _error(**overrides) -> dict:
     with pytest.raises(ValidationError) as info:
-        JobSpec.model_validate(_spec(**overrides))
+        job_spec(**overrides)
     [error] = info.value.errors()
     return error
 
 
 def test_lora_null_means_full_fine_tuning_and_defaults_stay_lora():
-    assert JobSpec.model_validate(_spec(lora=None)).lora is None
-    spec = JobSpec.model_validate(_spec())
+    assert job_spec(lora=None).lora is None
+    spec = job_spec()
     assert spec.lora is not None and spec.resources.gpus == 1 and not spec.training.gradient_checkpointing
 
 
@@ -48,7 +44,7 @@ def test_mini_batches_must_fit_each_process_share():
     # 4 prompts x 2 completions = 8 sequences, 2 per process at 4 processes: 3 mini-batches cannot be formed.
     error = _error(resources={"gpus": 4}, training={"batch_size": 4, "group_size": 2, "mini_batches": 3})
     assert "training.mini_batches (3) exceeds the sequences per process" in error["msg"]
-    JobSpec.model_validate(_spec(resources={"gpus": 4}, training={"batch_size": 4, "group_size": 2, "mini_batches": 2}))
+    job_spec(resources={"gpus": 4}, training={"batch_size": 4, "group_size": 2, "mini_batches": 2})
 
 
 def test_gpu_count_check_leaves_cpu_runs_alone():
@@ -67,7 +63,7 @@ def test_gpu_count_check_leaves_cpu_runs_alone():
 def test_vllm_runs_in_one_process_only():
     error = _error(rollout={"engine": "vllm"}, resources={"gpus": 2}, training={"batch_size": 4})
     assert "rollout.engine 'vllm' runs in one training process, but resources.gpus is 2" in error["msg"]
-    JobSpec.model_validate(_spec(rollout={"engine": "vllm"}, resources={"gpus": 1}))
+    job_spec(rollout={"engine": "vllm"}, resources={"gpus": 1})
 
 
 def test_unknown_resources_field_refused():
@@ -90,11 +86,9 @@ def test_api_null_lora_asks_for_full_fine_tuning_and_left_out_keeps_the_adapter(
 
 
 def full_spec(toy_dir: Path, **training) -> JobSpec:
-    raw = toy_spec(toy_dir)
-    raw.update(lora=None, loss={"kl_beta": 0.1}, optimizer={"lr": 1e-3})
-    raw["training"].update({"steps": 1, "batch_size": 8, "group_size": 8, "mini_batches": 1, "micro_batch_size": 16,
-                            "eval_max_rows": 4, "gradient_checkpointing": True, **training})
-    return JobSpec.model_validate(raw)
+    return job_spec(toy_spec(toy_dir), lora=None, loss={"kl_beta": 0.1}, optimizer={"lr": 1e-3},
+                    training={"steps": 1, "batch_size": 8, "group_size": 8, "mini_batches": 1, "micro_batch_size": 16,
+                              "eval_max_rows": 4, "gradient_checkpointing": True, **training})
 
 
 @pytest.mark.slow

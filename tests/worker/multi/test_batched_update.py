@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from service.job_spec.spec import JobSpec
+from tests.specs import job_spec
 from worker.multi.lora import SharedBase
 from worker.multi.rollout import RolloutRequest, generate_jobs
 from worker.multi.update import JobUpdate, batched_update
@@ -39,14 +40,9 @@ CPU = torch.device("cpu")
 
 def _spec(toy_dir, lora: dict, *, lr: float, training: dict, loss: dict | None = None, max_grad_norm=1.0,
           seed: int = 0, temperature: float = 1.0) -> JobSpec:
-    raw = toy_spec(toy_dir)
-    raw["seed"] = seed
-    raw["lora"] = lora
-    raw["optimizer"] = {"lr": lr, "max_grad_norm": max_grad_norm}
-    raw["loss"] = loss or {}
-    raw["sampling"].update({"temperature": temperature, "max_output_tokens": 5})
-    raw["training"].update({"steps": 3, "eval_interval": 0, "checkpoint_interval": 0, **training})
-    return JobSpec.model_validate(raw)
+    return job_spec(toy_spec(toy_dir), seed=seed, lora=lora, optimizer={"lr": lr, "max_grad_norm": max_grad_norm},
+                    loss=loss or {}, sampling={"temperature": temperature, "max_output_tokens": 5},
+                    training={"steps": 3, "eval_interval": 0, "checkpoint_interval": 0, **training})
 
 
 def _jobs(toy_dir) -> dict[str, JobSpec]:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from service.job_spec.sampling import SamplingSpec
 from service.job_spec.spec import JobSpec
+from tests.specs import job_spec
 from worker.envs.protocol import Outcome
 from worker.multi.cycle import run_cycle
 from worker.multi.job import ResidentJob
@@ -169,27 +170,19 @@ def plain_model(toy_dir, tmp_path_factory):
 
 
 def _environment_spec(toy_dir, model, **training) -> JobSpec:
-    raw = toy_spec(toy_dir)
-    raw.pop("reward")
-    raw["model"] = str(model)
-    raw["seed"] = 5
-    raw["environment"] = environment_spec()  # its stand-in (Letters) is what runs
-    raw["optimizer"] = {"lr": 5e-3}
-    raw["sampling"] = {"temperature": 1.0, "max_output_tokens": 3, "max_model_len": 64}
-    raw["training"].update({"steps": 3, "batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
-                            "eval_interval": 2, "eval_max_rows": 3, "checkpoint_interval": 2, "preflight_groups": 1,
-                            "max_turns": 2, **training})
-    return JobSpec.model_validate(raw)
+    return job_spec(toy_spec(toy_dir), reward=None, model=str(model), seed=5,
+                    environment=environment_spec(),  # its stand-in (Letters) is what runs
+                    optimizer={"lr": 5e-3}, sampling={"temperature": 1.0, "max_output_tokens": 3, "max_model_len": 64},
+                    training={"steps": 3, "batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
+                              "eval_interval": 2, "eval_max_rows": 3, "checkpoint_interval": 2, "preflight_groups": 1,
+                              "max_turns": 2, **training})
 
 
 def _single_turn_spec(toy_dir, model) -> JobSpec:
-    raw = toy_spec(toy_dir)
-    raw["model"] = str(model)
-    raw["optimizer"] = {"lr": 3e-3}
-    raw["lora"] = {"r": 4, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}
-    raw["training"].update({"steps": 2, "batch_size": 2, "group_size": 2, "mini_batches": 1, "micro_batch_size": 4,
-                            "eval_interval": 0, "eval_max_rows": 2, "checkpoint_interval": 0, "preflight_groups": 0})
-    return JobSpec.model_validate(raw)
+    return job_spec(toy_spec(toy_dir), model=str(model), optimizer={"lr": 3e-3},
+                    lora={"r": 4, "alpha": 4, "target_modules": ["q_proj", "v_proj"]},
+                    training={"steps": 2, "batch_size": 2, "group_size": 2, "mini_batches": 1, "micro_batch_size": 4,
+                              "eval_interval": 0, "eval_max_rows": 2, "checkpoint_interval": 0, "preflight_groups": 0})
 
 
 def test_an_environment_job_beside_a_single_turn_job_ends_where_it_ends_alone(toy_dir, plain_model, tmp_path):

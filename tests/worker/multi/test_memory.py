@@ -11,6 +11,7 @@ from sqlalchemy import select
 from service.db.models import JobEvent
 from service.db.session import session_factory
 from service.job_spec.spec import JobSpec
+from tests.specs import job_spec
 from tests.worker.multi.conftest import toy_base
 from tests.worker.test_job_runner import job_row, make_settings, submit
 from worker.multi import memory
@@ -25,12 +26,10 @@ SHAPE = memory.BaseShape(linears=LLAMA_LINEARS, layers=2, hidden=64, q_width=64,
 
 
 def _spec(toy_dir, target_modules, r=4, eval_max_rows=8) -> JobSpec:
-    raw = toy_spec(toy_dir)
-    raw["lora"] = {"r": r, "alpha": 8, "target_modules": target_modules}
-    raw["sampling"].update({"max_model_len": 32, "max_output_tokens": 16})
-    raw["training"].update({"batch_size": 2, "group_size": 4, "micro_batch_size": 4, "mini_batches": 1,
-                            "logprob_chunk_size": 64, "eval_max_rows": eval_max_rows})
-    return JobSpec.model_validate(raw)
+    return job_spec(toy_spec(toy_dir), lora={"r": r, "alpha": 8, "target_modules": target_modules},
+                    sampling={"max_model_len": 32, "max_output_tokens": 16},
+                    training={"batch_size": 2, "group_size": 4, "micro_batch_size": 4, "mini_batches": 1,
+                              "logprob_chunk_size": 64, "eval_max_rows": eval_max_rows})
 
 
 def test_the_estimate_on_hand_computed_numbers(toy_dir):
@@ -105,9 +104,7 @@ def test_a_job_that_does_not_fit_waits_queued_with_the_reason_and_runs_later(dat
 
 
 def _vllm_spec(toy_dir, **rollout) -> JobSpec:
-    raw = _spec(toy_dir, ["q_proj", "v_proj"]).model_dump(mode="json")
-    raw["rollout"] = {**raw["rollout"], "engine": "vllm", **rollout}
-    return JobSpec.model_validate(raw)
+    return job_spec(_spec(toy_dir, ["q_proj", "v_proj"]).model_dump(mode="json"), rollout={"engine": "vllm", **rollout})
 
 
 def test_a_vllm_jobs_kv_cache_is_the_engines_counted_once_per_worker(toy_dir):

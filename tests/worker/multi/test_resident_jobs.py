@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.job_spec.spec import JobSpec
+from tests.specs import job_spec
 from worker.multi.cycle import run_cycle, start_jobs
 from worker.multi.job import ResidentJob
 from worker.multi.lora import SharedBase
@@ -24,15 +25,10 @@ CPU = torch.device("cpu")
 
 
 def _spec(toy_dir, *, seed=0, lr=3e-3, lora=None, **training) -> JobSpec:
-    raw = toy_spec(toy_dir)
-    raw["seed"] = seed
-    raw["optimizer"] = {"lr": lr}
-    if lora:
-        raw["lora"] = lora
-    raw["training"].update({"steps": 3, "batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
-                            "eval_interval": 2, "eval_max_rows": 4, "checkpoint_interval": 2, "preflight_groups": 1,
-                            **training})
-    return JobSpec.model_validate(raw)
+    return job_spec(toy_spec(toy_dir), seed=seed, optimizer={"lr": lr}, lora=lora or {},
+                    training={"steps": 3, "batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
+                              "eval_interval": 2, "eval_max_rows": 4, "checkpoint_interval": 2, "preflight_groups": 1,
+                              **training})
 
 
 def _early_letters(completion: str, answer: str, **_row) -> float:

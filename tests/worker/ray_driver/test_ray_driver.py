@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.settings import Settings
+from tests import specs
 from tests.worker.ray_driver.conftest import pids_alive
 from tests.worker.distributed.test_distributed import Recorder, job_spec
 
@@ -22,8 +23,8 @@ TRAINING = dict(steps=2, batch_size=2, group_size=4, mini_batches=1, micro_batch
 
 
 def _spec(toy_dir: Path, nodes: int, **training):
-    spec = job_spec(toy_dir, "lora", **{**TRAINING, **training})
-    return spec.model_copy(update={"resources": spec.resources.model_copy(update={"nodes": nodes})})
+    return specs.job_spec(job_spec(toy_dir, "lora", **{**TRAINING, **training}).model_dump(mode="json"),
+                          resources={"nodes": nodes})
 
 
 def _settings(cluster, **extra) -> Settings:

@@ -136,7 +136,8 @@ def test_compiled_decode_step_gives_the_eager_tokens(lora_model, monkeypatch):
 def test_the_trainer_reports_a_compile_fallback_as_a_metric_and_a_warning(toy_dir, tmp_path, monkeypatch):
     """A step whose compiled decode failed says so: decode_compile_fallbacks counts it and on_warning gets the
     message (the job runner makes it a warn event); the next step, compiled fine, reports 0."""
-    from tests.worker.trainer.test_trainer import StopAt, small_spec
+    from tests.specs import small_spec
+    from tests.worker.trainer.test_trainer import StopAt
     from worker.rollout import rollout
     from worker.trainer.loop import train
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from service.job_spec.spec import JobSpec
+from tests.specs import job_spec
 from worker.cispo import LossInputs, cispo_loss
 from worker.envs.protocol import Outcome, failed
 from service.sandbox.spawn import sandbox_level
@@ -27,14 +28,11 @@ ROWS = [{"prompt": "abc="}, {"prompt": "fed="}, {"prompt": "bb="}]
 
 
 def env_spec(toy_dir: Path, **training) -> JobSpec:
-    raw = toy_spec(toy_dir)
-    raw.pop("reward")
-    raw["environment"] = environment_spec()
-    raw["sampling"] = {"temperature": 1.0, "max_output_tokens": 4, "max_model_len": 64}
-    raw["training"].update({"steps": 2, "batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 8,
-                            "eval_interval": 0, "eval_max_rows": 4, "checkpoint_interval": 0, "max_turns": 2,
-                            **training})
-    return JobSpec.model_validate(raw)
+    return job_spec(toy_spec(toy_dir), reward=None, environment=environment_spec(),
+                    sampling={"temperature": 1.0, "max_output_tokens": 4, "max_model_len": 64},
+                    training={"steps": 2, "batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 8,
+                              "eval_interval": 0, "eval_max_rows": 4, "checkpoint_interval": 0, "max_turns": 2,
+                              **training})
 
 
 class Scripted:

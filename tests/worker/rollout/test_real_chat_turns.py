@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.real_model import CAPITAL, real_spec
+from tests.real_model import CAPITAL
+from tests.specs import real_spec
 from tests.worker.rollout.test_multi_turn import Scripted
 from worker.envs.protocol import Outcome
 from worker.model.policy import load_policy

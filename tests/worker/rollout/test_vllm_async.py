@@ -14,7 +14,7 @@ import pytest
 from service.job_spec.spec import JobSpec
 from tests.worker.trainer.test_async_rollouts import Recorder, assert_gone, sampler_children  # noqa: F401
 from tests.worker.trainer.test_async_versions import assert_sampler_follows_versions
-from tests.worker.rollout.vllm_fixtures import vllm_job_spec
+from tests.specs import vllm_job_spec
 from worker.trainer.loop import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from service.job_spec.sampling import SamplingSpec
 from tests.worker.rollout.test_multi_turn import Scripted, word_then_done
-from tests.worker.rollout.vllm_fixtures import vllm_job_spec
+from tests.specs import vllm_job_spec
 from worker.rollout import HFEngine
 from worker.toy.task import make_rows
 from worker.model.policy import load_policy

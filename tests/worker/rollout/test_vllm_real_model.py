@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.real_model import CAPITAL, real_spec
+from tests.real_model import CAPITAL
+from tests.specs import real_spec
 from tests.worker.rollout.test_vllm_engine import set_adapter, trainer_logprobs
 from worker.model.policy import load_policy
 from worker.rollout import HFEngine

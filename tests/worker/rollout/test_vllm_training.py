@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.worker.trainer.learning import learning_gains
-from tests.worker.rollout.vllm_fixtures import vllm_job_spec
+from tests.specs import vllm_job_spec
 from worker.rollout import make_engine
 from worker.trainer.callbacks import NoCallbacks
 from worker.trainer.loop import Trainer

@@ -12,23 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from service.job_spec.spec import JobSpec
-from worker.toy.__main__ import prepare, toy_spec
+from tests.specs import vllm_job_spec
+from worker.toy.__main__ import prepare
 from worker.toy.tiny_model import build_tiny_model
-
-MAX_MODEL_LEN = 64  # the engine's; tests may sample with a shorter one
-
-
-def vllm_job_spec(root: Path, **sections) -> JobSpec:
-    raw = toy_spec(root)
-    raw["sampling"] = {"temperature": 1.0, "max_output_tokens": 4, "max_model_len": MAX_MODEL_LEN}
-    raw["rollout"] = {"engine": "vllm"}
-    raw["training"].update({"steps": 2, "batch_size": 4, "group_size": 4, "mini_batches": 2, "micro_batch_size": 16,
-                            "eval_interval": 0, "eval_max_rows": 8, "checkpoint_interval": 0})
-    for name, values in sections.items():
-        raw[name] = {**raw.get(name, {}), **values}
-    return JobSpec.model_validate(raw)
-
 
 @pytest.fixture(scope="session")
 def vllm_toy_dir(tmp_path_factory) -> Path:

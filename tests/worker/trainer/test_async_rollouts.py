@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from service.job_spec.objective import STALE_BATCH_MASK
 from service.job_spec.spec import JobSpec
+from tests.specs import job_spec
 from service.schemas.recipe import OffPolicyMaskSpec
 from worker.checkpoint import load_checkpoint
 from worker.rollout.async_sampler import SamplerDied
@@ -29,11 +30,9 @@ from worker.trainer.update import Updater
 def async_spec(toy_dir: Path, max_staleness: int, version_policy: str = "newest", **training) -> JobSpec:
     """A 4-step toy job at `max_staleness`; tests that assert which version sampled a batch take 'fixed_lag' (under
     'newest' a sampler that wakes late on a loaded machine may already hold the next version)."""
-    raw = toy_spec(toy_dir)
-    raw["training"].update({"steps": 4, "batch_size": 4, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
-                            "eval_interval": 0, "eval_max_rows": 8, "checkpoint_interval": 0, **training})
-    raw["rollout"] = {"max_staleness": max_staleness, "version_policy": version_policy}
-    return JobSpec.model_validate(raw)
+    return job_spec(toy_spec(toy_dir), rollout={"max_staleness": max_staleness, "version_policy": version_policy},
+                    training={"steps": 4, "batch_size": 4, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
+                              "eval_interval": 0, "eval_max_rows": 8, "checkpoint_interval": 0, **training})
 
 
 class Recorder:

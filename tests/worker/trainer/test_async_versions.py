@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from service.job_spec.spec import JobSpec
+from tests.specs import job_spec
 from service.sandbox.spawn import sandbox_level
 from tests.worker.rollout.test_multi_turn import Scripted
 from tests.worker.trainer.learning import learning_gains
@@ -34,7 +35,7 @@ def test_split_threads_gives_each_process_its_share():
 
 def full_or_lora_spec(toy_dir: Path, tuning: str, **training) -> JobSpec:
     spec = async_spec(toy_dir, 1, "fixed_lag", **training)
-    return spec if tuning == "lora" else JobSpec.model_validate({**spec.model_dump(mode="json"), "lora": None})
+    return spec if tuning == "lora" else job_spec(spec.model_dump(mode="json"), lora=None)
 
 
 def next_batch(sampler: SamplerProcess):

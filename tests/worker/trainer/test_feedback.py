@@ -12,7 +12,7 @@ import torch
 
 from worker.trainer import loop
 from worker.trainer.loop import Trainer
-from tests.worker.trainer.test_trainer import small_spec
+from tests.specs import small_spec
 
 GROUP = 4
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.worker.trainer.test_trainer import StopAt, adapter_tensors, small_spec
+from tests.specs import small_spec
+from tests.worker.trainer.test_trainer import StopAt, adapter_tensors
 from worker.progress import reward_trend
 from worker.toy.task import reward as toy_reward
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch

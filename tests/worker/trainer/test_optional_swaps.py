@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.worker.trainer.test_trainer import StopAt, small_spec
+from tests.specs import small_spec
+from tests.worker.trainer.test_trainer import StopAt
 from worker.model import lean_backward, lora_forward, optional_swaps
 from worker.rollout import effective_weights, packed_linears, rollout, static_decode
 from worker.trainer.loop import train

@@ -170,7 +170,7 @@ def test_packed_update_runs_one_forward_per_row(toy_dir):
 def test_a_packed_job_trains_with_the_padded_jobs_first_step(toy_dir, tmp_path):
     """The whole loop with packing on: finite losses, and the first step's metrics (same rollout, same update)
     are the padded job's."""
-    from tests.worker.trainer.test_trainer import small_spec
+    from tests.specs import small_spec
     from worker.trainer.loop import Trainer
 
     firsts = []

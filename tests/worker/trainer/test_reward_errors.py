@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from service.job_spec.spec import JobSpec
-from tests.worker.trainer.test_trainer import StopAt, small_spec
+from tests.specs import small_spec
+from tests.worker.trainer.test_trainer import StopAt
 from worker.rewards.errors import RewardErrorRateExceeded
 from worker.trainer.loop import Trainer, train
 

@@ -13,20 +13,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from service.job_spec.spec import JobSpec
+from tests.specs import job_spec, small_spec
 from tests.worker.trainer.learning import learning_gains
 from worker.checkpoint import CheckpointError, checkpoint_name, latest_checkpoint
 from worker.toy.__main__ import toy_spec
 from worker.trainer.loop import Trainer, train
 from worker.trainer.scoring import collate, sequence_logprobs
-
-
-def small_spec(toy_dir: Path, **training) -> JobSpec:
-    raw = toy_spec(toy_dir)
-    raw["training"].update(
-        {"steps": 4, "batch_size": 4, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
-         "eval_interval": 0, "eval_max_rows": 8, "checkpoint_interval": 2, **training}
-    )
-    return JobSpec.model_validate(raw)
 
 
 def adapter_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -254,7 +246,7 @@ def test_cispo_learns_the_toy_task(toy_dir, tmp_path):
     """
     gains, eval_gains = [], []
     for seed in (1, 2):
-        spec = JobSpec.model_validate({**toy_spec(toy_dir), "seed": seed})
+        spec = job_spec(toy_spec(toy_dir), seed=seed)
         rewards = []
 
         class Collect(StopAt):

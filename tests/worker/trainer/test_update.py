@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from service.job_spec.spec import JobSpec
+from tests.specs import job_spec
 from worker.cispo.loss import k3_kl
 from worker.toy.__main__ import toy_spec
 from worker.trainer.update import Updater, micro_batches
@@ -30,16 +31,11 @@ def test_micro_batches_put_similar_lengths_together():
 
 
 def _spec(toy_dir, *, loss=None, optimizer=None, rollout=None, **training) -> JobSpec:
-    raw = toy_spec(toy_dir)
-    raw["lora"] = None
-    raw["sampling"]["temperature"] = TEMPERATURE
-    raw["loss"] = loss or {}
-    raw["optimizer"] = {"lr": LR, **(optimizer or {})}
-    if rollout:
-        raw["rollout"] = rollout
-    raw["training"].update({"steps": 1, "batch_size": 2, "group_size": 4, "mini_batches": 1, "micro_batch_size": 2,
-                            "logprob_chunk_size": 3, "eval_interval": 0, **training})
-    return JobSpec.model_validate(raw)
+    """Full fine-tuning of the toy model, one optimizer step over 2 prompts x 4, at this module's lr and temperature."""
+    return job_spec(toy_spec(toy_dir), lora=None, sampling={"temperature": TEMPERATURE}, loss=loss or {},
+                    optimizer={"lr": LR, **(optimizer or {})}, rollout=rollout or {},
+                    training={"steps": 1, "batch_size": 2, "group_size": 4, "mini_batches": 1, "micro_batch_size": 2,
+                              "logprob_chunk_size": 3, "eval_interval": 0, **training})
 
 
 def _batch_without_actions_in(skipped: int):
@@ -304,7 +300,7 @@ def test_one_step_per_rollout_skips_the_frozen_forward_with_the_same_loss_and_gr
     forward runs, and the step's loss and gradient are exactly those of the path that runs it."""
     import torch
 
-    from tests.worker.trainer.test_trainer import small_spec
+    from tests.specs import small_spec
     from worker.trainer.loop import Trainer
 
     spec = small_spec(toy_dir, steps=1, mini_batches=1, micro_batch_size=16)
