@@ -26,7 +26,7 @@ def merged(base: dict, overrides: dict) -> dict:
     out = dict(base)
     for key, value in overrides.items():
         kept = out.get(key)
-        if isinstance(value, dict) and isinstance(kept, dict) and value.get("type", kept.get("type")) == kept.get("type"):
+        if isinstance(value, dict) and isinstance(kept, dict) and value.get("type") in (None, kept.get("type")):
             out[key] = merged(kept, value)
         else:
             out[key] = value

@@ -2,7 +2,8 @@
 adapter under its own LoRA id, every job's rows in one generate call; each job samples what it samples alone with
 vLLM (worker/rollout/vllm_engine.py's VLLMEngine on a model of its own), given its seeds.
 
-vLLM's CPU attention needs a head size of at least 32: the tests run on tests/worker/rollout/vllm_fixtures.py's toy copy.
+vLLM's CPU attention needs a head size of at least 32: the tests run on tests/worker/rollout/vllm_fixtures.py's toy
+copy.
 Two engines live in this module (the alone one, the shared one); they run in xdist group 'vllm'
 (tests/conftest.py's SESSION_GROUPS, by the vllm_toy_dir fixture).
 """

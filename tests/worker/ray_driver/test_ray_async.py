@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 
 
 def _spec(toy_dir: Path, nodes: int = 2, **training):
-    return specs.job_spec(async_job_spec(toy_dir, "lora", **training).model_dump(mode="json"), resources={"nodes": nodes})
+    return specs.job_spec(async_job_spec(toy_dir, "lora", **training).model_dump(mode="json"),
+                          resources={"nodes": nodes})
 
 
 def _sampler_pids() -> list[int]:

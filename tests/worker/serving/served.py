@@ -1,5 +1,5 @@
-"""A fine-tuned model to serve, recorded the way a worker records one (tests/service/api/trained.py), with real adapters:
-LoRA weights drawn at random on the tiny model, saved as trainer checkpoints and uploaded like a worker's,
+"""A fine-tuned model to serve, recorded the way a worker records one (tests/service/api/trained.py), with real
+adapters: LoRA weights drawn at random on the tiny model, saved as trainer checkpoints and uploaded like a worker's,
 and what the base plus such an adapter generates greedily in this process (the expected answer)."""
 
 from __future__ import annotations
