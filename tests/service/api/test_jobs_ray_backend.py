@@ -7,12 +7,13 @@ import pytest
 from pydantic import ValidationError
 
 from service.job_spec.backend import ray_refusal
-from service.job_spec.spec import JobSpec
 from service.settings import Settings
 from tests.service.api.conftest import assert_error, cispo_body, running_api, uploaded
+from tests.specs import job_spec
 
 JOBS = "/v1/fine_tuning/jobs"
 HP = "method.cispo.hyperparameters"
+ONE_STEP = {"steps": 1, "batch_size": 4, "group_size": 2, "mini_batches": 1}  # 4 prompts: one per rank of 2 nodes x 2 GPUs
 
 
 def _body(api, **resources):
@@ -51,20 +52,20 @@ def test_a_deployment_with_a_ray_cluster_takes_the_job(database_url, tmp_path):
 
 
 def test_a_worker_without_the_ray_package_refuses_the_job_naming_the_package():
-    spec = JobSpec.model_validate({**_toy_spec(), "resources": {"nodes": 2}})
+    spec = job_spec(training=ONE_STEP, resources={"nodes": 2})
     field, why = ray_refusal(spec, Settings(ray_address="head:6379"), installed=False)
     assert field == "resources.nodes" and "`ray`" in why
     assert ray_refusal(spec, Settings(ray_address="head:6379"), installed=True) is None
     assert ray_refusal(spec, Settings(ray_address="head:6379")) is None  # the API: not its package to check
-    local = JobSpec.model_validate(_toy_spec())
+    local = job_spec(training=ONE_STEP)
     assert ray_refusal(local, Settings(), installed=False) is None
 
 
 def test_the_world_size_is_nodes_times_gpus():
-    spec = JobSpec.model_validate({**_toy_spec(), "resources": {"nodes": 2, "gpus": 2}})
+    spec = job_spec(training=ONE_STEP, resources={"nodes": 2, "gpus": 2})
     assert spec.resources.processes == 4 and spec.resources.on_ray
     with pytest.raises(ValidationError, match=r"resources.nodes x resources.gpus \(4\) must divide"):
-        JobSpec.model_validate({**_toy_spec(batch_size=2), "resources": {"nodes": 2, "gpus": 2}})
+        job_spec(training={**ONE_STEP, "batch_size": 2}, resources={"nodes": 2, "gpus": 2})
 
 
 def test_vllm_on_ray_runs_in_the_sampler_actor_of_asynchronous_rollouts():
@@ -72,16 +73,10 @@ def test_vllm_on_ray_runs_in_the_sampler_actor_of_asynchronous_rollouts():
     job starts: a synchronous one is refused naming rollout.max_staleness."""
     for resources in ({"backend": "ray"}, {"nodes": 2}):
         with pytest.raises(ValidationError, match="rollout.max_staleness is 0: set rollout.max_staleness to 1"):
-            JobSpec.model_validate({**_toy_spec(), "rollout": {"engine": "vllm"}, "resources": resources})
-        spec = JobSpec.model_validate({**_toy_spec(), "rollout": {"engine": "vllm", "max_staleness": 1},
-                                       "resources": resources})
+            job_spec(training=ONE_STEP, rollout={"engine": "vllm"}, resources=resources)
+        spec = job_spec(training=ONE_STEP, rollout={"engine": "vllm", "max_staleness": 1},
+                        resources=resources)
         assert spec.rollout.engine == "vllm" and spec.resources.on_ray
     # On one node, FSDP ranks still have no vLLM of their own (the sampler process is not given it there).
     with pytest.raises(ValidationError, match="rollout.engine 'vllm' runs in one training process"):
-        JobSpec.model_validate({**_toy_spec(), "rollout": {"engine": "vllm", "max_staleness": 1},
-                                "resources": {"gpus": 2}})
-
-
-def _toy_spec(batch_size: int = 4) -> dict:
-    return {"model": "tiny", "data": {"train_file": "train.jsonl"}, "reward": {"type": "exact_match"},
-            "training": {"steps": 1, "batch_size": batch_size, "group_size": 2, "mini_batches": 1}}
+        job_spec(training=ONE_STEP, rollout={"engine": "vllm", "max_staleness": 1}, resources={"gpus": 2})
