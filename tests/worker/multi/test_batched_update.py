@@ -38,7 +38,7 @@ from tests.worker.multi.conftest import alone, shared_with_adapters
 CPU = torch.device("cpu")
 
 
-def _spec(toy_dir, lora: dict, *, lr: float, training: dict, loss: dict | None = None, max_grad_norm=1.0,
+def adapter_spec(toy_dir, lora: dict, *, lr: float, training: dict, loss: dict | None = None, max_grad_norm=1.0,
           seed: int = 0, temperature: float = 1.0) -> JobSpec:
     return job_spec(toy_spec(toy_dir), seed=seed, lora=lora, optimizer={"lr": lr, "max_grad_norm": max_grad_norm},
                     loss=loss or {}, sampling={"temperature": temperature, "max_output_tokens": 5},
@@ -47,16 +47,16 @@ def _spec(toy_dir, lora: dict, *, lr: float, training: dict, loss: dict | None =
 
 def _jobs(toy_dir) -> dict[str, JobSpec]:
     return {
-        "job-a": _spec(toy_dir, {"r": 4, "alpha": 8, "target_modules": "all-linear"}, lr=3e-3,
+        "job-a": adapter_spec(toy_dir, {"r": 4, "alpha": 8, "target_modules": "all-linear"}, lr=3e-3,
                        training={"batch_size": 2, "group_size": 4, "mini_batches": 1, "micro_batch_size": 8}),
-        "job-b": _spec(toy_dir, {"r": 8, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}, lr=1e-2, seed=5,
+        "job-b": adapter_spec(toy_dir, {"r": 8, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}, lr=1e-2, seed=5,
                        temperature=0.7, loss={"normalization": "sequence"},
                        training={"batch_size": 3, "group_size": 2, "mini_batches": 2, "micro_batch_size": 2,
                                  "update_epochs": 2}),
-        "job-c": _spec(toy_dir, {"r": 2, "alpha": 16, "target_modules": ["o_proj", "down_proj"]}, lr=5e-4,
+        "job-c": adapter_spec(toy_dir, {"r": 2, "alpha": 16, "target_modules": ["o_proj", "down_proj"]}, lr=5e-4,
                        seed=9, loss={"kl_beta": 0.1, "normalization": "prompt"}, max_grad_norm=0.05,
                        training={"batch_size": 2, "group_size": 3, "mini_batches": 1, "micro_batch_size": 4}),
-        "job-d": _spec(toy_dir, {"r": 4, "alpha": 8, "target_modules": "all-linear"}, lr=3e-3, seed=3,
+        "job-d": adapter_spec(toy_dir, {"r": 4, "alpha": 8, "target_modules": "all-linear"}, lr=3e-3, seed=3,
                        training={"batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 3}),
     }
 

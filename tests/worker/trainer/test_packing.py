@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from service.job_spec.spec import JobSpec
 from tests.worker.trainer.test_scoring import groups
-from tests.worker.trainer.test_update import Recording, _policy, _spec
+from tests.worker.trainer.test_update import Recording, _policy, one_step_spec
 from worker.trainer.packing import collate_packed, pack_rows
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
 from worker.trainer.update import Updater
@@ -99,7 +99,7 @@ def test_packed_rows_score_like_padded_ones(toy_dir, arch, attn):
 
 
 def _lora_spec(toy_dir, **training) -> JobSpec:
-    spec = _spec(toy_dir, loss={"kl_beta": 0.1}, mini_batches=2, **training)
+    spec = one_step_spec(toy_dir, loss={"kl_beta": 0.1}, mini_batches=2, **training)
     return spec.model_copy(update={"lora": JobSpec.model_fields["lora"].default})
 
 

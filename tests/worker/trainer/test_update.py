@@ -30,7 +30,7 @@ def test_micro_batches_put_similar_lengths_together():
     assert padded == 12 * 2 + 98 * 2 + 100  # in the given order it would be 98*2 + 100*2 + 12
 
 
-def _spec(toy_dir, *, loss=None, optimizer=None, rollout=None, **training) -> JobSpec:
+def one_step_spec(toy_dir, *, loss=None, optimizer=None, rollout=None, **training) -> JobSpec:
     """Full fine-tuning of the toy model, one optimizer step over 2 prompts x 4, at this module's lr and temperature."""
     return job_spec(toy_spec(toy_dir), lora=None, sampling={"temperature": TEMPERATURE}, loss=loss or {},
                     optimizer={"lr": LR, **(optimizer or {})}, rollout=rollout or {},
@@ -122,7 +122,7 @@ def test_one_step_is_the_token_mean_loss_over_the_kept_sequences(toy_dir):
     one with a single action token:
     the step's gradient, loss, token count and gradient norm are the whole-batch loss's, clipped to max_grad_norm,
     and the step leaves no gradient behind."""
-    spec = _spec(toy_dir, optimizer={"max_grad_norm": 0.05})
+    spec = one_step_spec(toy_dir, optimizer={"max_grad_norm": 0.05})
     policy = _policy(spec)
     rollout, advantages = _batch_without_actions_in(3)
     rollout.action_mask[5] = [0] * (len(rollout.action_mask[5]) - 1) + [1]  # a one-token answer counts too
@@ -150,7 +150,7 @@ def test_one_step_is_the_token_mean_loss_over_the_kept_sequences(toy_dir):
 def test_per_token_advantages_with_sequence_normalization_and_no_clipping(toy_dir):
     """Advantages given per action token reach their own tokens; 'sequence' normalisation means over each
     sequence's tokens, then over the sequences; max_grad_norm None leaves the gradient as it is."""
-    spec = _spec(toy_dir, loss={"normalization": "sequence"}, optimizer={"max_grad_norm": None},
+    spec = one_step_spec(toy_dir, loss={"normalization": "sequence"}, optimizer={"max_grad_norm": None},
                  micro_batch_size=3)
     policy = _policy(spec)
     rollout, _ = _batch_without_actions_in(6)
@@ -170,7 +170,8 @@ def test_prompt_normalization_weighs_each_prompt_by_its_own_token_count(toy_dir)
     """'prompt' normalisation: a prompt's tokens over that prompt's action-token count, then the mean over the
     prompts, so a prompt with long answers weighs what one with short answers does (its two groups here have
     different token counts, one sequence left without actions)."""
-    spec = _spec(toy_dir, loss={"normalization": "prompt"}, optimizer={"max_grad_norm": None}, micro_batch_size=3)
+    spec = one_step_spec(toy_dir, loss={"normalization": "prompt"}, optimizer={"max_grad_norm": None},
+                         micro_batch_size=3)
     policy = _policy(spec)
     rollout, advantages = _batch_without_actions_in(6)
     counts = rollout.action_counts
@@ -189,7 +190,7 @@ def test_kl_penalty_to_the_reference_and_the_sampler_logprobs(toy_dir):
     """With kl_beta the step adds the clamped k3 KL to the frozen reference (here a policy moved away from it);
     the sampler's own log-probs (vLLM's) land on their tokens: the truncated IS weight and the mismatch metric
     are theirs against the policy's."""
-    spec = _spec(toy_dir, loss={"kl_beta": 0.5, "kl_clamp": 0.02}, optimizer={"max_grad_norm": None},
+    spec = one_step_spec(toy_dir, loss={"kl_beta": 0.5, "kl_clamp": 0.02}, optimizer={"max_grad_norm": None},
                  rollout={"tis_cap": 1.05})
     policy = _policy(spec)
     with torch.no_grad():
@@ -221,7 +222,7 @@ def test_epochs_of_mini_batches_keep_the_rollout_logprobs_frozen(toy_dir):
     """2 epochs x 2 mini-batches: four optimizer steps, each epoch over every kept token once; logp_old is the
     policy before the first step (ratio 1 there, not after), scored without dropout; the spec's ratio cap applies."""
     with pytest.warns(UserWarning, match="ratio_max"):  # a cap this low warns; here it shows the spec's cap binds
-        spec = _spec(toy_dir, update_epochs=2, mini_batches=2, micro_batch_size=4, loss={"ratio_max": 1.0})
+        spec = one_step_spec(toy_dir, update_epochs=2, mini_batches=2, micro_batch_size=4, loss={"ratio_max": 1.0})
     policy = _policy(spec)
     rollout, advantages = _batch_without_actions_in(0)
     kept = list(range(1, 8))
@@ -241,7 +242,7 @@ def test_epochs_of_mini_batches_keep_the_rollout_logprobs_frozen(toy_dir):
 def test_mini_batches_cut_a_shuffle_keyed_by_seed_step_and_epoch(toy_dir):
     """Each epoch's mini-batches split the kept sequences between them; the cut is the same for the same seed,
     step and epoch, and another for another seed, step or epoch."""
-    spec = _spec(toy_dir, mini_batches=3)
+    spec = one_step_spec(toy_dir, mini_batches=3)
     updater = Updater(None, None, spec)  # cutting needs neither a model nor an optimizer
     kept = [0, 1, 2, 4, 5, 6, 7]
     cuts = updater._mini_batches(kept, 8, step=3, epoch=0)
@@ -259,7 +260,7 @@ def test_each_rank_takes_its_own_sequences_of_the_same_global_cut(toy_dir, monke
     getting its own of them as local indices, so the optimizer steps are those of one process."""
     from worker.distributed import group
 
-    spec = _spec(toy_dir, mini_batches=2)
+    spec = one_step_spec(toy_dir, mini_batches=2)
     shares = [(4, [0, 1, 2, 3]), (4, [0, 2, 3])]
     monkeypatch.setattr(group, "gather_objects", lambda _mine: shares)
     per_rank = []
@@ -276,7 +277,7 @@ def test_each_rank_takes_its_own_sequences_of_the_same_global_cut(toy_dir, monke
 
 def test_nothing_to_train_takes_no_step(toy_dir):
     """Only sequences without action tokens: no optimizer step, no metrics."""
-    spec = _spec(toy_dir)
+    spec = one_step_spec(toy_dir)
     policy = _policy(spec)
     rollout, advantages = _batch_without_actions_in(1)
     optimizer = Recording(policy.model.named_parameters(), lr=LR)
@@ -287,7 +288,7 @@ def test_nothing_to_train_takes_no_step(toy_dir):
 def test_zero_weight_pass_runs_a_backward_that_adds_nothing(toy_dir):
     """A rank short of micro-batches joins FSDP's collectives with a pass whose gradients are all exactly zero
     (they are added to the real ones), but that does run backward through every trainable weight."""
-    spec = _spec(toy_dir)
+    spec = one_step_spec(toy_dir)
     policy = _policy(spec)
     rollout, _ = _batch_without_actions_in(1)
     Updater(policy, torch.optim.SGD(policy.trainable_parameters(), lr=LR), spec)._zero_weight_pass(rollout)
@@ -339,7 +340,7 @@ def _naive_entropy(model, rollout, i: int) -> torch.Tensor:
 def test_each_epoch_trains_the_cut_of_its_own_step_and_epoch(toy_dir):
     """run() hands its step and each epoch to the shuffle: the sequences of every optimizer step are exactly the
     mini-batch cut for that (seed, step, epoch), so a resumed job at step S trains what the first run did."""
-    spec = _spec(toy_dir, update_epochs=2, mini_batches=2, micro_batch_size=1)
+    spec = one_step_spec(toy_dir, update_epochs=2, mini_batches=2, micro_batch_size=1)
     policy = _policy(spec)
     rollout, advantages = _batch_without_actions_in(0)
     kept = list(range(1, 8))
@@ -362,7 +363,7 @@ def test_each_epoch_trains_the_cut_of_its_own_step_and_epoch(toy_dir):
 def test_a_single_action_token_is_a_step_and_the_entropy_is_the_token_mean(toy_dir):
     """A mini-batch of one one-token answer (normaliser exactly 1) still takes its optimizer step; the entropy
     metric is the mean over the trained action tokens of the sampling distribution's entropy."""
-    spec = _spec(toy_dir)
+    spec = one_step_spec(toy_dir)
     policy = _policy(spec)
     rollout, advantages = _batch_without_actions_in(3)
     rollout.action_mask[5] = [0] * (len(rollout.action_mask[5]) - 1) + [1]
@@ -387,7 +388,7 @@ def test_a_single_action_token_is_a_step_and_the_entropy_is_the_token_mean(toy_d
 def test_asynchronous_rollouts_take_logp_old_from_the_sampler(toy_dir):
     """At max_staleness 1 (the least asynchronous setting) logp_old is the sampler's own log-probs: no frozen
     forward recomputes them under the current policy, and a rollout without them is refused."""
-    spec = _spec(toy_dir, update_epochs=2, rollout={"max_staleness": 1})
+    spec = one_step_spec(toy_dir, update_epochs=2, rollout={"max_staleness": 1})
     policy = _policy(spec)
     rollout, advantages = _batch_without_actions_in(3)
     kept = [0, 1, 2, 4, 5, 6, 7]
@@ -407,7 +408,7 @@ def test_the_update_s_mlps_recompute_their_activation_and_are_restored_after(toy
     less kept per layer), and the model's own MLPs afterwards."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    spec = _spec(toy_dir)
+    spec = one_step_spec(toy_dir)
     policy = _policy(spec)
     rollout, advantages = _batch_without_actions_in(3)
     mlps = [m for m in policy.model.modules() if isinstance(m, LlamaMLP)]
