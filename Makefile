@@ -91,7 +91,8 @@ lock:
 # torch stays the lock's unless LATEST_TORCH says otherwise (e.g. LATEST_TORCH=torch for the newest).
 LATEST ?= /tmp/cispo-latest-venv
 LATEST_TORCH ?= $(TORCH)
-LATEST_TESTS ?= tests/trainer tests/rollout tests/serving tests/api/test_export.py
+LATEST_TESTS ?= tests/worker/trainer tests/worker/model/test_lean_backward.py tests/worker/model/test_lora_forward.py \
+	tests/worker/distributed tests/worker/rollout tests/worker/serving tests/service/cli/test_export.py
 test-latest:
 	rm -rf $(LATEST)
 	$(PYTHON) -m venv $(LATEST)

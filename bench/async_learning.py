@@ -7,7 +7,7 @@
         --set '{"advantages": {"scale": "group_std"}, "optimizer": {"betas": [0.9, 0.999], "eps": 1e-8}}'
     .venv/bin/python bench/async_learning.py --summary results.jsonl
 
-Each run is tests/trainer/test_trainer.py::test_cispo_learns_the_toy_task's (the toy spec, 60 steps, one
+Each run is tests/worker/trainer/test_trainer.py::test_cispo_learns_the_toy_task's (the toy spec, 60 steps, one
 seed): it records the train-reward gain (mean of the last 10 steps minus the first 10) and the greedy eval
 gain (last eval minus the step-0 eval). Runs are interleaved (seed 1 at every staleness, then seed 2, ...),
 each appended to --out as one JSON line as it finishes, so a run cut short still leaves balanced results.

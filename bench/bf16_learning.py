@@ -3,7 +3,7 @@
     .venv/bin/python bench/bf16_learning.py                    # seeds 1-3, both dtypes (~15 min on 2 busy cores)
     .venv/bin/python bench/bf16_learning.py --seeds 1 2 3 4 5 --steps 60
 
-Runs tests/trainer/test_trainer.py's learning test (the toy job, LoRA,
+Runs tests/worker/trainer/test_trainer.py's learning test (the toy job, LoRA,
 60 steps) once per seed and dtype, the runs of one seed back to back so both
 see the same machine load, and prints per run the train reward (mean of the
 first and last 10 steps), the greedy eval reward before and after, the

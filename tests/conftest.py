@@ -146,7 +146,7 @@ def _drop_postgres(name: str) -> None:
 # `alembic upgrade head` takes seconds (more on a loaded machine) and hundreds of tests want a fresh database, so
 # each test process migrates one template per kind, the first time one is asked for, and every database after
 # that is a copy of it: the same schema, built the same way (the migrations themselves are tested on their own
-# in tests/service/test_migrations.py). The templates go when the session ends.
+# in tests/service/db/test_migrations.py). The templates go when the session ends.
 _templates: dict[str, str] = {}  # kind -> the migrated template: a PostgreSQL database name, or an SQLite file
 
 
@@ -207,12 +207,16 @@ def make_database(kind: str, tmp_path: Path) -> tuple[str, callable]:
     return _postgres_url(name), lambda: _drop_postgres(name)
 
 
-# Which databases a test that asks for `database_url` runs on. The repositories (tests/service/) hold the SQL whose
-# dialect matters, so their tests run on both. Worker and shared-base tests lease, fence and claim jobs across real
-# processes: on PostgreSQL, as production runs them. API tests exercise routes over the repositories: on SQLite,
-# the embedded default and the cheaper copy. CISPO_TEST_DATABASES (comma-separated) overrides the choice for every
-# test: bench/mutate.py runs SQLite alone; `CISPO_TEST_DATABASES=sqlite,postgresql` runs everything on both.
-DATABASES_BY_FOLDER = {"service": ("sqlite", "postgresql"), "worker": ("postgresql",), "multi": ("postgresql",)}
+# Which databases a test that asks for `database_url` runs on, by the source folder its test folder mirrors (the
+# longest that matches). The repositories, the schema and the model names they resolve (tests/service/repositories/,
+# db/, models/) hold the SQL whose dialect matters, so their tests run on both. Worker tests (tests/worker/: the job
+# runner, the shared-base runner) lease, fence and claim jobs across real processes: on PostgreSQL, as production
+# runs them. The rest (the API's routes over the repositories, above all) run on SQLite, the embedded default and
+# the cheaper copy. CISPO_TEST_DATABASES (comma-separated) overrides the choice for every test: bench/mutate.py runs
+# SQLite alone; `CISPO_TEST_DATABASES=sqlite,postgresql` runs everything on both.
+BOTH = ("sqlite", "postgresql")
+DATABASES_BY_FOLDER = {"service/repositories": BOTH, "service/db": BOTH, "service/models": BOTH,
+                       "worker": ("postgresql",)}
 DEFAULT_DATABASES = ("sqlite",)
 
 
@@ -220,8 +224,9 @@ def databases_for(test_path: Path) -> tuple[str, ...]:
     forced = os.environ.get("CISPO_TEST_DATABASES")
     if forced:
         return tuple(kind.strip() for kind in forced.split(",") if kind.strip())
-    folder = test_path.relative_to(Path(__file__).parent).parts[0]
-    return DATABASES_BY_FOLDER.get(folder, DEFAULT_DATABASES)
+    folder = test_path.parent.relative_to(Path(__file__).parent).as_posix()
+    matches = [key for key in DATABASES_BY_FOLDER if folder == key or folder.startswith(key + "/")]
+    return DATABASES_BY_FOLDER[max(matches, key=len)] if matches else DEFAULT_DATABASES
 
 
 def pytest_generate_tests(metafunc):
@@ -344,8 +349,9 @@ def xdist_group_of(item) -> str | None:
 # `make check`, the fast tier for the inner loop, leaves out what `make test` alone runs: whole stacks of processes
 # (tests/e2e, the fault and serving stacks, Ray clusters, the benches' scripts, two-process training) and the vLLM
 # engine. Tests that train over seeds are marked `slow` where they are written.
-HEAVY_PATHS = ("e2e/", "ray/", "bench/", "trainer/test_distributed.py", "worker/test_faults.py",
-               "serving/test_serving.py")
+HEAVY_PATHS = ("e2e/", "bench/", "worker/ray_driver/test_ray_async.py", "worker/ray_driver/test_ray_driver.py",
+               "worker/ray_driver/test_ray_jobs.py", "worker/distributed/test_distributed.py",
+               "worker/test_faults.py", "worker/serving/test_serving.py")
 
 
 def is_heavy(item) -> bool:

@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from service.job_spec.spec import JobSpec
-from tests.api.conftest import assert_error, running_api, upload
+from tests.service.api.conftest import assert_error, running_api, upload
 from worker.checkpoint import load_checkpoint
 from worker.job_runner import run_job
 

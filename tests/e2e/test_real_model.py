@@ -24,7 +24,7 @@ import torch
 from service.serving.channel import presence_key
 from tests.conftest import REDIS_TEST_URL
 from tests.e2e.test_service_flow import wait_for
-from tests.serving.served import local_greedy
+from tests.worker.serving.served import local_greedy
 
 JOBS = "/fine_tuning/jobs"
 CAPITALS = [("France", "Paris"), ("Italy", "Rome"), ("Germany", "Berlin"), ("Spain", "Madrid"),

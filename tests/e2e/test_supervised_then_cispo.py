@@ -19,8 +19,8 @@ import pytest
 
 from service.repositories import jobs as jobs_repo
 from service.job_spec.spec import JobSpec
-from tests.api.conftest import assert_error, jsonl, running_api, upload
-from tests.api.uvicorn_thread import serving
+from tests.service.api.conftest import assert_error, jsonl, running_api, upload
+from tests.service.api.uvicorn_thread import serving
 from worker.evals.intervals import wilson
 from worker.eval_runner import run_eval
 from worker.job_runner import run_job

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 
 from tests.e2e.up import Up
-from tests.serving.served import local_greedy
+from tests.worker.serving.served import local_greedy
 
 
 def test_up_serves_an_allowed_base_over_the_embedded_channel(tmp_path, toy_dir):

@@ -1,5 +1,5 @@
 """API-key authentication on its own: the header's parsing, the once-a-minute last-use write, and the
-principal cache's bounds (found by mutation testing, bench/mutate.py; the HTTP side is in tests/api)."""
+principal cache's bounds (found by mutation testing, bench/mutate.py; the HTTP side is in tests/service/api)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from service.repositories import evals
-from tests.api.conftest import running_api, uploaded
+from tests.service.api.conftest import running_api, uploaded
 from worker import eval_runner
 
 REWARD = {"type": "exact_match", "field": "answer"}

@@ -8,7 +8,7 @@ import time
 from service.db.models import EvalRun
 from service.db.session import session_factory
 from service.repositories import evals, projects
-from tests.service.job_rows import queued_job
+from tests.service.repositories.job_rows import queued_job
 from tests.worker.test_job_runner import make_settings
 from worker import eval_turns
 

@@ -222,7 +222,7 @@ def _events(database_url, job_id) -> list[JobEvent]:
 def test_reward_errors_become_warn_events(database_url, toy_dir, tmp_path):
     settings = make_settings(tmp_path, database_url)
     job_id = submit(settings, toy_dir, steps=2,
-                    reward={"type": "import", "path": "tests.trainer.test_reward_errors:fails_on_answer_a"})
+                    reward={"type": "import", "path": "tests.worker.trainer.test_reward_errors:fails_on_answer_a"})
     assert run_job(job_id, settings) == "succeeded"
     warns = [e for e in _events(database_url, job_id) if e.level == "warn"]
     assert warns, "the toy data has answers 'a' in most batches"
@@ -235,7 +235,7 @@ def test_reward_errors_become_warn_events(database_url, toy_dir, tmp_path):
 def test_a_broken_reward_fails_the_job_with_reward_error_rate(database_url, toy_dir, tmp_path):
     settings = make_settings(tmp_path, database_url)
     job_id = submit(settings, toy_dir, steps=3,
-                    reward={"type": "import", "path": "tests.trainer.test_reward_errors:always_fails"})
+                    reward={"type": "import", "path": "tests.worker.trainer.test_reward_errors:always_fails"})
     assert run_job(job_id, settings) == "failed"
     job = job_row(settings, job_id)
     assert job.error_code == "reward_error_rate" and job.steps_done == 0
@@ -250,7 +250,7 @@ def test_a_broken_reward_fails_the_job_with_reward_error_rate(database_url, toy_
 def test_the_worker_resolves_the_secret_and_never_records_it(database_url, toy_dir, tmp_path):
     from service.db.models import Secret
     from service.secrets.box import secret_box
-    from tests.worker.reward_servers import reward_server
+    from tests.worker.rewards.reward_servers import reward_server
 
     settings = make_settings(tmp_path, database_url).model_copy(update={"egress_allow": "127.0.0.1"})
     with reward_server() as (base, rec):
@@ -308,7 +308,7 @@ def test_repeated_reward_errors_are_throttled_but_new_ones_are_shown(tmp_path):
     assert shown[-1][1].endswith("; and 3 other distinct errors")
 
 
-ALWAYS_ZERO = {"type": "import", "path": "tests.trainer.test_learning_signal:always_zero"}
+ALWAYS_ZERO = {"type": "import", "path": "tests.worker.trainer.test_learning_signal:always_zero"}
 
 
 def test_a_job_that_cannot_learn_says_so_in_its_events(database_url, toy_dir, tmp_path):

@@ -217,7 +217,7 @@ def _lean_lora_forward(module, adapters: list[str]):
         drop = module.lora_dropout[adapter]
         a, b, scaling = module.lora_A[adapter], module.lora_B[adapter], module.scaling[adapter]
         # one addmm for PEFT's product, scale and add: a power-of-two scale is exact, so the one rounding of the
-        # add is PEFT's (tests/rollout/test_lean_lora.py checks the outputs bit for bit)
+        # add is PEFT's (tests/worker/rollout/test_lean_lora.py checks the outputs bit for bit)
         fused = b.bias is None and _exact_scale(scaling)
         paths.append((None if isinstance(drop, torch.nn.Identity) else drop, a.weight, a.bias, b.weight,
                       b.weight.t(), b.bias, scaling, fused))

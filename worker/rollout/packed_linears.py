@@ -5,7 +5,7 @@ into its blocked (AMX/VNNI) layout at every call: at decode's 16 rows a step
 that reorder is a second pass over the weight's bytes. Reordering once per
 rollout and calling the packed kernel (torch.ops.mkldnn._linear_pointwise,
 what inductor's CPU freezing pass emits) gives the same outputs bit for bit
-(the same oneDNN kernel; tests/rollout/test_packed_linears.py checks rows
+(the same oneDNN kernel; tests/worker/rollout/test_packed_linears.py checks rows
 1-100, bias, 3-d inputs) for ~30% less CPU time over the 0.5B shape's linears
 at 16 rows. It also keeps the prefill's LM head (a non-contiguous
 [B, 1, hidden] slice) off torch.matmul's bmm route, which expands the

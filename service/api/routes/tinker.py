@@ -29,7 +29,7 @@ from service.tinker.wire import PROTOBUF_CONTENT_TYPE, WireError, decode_forward
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
-# The losses worker/engine/losses.py trains (tests/tinker/test_api.py keeps the two lists equal).
+# The losses worker/engine/losses.py trains (tests/service/tinker/test_api.py keeps the two lists equal).
 SERVED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
 
 
