@@ -37,5 +37,14 @@ def checkpoint_prefix(job_id: str, epoch: int, name: str) -> str:
     return f"{run_checkpoints(job_id, epoch)}/{name}"
 
 
+def tinker_checkpoint(project_id: str, model_id: str, kind: str, name: str) -> str:
+    """A Tinker training client's saved state ("weights") or sampler weights, stored as a job's checkpoint is
+    (manifest last), under its project: tinker/<project>/<model id>/<kind>/<name>."""
+    for part, value in (("model id", model_id), ("name", name)):
+        if not value or "/" in value or value in (".", ".."):
+            raise ValueError(f"{part} {value!r} cannot name a stored checkpoint (no '/', not empty)")
+    return f"tinker/{project_id}/{model_id}/{kind}/{name}"
+
+
 # How many '/'-separated parts a checkpoint's prefix has: jobs/<id>/checkpoints/epoch-N/<name>.
 CHECKPOINT_PREFIX_DEPTH = len(checkpoint_prefix("j", 0, "s").split("/"))

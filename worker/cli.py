@@ -4,6 +4,7 @@
                                                         nodes > 1: on the Ray cluster at CISPO_RAY_ADDRESS)
     cispo worker [--concurrency N]                      a Celery worker for service jobs (one job per GPU)
     cispo serve [--model BASE]...                       a serving worker for /v1/chat/completions, /v1/completions
+    cispo tinker                                        the Tinker API's worker: training clients on resident bases
     cispo up | api | db upgrade | keys create           see service/cli/main.py
 
 Heavy imports (torch, transformers) happen inside the commands that need
@@ -184,6 +185,16 @@ def cmd_serve(args) -> int:
     exit_without_teardown(code)  # torch's interpreter teardown would add seconds to every stop
 
 
+def cmd_tinker(args) -> int:
+    import logging
+
+    from service.settings import get_settings
+    from worker.tinker.runner import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    exit_without_teardown(serve(get_settings()))
+
+
 def _jobs_at_once(text: str) -> int:
     n = int(text) if text.isdigit() else 0
     if not 1 <= n <= 64:
@@ -213,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a base model to keep resident and serve (repeatable; default CISPO_SERVE_MODELS); none: "
                         "load whichever base a request names, keeping the last one")
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("tinker", help="run the Tinker API's requests (/api/v1) on resident base models")
+    p.set_defaults(func=cmd_tinker)
     add_commands(sub)
     return parser
 

@@ -114,7 +114,7 @@ def cmd_api(args) -> int:
 
 
 def cmd_up(args) -> int:
-    """API + worker + serving worker on the embedded default (SQLite, a server-less broker, a local object store), supervised:
+    """API + worker + serving worker + Tinker worker on the embedded default (SQLite, a server-less broker, a local object store), supervised:
     a worker that dies is restarted, and SIGTERM/SIGINT stop both before `cispo up` exits."""
     from service.supervisor import Child, supervise
 
@@ -129,6 +129,7 @@ def cmd_up(args) -> int:
         Child("api", [*cli, "api", "--host", args.host, "--port", str(args.port)], restart=False),
         Child("worker", [*cli, "worker", "--pool", "solo"], restart=True),
         Child("serve", [*cli, "serve"], restart=True),  # /v1/chat/completions for any base, loaded on first use
+        Child("tinker", [*cli, "tinker"], restart=True),  # the Tinker API's training clients (/api/v1)
     ], env=env))
 
 

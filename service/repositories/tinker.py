@@ -133,6 +133,17 @@ def expire_sessions(session: Session, now_s: float, timeout_s: float) -> list[st
     return released
 
 
+def released_held(session: Session, worker_id: str) -> list[str]:
+    """The runner: models it holds whose session ended (a finish, or the reconciler's expiry); it drops their
+    adapters, and they are held by nobody from here on."""
+    released = list(session.scalars(select(TinkerModel.id).where(TinkerModel.worker_id == worker_id,
+                                                                 TinkerModel.released_at.is_not(None))))
+    if released:
+        session.execute(update(TinkerModel).where(TinkerModel.id.in_(released)).values(worker_id=None)
+                        .execution_options(synchronize_session=False))
+    return released
+
+
 # -- models and samplers ---------------------------------------------------------
 
 

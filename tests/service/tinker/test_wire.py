@@ -27,7 +27,7 @@ from service.tinker import wire  # noqa: E402
 from service.tinker.wire import WireError  # noqa: E402
 from tests.loopback_http import QuietHandler, base_url, serving  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 class Keeper(QuietHandler):
