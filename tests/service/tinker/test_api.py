@@ -13,7 +13,7 @@ import pytest
 from service.api.routes.tinker import SERVED_LOSSES
 from service.db.session import session_factory
 from service.repositories import tinker as repo
-from tests.api.conftest import Api, LiveServer, running_api
+from tests.service.api.conftest import Api, LiveServer, running_api
 
 BASE = "tiny-base"
 SETTINGS = {"tinker_base_models": BASE, "tinker_poll_hold_s": 0.3}
