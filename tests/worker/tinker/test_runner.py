@@ -4,55 +4,18 @@ path is not found."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from tests.service.api.conftest import LiveServer, running_api
 from worker.engine import AdamParams as EngineAdam
 from worker.engine import AdapterConfig, Datum, Pass
 from worker.engine.engine import Engine
-from worker.tinker.runner import TinkerRunner
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 TOL = 1e-5
 ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 1.0}
-
-
-class Served:
-    """The API under uvicorn and a runner in a thread over one database and object store."""
-
-    def __init__(self, api, base: str):
-        self.api, self.base = api, base
-        self.runner = TinkerRunner(api.app.state.settings, worker_id="test-runner")
-        self.thread = threading.Thread(target=self.runner.run, daemon=True)
-        self.live = LiveServer(api.app)
-
-    def __enter__(self) -> Served:
-        self.url = self.live.__enter__()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.runner.stop.set()
-        self.thread.join(timeout=30)
-        self.live.__exit__(*exc)
-
-    def client(self, other: bool = False):
-        key = (self.api.other if other else self.api.client).headers["Authorization"].removeprefix("Bearer ")
-        return tinker.ServiceClient(base_url=self.url, api_key=f"tml-{key}")
-
-
-@pytest.fixture
-def served(database_url, tmp_path, toy_dir, monkeypatch):
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    base = str(toy_dir / "model")
-    with running_api(database_url, tmp_path, tinker_base_models=base, tinker_poll_hold_s=1) as api, \
-            Served(api, base) as s:
-        yield s
 
 
 def _batch(seed: int) -> list[tuple[list[int], list[int], list[float]]]:
