@@ -101,6 +101,7 @@ def upgrade() -> None:
         sa.Column('lora_config', sa.JSON(), nullable=False),
         sa.Column('user_metadata', sa.JSON(), nullable=True),
         sa.Column('worker_id', sa.String(length=200), nullable=True),
+        sa.Column('held_at', sa.BigInteger(), nullable=True),
         sa.Column('created_at', sa.BigInteger(), nullable=False),
         sa.Column('released_at', sa.BigInteger(), nullable=True),
         sa.ForeignKeyConstraint(['project_id'], ['project.id'],

@@ -342,6 +342,7 @@ class TinkerModel(Base):
     lora_config: Mapped[dict] = mapped_column(JSON)  # rank, seed, train_mlp, train_attn, train_unembed
     user_metadata: Mapped[dict | None] = mapped_column(JSON)  # the client's, shown back (the cookbook's renderer)
     worker_id: Mapped[str | None] = mapped_column(String(200))  # the runner that holds its adapter, once claimed
+    held_at: Mapped[int | None] = mapped_column(BigInteger)  # that runner's last renewal: a stale hold is a dead one
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     released_at: Mapped[int | None] = mapped_column(BigInteger)
 

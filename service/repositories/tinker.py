@@ -28,6 +28,9 @@ from service.db.models import Project, TinkerCheckpoint, TinkerModel, TinkerRequ
 from service.repositories.inserts import upsert
 
 GAP_GRACE_S = 2.0
+# A runner renews its holds every few seconds (renew_holds); one not renewed for this long is a dead runner's,
+# and another runner may end it (abandoned_holds).
+HOLD_TTL_S = 60
 # An ended request keeps its result, not its body (a forward_backward chunk is up to ~5 MB): the row still
 # dedupes a late retry and answers its future.
 ENDED_BODY = b""
@@ -313,9 +316,30 @@ def _ready(t: float):
 
 
 def _held_elsewhere(worker_id: str):
-    """A request of a model whose adapter another runner holds: only that runner may run it."""
+    """A request of a model whose adapter another runner holds: only that runner may run it (a dead runner's
+    hold keeps others off until abandoned_holds ends it, so its model's requests fail rather than run on a
+    runner that never had the adapter)."""
     return exists().where(TinkerModel.id == TinkerRequest.model_id, TinkerModel.worker_id.is_not(None),
                           TinkerModel.worker_id != worker_id)
+
+
+def renew_holds(session: Session, worker_id: str, now_s: float) -> None:
+    """The runner, every few seconds: it is alive, and so are the adapters it holds."""
+    session.execute(update(TinkerModel).where(TinkerModel.worker_id == worker_id).values(held_at=int(now_s))
+                    .execution_options(synchronize_session=False))
+
+
+def abandoned_holds(session: Session, now_s: float, ttl_s: float = HOLD_TTL_S) -> list[str]:
+    """Runners that stopped renewing (died, or lost their machine): each one's holds end as fail_running_of
+    ends them, so its clients get a server error and resume from their last saved state. Returns the
+    requests failed."""
+    stale = list(session.scalars(select(TinkerModel.worker_id).distinct().where(
+        TinkerModel.worker_id.is_not(None), TinkerModel.held_at < now_s - ttl_s)))
+    lost: list[str] = []
+    for worker_id in stale:
+        lost += fail_running_of(session, worker_id, f"the worker holding this training client ({worker_id}) "
+                                "stopped; resume from the last saved state")
+    return lost
 
 
 def claim_ready(session: Session, worker_id: str, now_s: float, limit: int = 32) -> list[RequestRow]:
@@ -348,7 +372,7 @@ def claim_ready(session: Session, worker_id: str, now_s: float, limit: int = 32)
             models.add(model_id)
     if models:
         session.execute(update(TinkerModel).where(TinkerModel.id.in_(models), TinkerModel.worker_id.is_(None))
-                        .values(worker_id=worker_id).execution_options(synchronize_session=False))
+                        .values(worker_id=worker_id, held_at=int(now_s)).execution_options(synchronize_session=False))
     rows = {r.id: r for r in session.scalars(select(TinkerRequest).where(TinkerRequest.id.in_(taken)))}
     return sorted((_plain(rows[i]) for i in taken), key=lambda r: (r.model_id or "", r.seq_id or 0))
 
@@ -388,7 +412,7 @@ def fail_running_of(session: Session, worker_id: str, message: str) -> list[str]
                         .values(state="failed", error=message, error_category="server", finished_at=time.time(),
                                 body=ENDED_BODY)
                         .execution_options(synchronize_session=False))
-    session.execute(update(TinkerModel).where(TinkerModel.worker_id == worker_id).values(worker_id=None)
+    session.execute(update(TinkerModel).where(TinkerModel.worker_id == worker_id).values(worker_id=None, held_at=None)
                     .execution_options(synchronize_session=False))
     return lost
 

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 # The wait between polls grows from POLL_MIN_S while the queue stays empty to POLL_MAX_S: a busy client's
 # next request waits little, an idle worker costs the database a few queries a second.
 POLL_MIN_S, POLL_MAX_S = 0.01, 0.5
-EXPIRE_EVERY_S = 5.0
+EXPIRE_EVERY_S = 5.0  # well inside the repository's HOLD_TTL_S
 CLAIM_LIMIT = 256
 BATCHED = ("forward_backward", "forward")
 
@@ -124,6 +124,7 @@ class TinkerRunner:
     def run(self) -> None:
         with self.sessions.begin() as s:  # a worker of this name that died left these running
             requests.fail_running_of(s, self.worker_id, "the worker restarted; resume from your last save_state")
+        threading.Thread(target=self.renew_holds, daemon=True, name="tinker-holds").start()
         log.info("tinker worker %s polling", self.worker_id)
         wait, expired_at = POLL_MIN_S, 0.0
         while not self.stop.is_set():
@@ -136,11 +137,22 @@ class TinkerRunner:
                 self.stop.wait(wait)
                 wait = min(2 * wait, POLL_MAX_S)
 
+    def renew_holds(self) -> None:
+        """In a thread of its own, so a long engine call never lets this runner's holds look dead."""
+        while not self.stop.wait(EXPIRE_EVERY_S):
+            try:
+                with self.sessions.begin() as s:
+                    requests.renew_holds(s, self.worker_id, time.time())
+            except Exception:  # noqa: BLE001 - a database blip: the next renewal comes in EXPIRE_EVERY_S
+                log.exception("renewing the holds of %s", self.worker_id)
+
     def release_expired(self) -> None:
-        """Free the adapters of ended sessions: finished, or expired by the reconciler when their heartbeats
-        stopped (worker/reconciler.py). Their saved states stay loadable."""
+        """End the holds of runners that stopped renewing them, and free the adapters of ended sessions:
+        finished, or expired by the reconciler when their heartbeats stopped (worker/reconciler.py). Their
+        saved states stay loadable."""
         with self.sessions.begin() as s:
             released = requests.released_held(s, self.worker_id)
+            requests.abandoned_holds(s, time.time())
         for model_id in released:
             self.engines.release(model_id)
 

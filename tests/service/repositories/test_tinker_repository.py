@@ -169,6 +169,31 @@ def test_a_dead_runners_running_and_held_requests_fail_as_server_errors(database
     assert {(r.state, r.error_category, r.error) for r in rows} == {("failed", "server", "the runner stopped")}
 
 
+def test_a_runner_that_stops_renewing_its_holds_has_them_ended_and_its_clients_told(database_url):
+    """A runner that died for good (a pod gone, another hostname next time): once its holds are older than
+    HOLD_TTL_S, any runner ends them, the held model's waiting requests fail as server errors, and the model is
+    free; a hold renewed in time stays."""
+    project_id = _project(database_url)
+    _, dead_model = _model(database_url, project_id)
+    _, live_model = _model(database_url, project_id)
+    t0 = time.time()
+    for model_id, worker in ((dead_model, "dead"), (live_model, "live")):
+        _submit(database_url, project_id, model_id, 0, kind="create_model")
+        (created,) = _claim(database_url, worker, now_s=t0)
+        _complete(database_url, created.id)
+    waiting = _submit(database_url, project_id, dead_model, 1)
+    later = t0 + repo.HOLD_TTL_S + 1
+    with session_factory(database_url)() as s:
+        repo.renew_holds(s, "live", later - 1)
+        assert repo.abandoned_holds(s, t0 + 1) == []  # not stale yet
+        assert repo.abandoned_holds(s, later) == [waiting]
+        s.commit()
+        row = repo.get_request(s, project_id, waiting)
+        holders = {m: repo.get_model(s, project_id, m).worker_id for m in (dead_model, live_model)}
+    assert (row.state, row.error_category) == ("failed", "server") and "resume" in row.error
+    assert holders == {dead_model: None, live_model: "live"}
+
+
 def test_stopped_heartbeats_end_the_session_and_release_its_models(database_url):
     project_id = _project(database_url)
     silent_session, silent = _model(database_url, project_id)
