@@ -117,6 +117,8 @@ def test_prompt_logprobs_are_the_models_log_softmax(toy_dir, engine, source):
         assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(prompt)
         assert torch.allclose(torch.tensor(result.prompt_logprobs[1:]), want, atol=TOL)
     assert results[2].prompt_logprobs is None
+    (unscored,) = engine.sample([_draw(source, PROMPT, n=2, seed=1)])  # scoring the prompt changes no token
+    assert _tokens(unscored) == _tokens(results[1])
     (single,) = engine.sample([_draw(source, [1], max_tokens=1, prompt_logprobs=True)])
     assert single.prompt_logprobs == [None]
 
@@ -133,6 +135,8 @@ def test_a_sampler_version_is_frozen(engine):
     engine.save_for_sampler("one", "one@1")
     with pytest.raises(ValueError, match="exists"):
         engine.save_for_sampler("two", "one@1")
+    with pytest.raises(ValueError, match="exists"):  # adapters and versions are one namespace: draws' sources
+        engine.create("one@1", CONFIGS["one"])
     assert all(not p.requires_grad for p in engine.shared.parameters(engine.samplers["one@1"]))
     _train(engine, "one")
     _train(engine, "one")
