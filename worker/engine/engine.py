@@ -3,6 +3,11 @@
 forward_backward runs every pass of a call, whatever its adapter, in one routed forward over the shared base
 (worker/multi/routed.py) and one backward: each adapter's gradient comes from its own rows only
 (worker/multi/lora.py), and gradients accumulate across calls until that adapter's optim_step.
+
+sample runs every draw of a call in one decode (worker/multi/decode.py's sample_jobs), each row through its
+source: an adapter's live weights, a sampler version, or the base alone. A sampler version is one more adapter
+of the shared base, frozen (no gradient, no optimizer), holding a copy of an adapter's weights as they were at
+save_for_sampler, or a saved state's (load_sampler); it lives until drop_sampler, whatever its source does.
 """
 
 from __future__ import annotations
@@ -12,20 +17,26 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from service.job_spec.spec import LoraSpec
 from worker.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from worker.engine.draws import job_rows, sequences
 from worker.engine.losses import loss_fn
-from worker.engine.types import AdamParams, AdapterConfig, Pass, PassResult
+from worker.engine.types import AdamParams, AdapterConfig, Draw, DrawResult, Pass, PassResult
 from worker.model.loading import load_causal_lm
 from worker.multi.checkpoints import AdapterView, restore, restore_adapter
-from worker.multi.lora import SharedBase
+from worker.multi.decode import sample_jobs
+from worker.multi.lora import BASE_ONLY, SharedBase
 from worker.multi.routed import collate_rows, routed_hidden, row_slices, rows_logprobs
 from worker.trainer.step import optimizer_step
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED = ["lm_head"]  # a LoRA beside the LM head (the base's head stays frozen, tied to the embeddings or not)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def lora_spec(config: AdapterConfig) -> LoraSpec:
     """The adapter as the job spec names LoRA (what SharedBase adds)."""
     targets = (ATTN if config.train_attn else []) + (MLP if config.train_mlp else []) + \
@@ -37,23 +48,32 @@ def lora_spec(config: AdapterConfig) -> LoraSpec:
 
 
 class Engine:
-    def __init__(self, base: torch.nn.Module):
+    def __init__(self, base: torch.nn.Module, tokenizer=None):
         self.shared = SharedBase(base)
+        self.tokenizer = tokenizer  # the base's, for stop strings (None: stop token ids only)
         self.configs: dict[str, AdapterConfig] = {}
         self.optimizers: dict[str, torch.optim.AdamW] = {}
+        self.samplers: dict[str, str] = {}  # sampler version -> its frozen adapter on the shared base
+        self.device = next(base.parameters()).device
         config = base.config
+        eos = config.eos_token_id
+        self.eos_ids: list[int] = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
         self.pad_id = int(pad[0] if isinstance(pad, list) else (pad or 0))
 
     @classmethod
     def load(cls, where: str | Path) -> Engine:
-        """The base from a local directory, float32 on the CPU (as the adapters train)."""
-        return cls(load_causal_lm(str(where), dtype=torch.float32))
+        """The base from a local directory, float32 on the CPU (as the adapters train), and its tokenizer where
+        the directory holds one."""
+        where = Path(where)
+        tokenizer = AutoTokenizer.from_pretrained(where) if any((where / f).exists() for f in TOKENIZER_FILES) \
+            else None
+        return cls(load_causal_lm(str(where), dtype=torch.float32), tokenizer)
 
     # adapters
 
     def create(self, adapter_id: str, config: AdapterConfig) -> None:
-        if adapter_id in self.configs:
+        if adapter_id in self.configs or adapter_id in self.samplers:  # one namespace: sample()'s sources
             raise ValueError(f"adapter {adapter_id!r} already exists")
         spec = lora_spec(config)
         if config.seed is None:
@@ -157,8 +177,7 @@ class Engine:
     def load_state(self, adapter_id: str, directory: str | Path, optimizer: bool = True) -> None:
         """A saved state into adapter `adapter_id` (made from the saved config if absent), its hashes checked by
         load_checkpoint before any weight is read; `optimizer` restores the AdamW moments too."""
-        checkpoint = load_checkpoint(Path(directory))
-        config = AdapterConfig(**checkpoint.state["adapter_config"])
+        checkpoint, config = _saved_state(directory)
         if adapter_id not in self.configs:
             self.create(adapter_id, config)
         elif lora_spec(self.configs[adapter_id]) != lora_spec(config):
@@ -170,3 +189,102 @@ class Engine:
             self.optimizers[adapter_id] = opt
         else:
             restore_adapter(self.shared, adapter_id, checkpoint)
+
+    # sampling
+
+    def save_for_sampler(self, adapter_id: str, version: str) -> None:
+        """Freeze a copy of the adapter's current weights as sampler version `version` (a later optim_step, load
+        or drop of the adapter leaves it as it is)."""
+        config = self._config(adapter_id)
+        slot = self._frozen_slot(version, config)
+        source = self.shared.adapter_state(adapter_id)
+        with torch.no_grad():
+            for key, weight in self.shared.adapter_state(slot).items():
+                weight.copy_(source[key])
+
+    def load_sampler(self, version: str, directory: str | Path) -> None:
+        """A state written by save_state (its adapter weights only, hashes checked as load_state checks them) as
+        frozen sampler version `version`."""
+        checkpoint, config = _saved_state(directory)
+        slot = self._frozen_slot(version, config)
+        try:
+            restore_adapter(self.shared, slot, checkpoint)
+        except Exception:
+            self.drop_sampler(version)  # no half-loaded version stays behind
+            raise
+
+    def drop_sampler(self, version: str) -> None:
+        if version not in self.samplers:
+            raise KeyError(f"no sampler version {version!r}")
+        self.shared.remove(self.samplers.pop(version))
+
+    def _frozen_slot(self, version: str, config: AdapterConfig) -> str:
+        """A new frozen adapter of the adapter's LoRA shape for `version`, its weights to be filled; its name on
+        the shared base is the engine's own (a version's name may be any string, a module key may not)."""
+        if version in self.samplers or version in self.configs:
+            raise ValueError(f"sampler version {version!r} already exists")
+        spec = lora_spec(config)
+        n = len(self.samplers)
+        while f"sampler-{n}" in self.shared.specs:
+            n += 1
+        slot = f"sampler-{n}"
+        with torch.random.fork_rng(devices=[]):  # PEFT's initialisation (overwritten) leaves the global stream be
+            self.shared.add(slot, spec, trainable=False)
+        self.samplers[version] = slot
+        return slot
+
+    def sample(self, draws: list[Draw]) -> list[DrawResult]:
+        """Every draw in one decode over the shared base, each through its source (an adapter id, a sampler
+        version, or None: the base alone); results in the draws' order (worker/engine/draws.py: what the
+        sampling knobs and the recorded log-probs mean).
+
+        A draw that cannot be served (unknown source, bad knobs) is refused before any decode, with a ValueError
+        (KeyError for the source) naming it. A draw whose source's weights hold NaN or inf, or whose rows give NaN
+        or inf logits, fails alone, in its DrawResult's `error`: such weights are kept out of the decode, since
+        in a grouped LoRA forward (worker/multi/lora.py) they would reach every row (NaN * 0 is NaN), while a
+        row's own overflow stays in its row."""
+        if not draws:
+            return []
+        jobs = [job_rows(d, self._source(d.source, where=f"draw {i}"), self.tokenizer, where=f"draw {i}")
+                for i, d in enumerate(draws)]
+        names = {job.name for job in jobs} - {BASE_ONLY}
+        diverged = {n for n in names if not all(bool(p.isfinite().all()) for p in self.shared.parameters(n))}
+        results: dict[int, DrawResult] = {
+            i: DrawResult([], error=f"draw {i}: the weights of {d.source!r} hold NaN or inf (an update diverged); "
+                                    "nothing is sampled from them")
+            for i, d in enumerate(draws) if jobs[i].name in diverged}
+        # the router needs each adapter's rows contiguous: draws of one source go next to each other
+        rank: dict[str | None, int] = {}
+        order = sorted((i for i in range(len(draws)) if i not in results),
+                       key=lambda i: rank.setdefault(jobs[i].name, len(rank)))
+        if self.shared.model is None:  # no adapter at all: every draw is the base's
+            model = self.shared.base
+        else:
+            model = self.shared.model
+            self.shared.set_training(False)
+        decoded = sample_jobs(model, self.shared.router, [jobs[i] for i in order], eos_id=self.eos_ids,
+                              pad_id=self.pad_id, device=self.device)
+        for i, out in zip(order, decoded):
+            if isinstance(out, Exception):
+                results[i] = DrawResult([], error=f"draw {i}: {out}")
+                continue
+            tokens, logprobs, *prompt = out
+            results[i] = DrawResult(sequences(jobs[i], tokens, logprobs, self.eos_ids),
+                                    prompt_logprobs=prompt[0][0] if prompt else None)
+        return [results[i] for i in range(len(draws))]
+
+    def _source(self, source: str | None, *, where: str) -> str | None:
+        """The shared base's adapter that serves a draw's source."""
+        if source is None:
+            return BASE_ONLY
+        if source in self.configs:
+            return source
+        if source in self.samplers:
+            return self.samplers[source]
+        raise KeyError(f"{where}: no adapter or sampler version {source!r}")
+
+
+def _saved_state(directory: str | Path):
+    """(checkpoint, adapter config) of a state written by save_state, its hashes checked by load_checkpoint."""
+    checkpoint = load_checkpoint(Path(directory))
+    return checkpoint, AdapterConfig(**checkpoint.state["adapter_config"])

@@ -82,12 +82,16 @@ class Draw:
 
 @dataclass
 class Sequence:
-    tokens: list[int]
-    logprobs: list[float]  # the sampler's, per new token
+    tokens: list[int]  # the new tokens, up to and including the EOS, stop token or stop string's last token
+    logprobs: list[float]  # the sampler's, per new token: log softmax(logits / T) (T = 1 when greedy), see draws.py
     stop_reason: str  # "stop" (EOS or a stop sequence) | "length"
 
 
 @dataclass
 class DrawResult:
     sequences: list[Sequence]
-    prompt_logprobs: list[float | None] | None = None  # None at position 0
+    # with Draw.prompt_logprobs: [None] + log p(prompt[t] | prompt[:t]) for t >= 1, the model's own (temperature 1)
+    prompt_logprobs: list[float | None] | None = None
+    # why this draw alone failed (its rows gave NaN or inf logits), sequences then empty; the call's other draws
+    # are served (a sample call batches the draws of many clients)
+    error: str | None = None

@@ -160,6 +160,7 @@ class SharedBase:
         self.model: PeftModel | None = None
         self.router = SegmentRouter()
         self.specs: dict[str, LoraSpec] = {}
+        self.frozen: set[str] = set()  # adapters that never train (add's `trainable` False)
         self.slots = slots  # how many jobs the worker holds at most
         self.vllm = None  # the vLLM engine of the jobs that sample with one (worker/multi/vllm_engine.py)
         # set_training's module list: None until the next switch lists them (after a join or leave); [] where some
@@ -172,8 +173,11 @@ class SharedBase:
             self.vllm.close()
             self.vllm = None
 
-    def add(self, name: str, spec: LoraSpec) -> list[torch.nn.Parameter]:
-        """Add job `name`'s adapter (PEFT's initialisation, from torch's global RNG); returns its parameters."""
+    def add(self, name: str, spec: LoraSpec, *, trainable: bool = True) -> list[torch.nn.Parameter]:
+        """Add job `name`'s adapter (PEFT's initialisation, from torch's global RNG); returns its parameters.
+
+        An adapter added with `trainable` False stays frozen (requires_grad False) while others join: a sampler's
+        copy of weights that no optimizer steps."""
         if spec.base_quantization != "none":
             raise ValueError("a shared base is held unquantised: base_quantization must be 'none'")
         if self.model is None:
@@ -183,13 +187,11 @@ class SharedBase:
                 raise ValueError(f"job {name!r} already has an adapter on this base")
             self.model.add_adapter(name, lora_config(spec))
         self.specs[name] = spec
+        if not trainable:
+            self.frozen.add(name)
         self._modules = None
         self._route_all()
-        # PEFT leaves only its active adapter trainable; every job's adapter trains (one walk over the model's
-        # parameters, not one per resident job: a join would cost more with every job already resident)
-        for param_name, param in self.model.named_parameters():
-            if ".lora_" in param_name:
-                param.requires_grad_(True)
+        self._mark_trainable()
         return self.parameters(name)
 
     def remove(self, name: str) -> None:
@@ -197,9 +199,11 @@ class SharedBase:
         if name not in self.specs:
             return
         del self.specs[name]
+        self.frozen.discard(name)
         self._modules = None
         if self.specs:
             self.model.delete_adapter(name)
+            self._mark_trainable()  # deleting PEFT's active adapter makes another one the only trainable one
         else:  # PEFT keeps at least one adapter: the last one goes with the wrapper
             self.model = None
             self.base = _unwrapped(self.base)
@@ -231,6 +235,14 @@ class SharedBase:
         return {n.replace(key, "."): p.detach() for n, p in self.model.named_parameters()
                 if key in n and ".lora_" in n}
 
+    def _mark_trainable(self) -> None:
+        """PEFT leaves only its active adapter trainable (on every add, and on deleting the active one); every
+        job's adapter trains, the frozen ones excepted (one walk over the model's parameters, not one per
+        resident job: a join would cost more with every job already resident)."""
+        for param_name, param in self.model.named_parameters():
+            if ".lora_" in param_name:
+                param.requires_grad_(_adapter_of(param_name) not in self.frozen)
+
     def _route_all(self) -> None:
         """Give every LoRA linear the segmented forward (new layers appear when a job adapts other modules)."""
         for module in self.model.modules():
@@ -238,6 +250,12 @@ class SharedBase:
                 if type(module).__name__ != "Linear":
                     raise ValueError(f"a shared base routes LoRA linears only, not {type(module).__name__}")
                 module.forward = _segmented_forward(module, self.router)
+
+
+def _adapter_of(param_name: str) -> str:
+    """The adapter a LoRA parameter belongs to: PEFT names it `...lora_A.<adapter>.weight` (adapter names hold
+    no dot: they are module keys)."""
+    return param_name.split(".lora_", 1)[1].split(".")[1]
 
 
 def _plain_train(module: torch.nn.Module) -> bool:

@@ -11,6 +11,7 @@ group, the larger share of the work when prompts are long.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -165,18 +166,25 @@ def _hidden_states(model, batch: TokenBatch) -> Tensor:
 def last_hidden(model, **inputs) -> Tensor:
     """The decoder's output (the last layer's hidden states, normed) of the model's own forward.
 
-    Taken by a hook rather than output_hidden_states=True, which would keep every layer's states: under no_grad
-    (old-policy and reference scoring) that is ~17 GB more for a 7B model at 64 x 1024 tokens. The forward
-    still goes through the model itself (FSDP's root hooks, autocast), and logits_to_keep=1: the LM head runs
-    chunked, on action positions only (sequence_logprobs)."""
+    Taken by a hook (decoder_outputs) rather than output_hidden_states=True, which would keep every layer's
+    states: under no_grad (old-policy and reference scoring) that is ~17 GB more for a 7B model at 64 x 1024
+    tokens. The forward still goes through the model itself (FSDP's root hooks, autocast), and logits_to_keep=1:
+    the LM head runs chunked, on action positions only (sequence_logprobs)."""
+    with decoder_outputs(model) as captured, contiguous_head_input(model):
+        model(**inputs, logits_to_keep=1)
+    return captured[-1]
+
+
+@contextmanager
+def decoder_outputs(model):
+    """A list that gets the decoder's output (last layer, normed: what the LM head reads) of every forward of
+    `model` run inside the block, whatever the forward returns itself."""
     decoder = (model.get_base_model() if isinstance(model, PeftModel) else model).get_decoder()
     captured: list[Tensor] = []
     hook = decoder.register_forward_hook(
         lambda _module, _args, out: captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
     try:
-        with contiguous_head_input(model):
-            model(**inputs, logits_to_keep=1)
+        yield captured
     finally:
         hook.remove()
-    return captured[-1]
 

@@ -25,6 +25,22 @@ def test_every_resident_jobs_adapter_trains_and_the_base_does_not(toy_dir):
     assert all(p.requires_grad for job in ("job-a", "job-c", "job-d") for p in shared.parameters(job))
 
 
+def test_adapters_keep_training_when_the_first_leaves_and_frozen_ones_never_train(toy_dir):
+    """Deleting PEFT's active adapter (the first added) makes PEFT mark only its new active one trainable."""
+    shared = SharedBase(toy_base(toy_dir))
+    names = list(LORAS)
+    shared.add(names[0], LORAS[names[0]])
+    shared.add("frozen", LORAS[names[1]], trainable=False)
+    for name in names[1:]:
+        shared.add(name, LORAS[name])
+    shared.remove(names[0])
+    assert all(p.requires_grad for job in names[1:] for p in shared.parameters(job))
+    assert not any(p.requires_grad for p in shared.parameters("frozen"))
+    shared.remove(names[1])
+    assert all(p.requires_grad for job in names[2:] for p in shared.parameters(job))
+    assert shared.parameters("frozen") and not any(p.requires_grad for p in shared.parameters("frozen"))
+
+
 def _flags(model) -> dict[str, bool]:
     return {n: m.training for n, m in model.named_modules()}
 
