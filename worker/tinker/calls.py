@@ -281,8 +281,13 @@ class Calls:
         self.engines.base_of[name] = base
         return name, base
 
-    def sample(self, engine: Engine, calls: list[Call], draws: list[Draw]) -> list[Reply]:
-        results = engine.sample(draws)
-        return [Reply(wire.encode_sample([(s.tokens, s.logprobs, s.stop_reason) for s in r.sequences],
+    def sample(self, engine: Engine, calls: list[Call], draws: list[Draw]) -> list[Reply | Exception]:
+        """Every draw of the calls in one batched decode; a draw whose logits went non-finite fails alone."""
+        try:
+            results = engine.sample(draws)
+        except ValueError as e:
+            raise UserError(f"asample: {e}") from None
+        return [UserError(f"asample: {r.error}") if r.error is not None else
+                Reply(wire.encode_sample([(s.tokens, s.logprobs, s.stop_reason) for s in r.sequences],
                                          r.prompt_logprobs), protobuf=True) for r in results]
 

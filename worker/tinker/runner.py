@@ -198,12 +198,13 @@ class TinkerRunner:
                 return self.fail(calls[0], e)
             for call in calls:
                 try:
-                    self.finish(call, run([call])[0])
+                    (reply,) = run([call])
                 except Exception as e:  # noqa: BLE001
-                    self.fail(call, e)
+                    reply = e
+                self.fail(call, reply) if isinstance(reply, Exception) else self.finish(call, reply)
             return
         for call, reply in zip(calls, replies):
-            self.finish(call, reply)
+            self.fail(call, reply) if isinstance(reply, Exception) else self.finish(call, reply)
 
     def finish(self, call: Call, reply: Reply) -> None:
         with self.sessions.begin() as s:
