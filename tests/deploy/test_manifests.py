@@ -213,6 +213,7 @@ def test_compose_cispo_commands_parse_with_the_real_parser():
     assert seen.get("api") == "api"
     assert seen.get("worker") == "worker"
     assert seen.get("serve") == "serve"
+    assert seen.get("tinker") == "tinker"
     api_args = parse_cispo(cispo_tail(as_argv(services["api"]["command"])))
     assert api_args.host == "0.0.0.0", "the API must listen on all interfaces inside its container"
     worker_args = parse_cispo(cispo_tail(as_argv(services["worker"]["command"])))
@@ -316,7 +317,7 @@ def test_compose_only_the_api_publishes_ports():
 
 
 def test_compose_worker_reserves_a_gpu():
-    for gpu_user in ("worker", "serve"):  # the serving worker keeps its base resident on a GPU of its own
+    for gpu_user in ("worker", "serve", "tinker"):  # serving and Tinker workers keep a base resident on a GPU
         svc = compose_services()[gpu_user]
         devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
         gpus = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
@@ -326,7 +327,7 @@ def test_compose_worker_reserves_a_gpu():
     node = compose_services()["ray-node"]["deploy"]["resources"]["reservations"]["devices"]
     assert [d["count"] for d in node if d.get("driver") == "nvidia"] == ["all"]
     for name, svc in compose_services().items():
-        if name not in ("worker", "serve", "ray-node"):
+        if name not in ("worker", "serve", "tinker", "ray-node"):
             assert "deploy" not in svc or "devices" not in str(svc["deploy"]), f"{name} reserves devices"
 
 
@@ -722,6 +723,7 @@ def test_cispo_commands_in_templates_parse_with_the_real_parser():
         ("Deployment", "api"): "api",
         ("Deployment", "worker"): "worker",
         ("Deployment", "serve"): "serve",
+        ("Deployment", "tinker"): "tinker",
         ("Job", "migrations"): "db upgrade",
     }, seen
     notes = (TEMPLATES / "NOTES.txt").read_text()
@@ -800,11 +802,12 @@ def test_worker_gets_one_gpu_and_time_to_stop():
     assert spec["terminationGracePeriodSeconds"] >= 600
     assert doc["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, "a rollout would need a spare GPU"
     assert parse_cispo(cispo_tail(c["args"])).pool == "prefork"
-    _, serve, _ = one("Deployment", "serve")  # the serving worker keeps its base resident on a GPU of its own
-    assert containers(serve)[0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert serve["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, "a rollout would need a spare GPU"
+    for resident in ("serve", "tinker"):  # serving and Tinker workers keep a base resident on a GPU of their own
+        _, doc, _ = one("Deployment", resident)
+        assert containers(doc)[0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert doc["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, "a rollout would need a spare GPU"
     for path, other, _ in manifests():
-        if other["kind"] in ("Deployment", "Job") and component_of(other) not in ("worker", "serve"):
+        if other["kind"] in ("Deployment", "Job") and component_of(other) not in ("worker", "serve", "tinker"):
             for oc in containers(other):
                 assert "nvidia.com/gpu" not in str(oc.get("resources")), f"{path.name} asks for a GPU"
 

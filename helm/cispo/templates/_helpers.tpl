@@ -105,6 +105,7 @@ CISPO_RAY_GANG_TIMEOUT_S: {{ .Values.ray.gangTimeoutS | toString | quote }}
 CISPO_WORKER_JOBS: {{ .Values.config.workerJobs | default 1 | toString | quote }}
 CISPO_PROJECT_WEIGHTS: {{ .Values.config.projectWeights | toJson | quote }}
 CISPO_WORKER_MEMORY_GIB: {{ .Values.config.workerMemoryGiB | default "" | toString | quote }}
+CISPO_TINKER_BASE_MODELS: {{ join "," .Values.tinker.baseModels | quote }}
 {{- range $key, $value := .Values.config.extraEnv }}
 {{ $key }}: {{ $value | toString | quote }}
 {{- end }}
