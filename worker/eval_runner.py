@@ -38,7 +38,7 @@ from service.storage import ObjectStore, open_store
 from worker.artifacts import download_checkpoint
 from worker.evals.intervals import mean_interval
 from worker.heartbeat import Heartbeat
-from worker.scratch import private_root
+from worker.scratch import beside_jobs
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class EvalLease:
 
 def work_dir(settings: Settings, eval_id: str) -> Path:
     """Outside the jobs' scratch root, whose sweep removes what no job lease holds."""
-    return private_root(settings.resolved_work_dir().with_name("eval-work")) / eval_id
+    return beside_jobs(settings, "eval") / eval_id
 
 
 def _results_jsonl(results: list[dict]) -> bytes:

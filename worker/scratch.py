@@ -44,6 +44,12 @@ def private_root(root: Path) -> Path:
     return private_dir(root)
 
 
+def beside_jobs(settings: Settings, name: str) -> Path:
+    """A private scratch root of its own (NAME-work) beside the jobs' work directory, whose sweep removes whatever
+    no job lease holds: evals, the serving worker and the Tinker worker keep their files here."""
+    return private_root(settings.resolved_work_dir().with_name(f"{name}-work"))
+
+
 def remove(path: Path) -> None:
     """Remove a run's directory, and its job's once no other run of it is left here."""
     shutil.rmtree(path, ignore_errors=True)

@@ -1,6 +1,6 @@
 """The Tinker SDK and tinker-cookbook, unmodified, against `cispo up`: the cookbook's math_rl recipe (arithmetic)
 trains a LoRA on the toy base through /api/v1, saves and resumes, with the sampler's and the trainer's
-log-probs in agreement."""
+log-probs in agreement; two projects' recipes at once share one resident base and not their checkpoints."""
 
 from __future__ import annotations
 
@@ -15,17 +15,30 @@ import pytest
 from tests.e2e.up import Up
 
 pytest.importorskip("tinker_cookbook.recipes.math_rl.train")
+tinker = pytest.importorskip("tinker")
 
 
-def recipe(up: Up, key: str, model: Path, log_path: Path, *, loss_fn: str, resume: bool = False,
-           max_steps: int = 3) -> subprocess.CompletedProcess:
+def start_recipe(up: Up, key: str, model: Path, log_path: Path, *, loss_fn: str, resume: bool = False,
+                 max_steps: int = 3) -> subprocess.Popen:
     env = {**up.env, "TINKER_API_KEY": f"tml-{key}", "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1"}
     args = [f"base_url=http://127.0.0.1:{up.port}", f"model_name={model}", "renderer_name=role_colon",
             "env=arithmetic", f"loss_fn={loss_fn}", "lora_rank=8", "group_size=4", "groups_per_batch=4",
             "max_tokens=5", f"max_steps={max_steps}", "eval_every=0", "save_every=2", f"log_path={log_path}",
             f"behavior_if_log_dir_exists={'resume' if resume else 'delete'}"]
-    return subprocess.run([sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", *args], env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.Popen([sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def recipe(*args, **kwargs) -> subprocess.CompletedProcess:
+    return finished(start_recipe(*args, **kwargs))
 
 
 def steps(log_path: Path) -> list[dict]:
@@ -69,3 +82,29 @@ def test_math_rl_recipe_trains_saves_and_resumes(tmp_path, toy_dir):
         again = recipe(up, key, toy_dir / "model", log_path, loss_fn="cispo", resume=True, max_steps=3)
         check_run(again, log_path, 3)
         assert "resum" in (again.stdout + again.stderr).lower()
+
+
+def test_two_projects_recipes_at_once_share_one_resident_base_and_not_their_checkpoints(tmp_path, toy_dir):
+    with Up(tmp_path, toy_dir) as up:
+        up.cli("db", "upgrade")
+        keys = {p: up.cli("keys", "create", "--project", p) for p in ("alpha", "beta")}
+        up.start()
+        logs = {p: tmp_path / p for p in keys}
+        procs = {p: start_recipe(up, keys[p], toy_dir / "model", logs[p], loss_fn=loss)
+                 for p, loss in (("alpha", "importance_sampling"), ("beta", "cispo"))}
+        runs = {p: finished(proc) for p, proc in procs.items()}
+        for p, run in runs.items():
+            check_run(run, logs[p], 3)
+        # one worker, one copy of the base: both clients' adapters were trained on it
+        assert up.log.read_text().count(f"base {toy_dir / 'model'} resident") == 1, up.log.read_text()[-3000:]
+        finals = {p: [c for c in checkpoints(logs[p]) if c.get("name") == "final"][-1] for p in keys}
+        assert finals["alpha"]["state_path"] != finals["beta"]["state_path"]
+        for reader, owner in (("alpha", "beta"), ("beta", "alpha")):
+            client = tinker.ServiceClient(base_url=f"http://127.0.0.1:{up.port}", api_key=f"tml-{keys[reader]}")
+            with pytest.raises(Exception, match="no checkpoint|not found|404"):
+                client.create_training_client_from_state(finals[owner]["state_path"]).result()
+            with pytest.raises(Exception, match="no checkpoint|not found|404"):
+                client.create_sampling_client(model_path=finals[owner]["sampler_path"]).sample(
+                    tinker.types.ModelInput.from_ints([5, 6]), 1, tinker.types.SamplingParams(max_tokens=2)).result()
+            own = client.create_training_client_from_state(finals[reader]["state_path"]).result()
+            assert own.model_id  # its own project's state loads

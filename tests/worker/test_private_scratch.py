@@ -31,5 +31,21 @@ def test_scratch_roots_are_0700_and_the_serving_channel_0600(tmp_path):
         os.umask(old)
     assert _mode(tmp_path / "shared" / "work") == 0o700 and run.is_relative_to(tmp_path / "shared" / "work")
     assert _mode(tmp_path / "shared" / "eval-work") == 0o700 and evals.parent == tmp_path / "shared" / "eval-work"
-    assert worker.scratch.parent == tmp_path / "shared" / "work"
+    assert worker.scratch == tmp_path / "shared" / "serve-work" and _mode(worker.scratch) == 0o700
     assert _mode(tmp_path / "shared" / "serve.db") == 0o600
+
+
+def test_the_jobs_sweep_leaves_the_other_workers_scratch_alone(tmp_path, database_url):
+    """The sweep removes what no job lease holds under the jobs' work directory; the Tinker and serving workers'
+    saved states and adapters on their way in or out are no job's, so they live beside it."""
+    from worker.tinker.runner import TinkerRunner
+
+    settings = Settings(home=tmp_path / "home", work_dir=tmp_path / "shared" / "work", database_url=database_url,
+                        storage_url=str(tmp_path / "objects"))
+    dead_run = scratch.make_run_dir(scratch.run_dir(settings, "ftjob-dead", 1))
+    kept = [TinkerRunner(settings, worker_id="w").scratch / "state", ServingWorker(settings, []).scratch / "adapter",
+            eval_runner.work_dir(settings, "eval-x")]
+    for path in kept:
+        path.mkdir(parents=True)
+    assert dead_run in scratch.sweep(settings)
+    assert not dead_run.exists() and all(path.is_dir() for path in kept)

@@ -17,7 +17,7 @@ import time
 from service.serving.channel import ANY_BASE, Channel, open_channel, presence_key, request_queue
 from service.settings import Settings
 from service.storage import open_store
-from worker.scratch import private_root
+from worker.scratch import beside_jobs
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class ServingWorker:
         self.settings, self.bases = settings, list(bases)
         self.channel = channel or open_channel(settings)
         self.store = open_store(settings.resolved_storage_url())
-        self.scratch = private_root(settings.resolved_work_dir()) / "serve"
+        self.scratch = beside_jobs(settings, "serve")
         self.residents: dict = {}
         self.stop = threading.Event()
         names = self.bases or [ANY_BASE]

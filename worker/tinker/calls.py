@@ -12,7 +12,9 @@ project's path is "not found", as a 404 is elsewhere.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +26,8 @@ from service.tinker import wire
 from worker.engine import AdamParams, AdapterConfig, Datum, Draw, Pass, SampleParams
 from worker.engine.engine import Engine
 from worker.engine.losses import loss_fn
+
+log = logging.getLogger(__name__)
 
 
 class UserError(Exception):
@@ -79,7 +83,9 @@ class Engines:
 
     def of_base(self, base: str) -> Engine:
         if base not in self.by_base:
+            start = time.monotonic()
             self.by_base[base] = self.load(base)
+            log.info("base %s resident (loaded in %.1f s)", base, time.monotonic() - start)
         return self.by_base[base]
 
     def of(self, name: str) -> Engine:

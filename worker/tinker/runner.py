@@ -34,7 +34,7 @@ from service.storage import open_store
 from service.storage_layout import ARCHIVE, MANIFEST, tinker_checkpoint
 from worker.artifacts import download_checkpoint, upload_tree
 from worker.engine.engine import Engine
-from worker.scratch import private_root
+from worker.scratch import beside_jobs
 from worker.tinker.calls import Call, Calls, Engines, Reply, UserError
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class TinkerRunner:
     def __init__(self, settings: Settings, *, engines: Engines | None = None, worker_id: str | None = None):
         self.sessions = session_factory(settings.resolved_database_url())
         self.store = open_store(settings.resolved_storage_url())
-        self.scratch = private_root(settings.resolved_work_dir()) / "tinker"
+        self.scratch = beside_jobs(settings, "tinker")
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.engines = engines or Engines()
         self.calls = Calls(self.engines, StoredCheckpoints(self))
