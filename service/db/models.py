@@ -345,6 +345,8 @@ class TinkerModel(Base):
     held_at: Mapped[int | None] = mapped_column(BigInteger)  # that runner's last renewal: a stale hold is a dead one
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     released_at: Mapped[int | None] = mapped_column(BigInteger)
+    # The fine-tuned model its sampler weights are (a job of method "tinker"), from its first save on.
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("job.id", ondelete="SET NULL"))
 
 
 class TinkerSampler(Base):

@@ -24,8 +24,10 @@ from sqlalchemy import and_, delete, exists, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
-from service.db.models import Project, TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler, TinkerSession, now
+from service.db.models import (Checkpoint, Job, Project, TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler,
+                               TinkerSession, now)
 from service.repositories.inserts import upsert
+from service.repositories.jobs import add_event
 
 GAP_GRACE_S = 2.0
 # A runner renews its holds every few seconds (renew_holds); one not renewed for this long is a dead runner's,
@@ -231,6 +233,40 @@ def record_checkpoint(session: Session, *, path: str, project_id: str, model_id:
     upsert(session, TinkerCheckpoint, [{"path": path, "project_id": project_id, "model_id": model_id, "kind": kind,
                                         "storage_key": storage_key, "created_at": now(), "expires_at": expires_at}],
            keys=["path"])
+
+
+def publish_sampler_weights(session: Session, model_id: str, *, path: str, storage_key: str, files: dict,
+                            lora: dict, step: int) -> Checkpoint:
+    """The runner, after a save_weights_for_sampler: the training client's adapter is an ordinary fine-tuned
+    model of its project (a succeeded job of method "tinker", suffix "tinker"), these weights its checkpoint at
+    `step` (the optimizer steps behind them), so /v1/models, chat.completions, evals and checkpoint downloads
+    take it as they take a job's. A later save at another step is a further checkpoint (the latest is the
+    model); one at the same step replaces it."""
+    model = session.scalar(select(TinkerModel).where(TinkerModel.id == model_id))
+    job = model.job_id and session.scalar(select(Job).where(Job.id == model.job_id))
+    t = now()
+    if job is None or job.model_deleted_at is not None:  # a deleted model's later saves are a model anew
+        job = Job(project_id=model.project_id, status="succeeded", model=model.base_model, training_file="",
+                  spec={"model": model.base_model, "lora": lora},
+                  method={"type": "tinker", "tinker": {"model_id": model.id, "lora_config": model.lora_config}},
+                  seed=int((model.lora_config or {}).get("seed") or 0), suffix="tinker", total_steps=0,
+                  started_at=model.created_at, finished_at=t, webhooks_enqueued_at=t)
+        session.add(job)
+        session.flush()
+        model.job_id = job.id
+        add_event(session, job.id, f"Tinker training client {model.id}: its weights saved for sampling are "
+                  "this fine-tuned model's checkpoints")
+    checkpoint = session.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == step))
+    if checkpoint is None:
+        checkpoint = Checkpoint(job_id=job.id, step=step)
+        session.add(checkpoint)
+    checkpoint.created_at, checkpoint.storage_prefix, checkpoint.files = t, storage_key, files
+    checkpoint.metrics = {"tinker_path": path}
+    job.steps_done = job.total_steps = step
+    job.finished_at = t
+    add_event(session, job.id, f"Checkpoint at step {step}: {path}", data={"step": step, "path": path})
+    session.flush()
+    return checkpoint
 
 
 def resolve_checkpoint(session: Session, project_id: str, path: str, *, now_s: float | None = None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_service_flow import upload
 from tests.e2e.up import Up
 
 pytest.importorskip("tinker_cookbook.recipes.math_rl.train")
@@ -69,6 +70,69 @@ def trim_final(log_path: Path) -> None:
     (log_path / "checkpoints.jsonl").write_text("".join(json.dumps(c) + "\n" for c in kept))
 
 
+def tinker_models(http) -> dict[str, list[dict]]:
+    """The project's Tinker-trained fine-tuned models: {model id: its checkpoints}."""
+    out = {}
+    for model in http.get("/models").json()["data"]:
+        if ":tinker:" in model["id"]:
+            job_id = model["id"].rsplit(":", 1)[-1]
+            job = http.get(f"/fine_tuning/jobs/{job_id}").json()
+            assert (job["status"], job["method"]["type"], job["fine_tuned_model"]) == ("succeeded", "tinker",
+                                                                                      model["id"])
+            out[model["id"]] = http.get(f"/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+    return out
+
+
+def is_a_fine_tuned_model(up: Up, key: str, toy_dir: Path, recipe_sampler_path: str, download: Path) -> None:
+    """A client's sampler weights are one of its project's fine-tuned models, as a job's adapter is: listed,
+    chatted with through the serving worker, evaluated, and downloaded as a PEFT adapter that answers as the
+    served model does."""
+    from safetensors.torch import load_file
+
+    from tests.worker.serving.served import local_greedy
+
+    http = up.client(key)
+    # The recipe's rewards were all equal on the toy base (nothing trained): train one that answers otherwise.
+    service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{up.port}", api_key=f"tml-{key}")
+    training = service.create_lora_training_client(base_model=str(toy_dir / "model"), rank=4, seed=0).result()
+    datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(list(range(5, 25))),
+                               loss_fn_inputs={"target_tokens": list(range(6, 26)), "weights": [1.0] * 20})
+    for _ in range(5):
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(tinker.types.AdamParams(learning_rate=0.05)).result()
+    sampler_path = training.save_weights_for_sampler("chat").result().path
+    models = tinker_models(http)
+    assert len(models) == 2, models
+    by_path = {c["metrics"]["tinker_path"]: (model, c) for model, ckpts in models.items() for c in ckpts}
+    assert recipe_sampler_path in by_path
+    model, latest = by_path[sampler_path]
+    assert latest["step_number"] == 5  # the optimizer steps behind the weights
+    adapter = download / "adapter"
+    adapter.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        r = http.get(f"/fine_tuning/jobs/{latest['fine_tuning_job_id']}/checkpoints/{latest['id']}/files/"
+                     f"adapter/{name}")
+        assert r.status_code == 200, r.text
+        (adapter / name).write_bytes(r.content)
+    assert any(t.abs().sum() > 0 for n, t in load_file(adapter / "adapter_model.safetensors").items()
+               if "lora_B" in n), "the adapter never trained"
+    chat = [{"role": "user", "content": "Say abc"}]
+    expected = local_greedy(toy_dir / "model", adapter, chat, 6)
+    assert expected["text"] != local_greedy(toy_dir / "model", None, chat, 6)["text"]  # the adapter matters
+    r = http.post("/chat/completions", json={"model": model, "messages": chat, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == expected["text"]
+    file_id = upload(http, toy_dir / "val.jsonl", "val.jsonl")
+    r = http.post("/evals", json={"model": model, "file": file_id, "max_rows": 4,
+                                  "reward": {"type": "exact_match", "field": "answer"},
+                                  "sampling": {"max_output_tokens": 4, "max_model_len": 64}})
+    assert r.status_code == 200, r.text
+    up.wait_for(lambda: http.get(f"/evals/{r.json()['id']}").json()["status"] in ("succeeded", "failed"),
+                "the eval of the Tinker-trained model")
+    run = http.get(f"/evals/{r.json()['id']}").json()
+    assert run["status"] == "succeeded" and run["result"]["n"] == 4, run
+
+
 def test_math_rl_recipe_trains_saves_and_resumes(tmp_path, toy_dir):
     with Up(tmp_path, toy_dir) as up:
         up.cli("db", "upgrade")
@@ -78,6 +142,8 @@ def test_math_rl_recipe_trains_saves_and_resumes(tmp_path, toy_dir):
         first = recipe(up, key, toy_dir / "model", log_path, loss_fn="importance_sampling")
         check_run(first, log_path, 3)
         assert any(c.get("name") == "000002" for c in checkpoints(log_path))  # save_every=2
+        final = [c for c in checkpoints(log_path) if c.get("name") == "final"][-1]
+        is_a_fine_tuned_model(up, key, toy_dir, final["sampler_path"], tmp_path / "download")
         trim_final(log_path)
         again = recipe(up, key, toy_dir / "model", log_path, loss_fn="cispo", resume=True, max_steps=3)
         check_run(again, log_path, 3)

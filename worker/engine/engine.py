@@ -162,6 +162,12 @@ class Engine:
         opt.zero_grad(set_to_none=True)
         return {"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate}
 
+    def steps_taken(self, adapter_id: str) -> int:
+        """The optimizer steps behind the adapter's weights (a state loaded with its optimizer counts on)."""
+        opt = self.optimizers.get(adapter_id)
+        steps = [float(st["step"]) for st in opt.state.values() if "step" in st] if opt is not None else []
+        return int(max(steps, default=0))
+
     # state
 
     def save_state(self, adapter_id: str, directory: str | Path) -> None:

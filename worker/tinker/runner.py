@@ -33,7 +33,7 @@ from service.settings import Settings
 from service.storage import open_store
 from service.storage_layout import ARCHIVE, MANIFEST, tinker_checkpoint
 from worker.artifacts import download_checkpoint, upload_tree
-from worker.engine.engine import Engine
+from worker.engine.engine import Engine, lora_spec
 from worker.scratch import beside_jobs
 from worker.tinker.calls import Call, Calls, Engines, Reply, UserError
 
@@ -62,13 +62,17 @@ class StoredCheckpoints:
         local = Path(tempfile.mkdtemp(dir=self.runner.scratch)) / "state"
         try:
             engine.save_state(model_id, local)
-            upload_tree(self.runner.store, prefix, local, ARCHIVE)
+            files = upload_tree(self.runner.store, prefix, local, ARCHIVE)
         finally:
             shutil.rmtree(local.parent, ignore_errors=True)
         ttl = call.json().get("ttl_seconds")
         with self.runner.sessions.begin() as s:
             requests.record_checkpoint(s, path=path, project_id=call.project_id, model_id=model_id, kind=kind,
                                        storage_key=prefix, expires_at=int(time.time() + ttl) if ttl else None)
+            if kind == "sampler_weights":
+                requests.publish_sampler_weights(s, model_id, path=path, storage_key=prefix, files=files,
+                                                 lora=lora_spec(engine.configs[model_id]).model_dump(mode="json"),
+                                                 step=engine.steps_taken(model_id))
         return path
 
     def fetch(self, project_id: str, path: str) -> tuple[Path, str]:

@@ -270,3 +270,41 @@ def test_an_ended_request_keeps_its_result_not_its_body_and_goes_after_the_reten
         s.commit()
         assert repo.get_request(s, project_id, ended) is None
         assert repo.get_request(s, project_id, late).state == "pending"  # open requests stay
+
+
+def _publish(url: str, model_id: str, step: int, name: str = "v") -> tuple[str, str]:
+    with session_factory(url)() as s:
+        ckpt = repo.publish_sampler_weights(s, model_id, path=f"tinker://{model_id}/sampler_weights/{name}",
+                                            storage_key=f"tinker/p/{name}", files={"adapter/a": {"sha256": name}},
+                                            lora={"r": 4, "alpha": 8.0, "target_modules": ["q_proj"]}, step=step)
+        s.commit()
+        return ckpt.job_id, ckpt.id
+
+
+def test_sampler_weights_are_a_fine_tuned_model_of_the_project_with_a_checkpoint_per_step(database_url):
+    from service.models import fine_tuned
+    from service.models.start import resolve
+    from service.repositories import fine_tuned_models, jobs
+
+    project_id, beta = _project(database_url), _project(database_url, "beta")
+    _, model_id = _model(database_url, project_id)
+    job_id, first = _publish(database_url, model_id, 3, "a")
+    assert _publish(database_url, model_id, 5, "b")[0] == job_id  # one model per training client
+    again_job, again = _publish(database_url, model_id, 5, "c")  # the same step saved again replaces it
+    assert again_job == job_id
+    with session_factory(database_url)() as s:
+        job = fine_tuned_models.get(s, project_id, job_id)
+        assert (job.status, job.method["type"], job.steps_done, job.model) == ("succeeded", "tinker", 5, "base")
+        name = fine_tuned.model_id(job, "alpha")
+        assert name == f"ft:base:alpha:tinker:{job_id}"
+        assert sorted(c.step for c in jobs.checkpoints(s, job_id, after=None, limit=10).items) == [3, 5]
+        assert jobs.checkpoint_at_step(s, job_id, 3).id == first
+        latest = jobs.latest_checkpoint(s, job_id)
+        assert (latest.id, latest.storage_prefix, latest.metrics["tinker_path"]) == (
+            again, "tinker/p/c", f"tinker://{model_id}/sampler_weights/c")
+        start = resolve(s, project_id, name)  # what chat, evals and new jobs start from
+        assert (start.checkpoint_id, start.base_model, start.lora["r"]) == (again, "base", 4)
+        assert fine_tuned_models.get(s, beta, job_id) is None  # not another project's
+        fine_tuned_models.retire(s, job)
+        s.commit()
+    assert _publish(database_url, model_id, 6, "d")[0] != job_id  # a deleted model's later save is a new model

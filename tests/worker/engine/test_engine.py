@@ -97,15 +97,19 @@ def test_saved_state_resumes_exactly(toy_dir, tmp_path):
     assert metrics["grad_norm:mean"] > 0
     first.save_state("one", tmp_path / "state")
     _step(first, 5)
+    assert first.steps_taken("one") == 2
 
     resumed = Engine.load(toy_dir / "model")
     resumed.load_state("one", tmp_path / "state")
+    assert resumed.steps_taken("one") == 1  # the steps behind the saved weights count on
     _step(resumed, 5)
+    assert resumed.steps_taken("one") == 2
     for x, y in zip(first.shared.parameters("one"), resumed.shared.parameters("one"), strict=True):
         assert torch.equal(x, y)
     # without the optimizer state the step differs (so the equality above is the moments' doing)
     fresh = Engine.load(toy_dir / "model")
     fresh.load_state("one", tmp_path / "state", optimizer=False)
+    assert fresh.steps_taken("one") == 0
     _step(fresh, 5)
     assert any(not torch.equal(x, y) for x, y in zip(first.shared.parameters("one"), fresh.shared.parameters("one")))
 

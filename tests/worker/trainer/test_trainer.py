@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from service.job_spec.spec import JobSpec
 from tests.specs import job_spec, small_spec
-from tests.worker.trainer.learning import learning_gains
+from tests.worker.trainer.learning import learning_gains, one_thread
 from worker.checkpoint import CheckpointError, checkpoint_name, latest_checkpoint
 from worker.toy.__main__ import toy_spec
 from worker.trainer.loop import Trainer, train
@@ -256,7 +256,8 @@ def test_cispo_learns_the_toy_task(toy_dir, tmp_path):
             def should_stop(self):
                 return False
 
-        result = train(spec, tmp_path / str(seed), callbacks=Collect(0))
+        with one_thread():
+            result = train(spec, tmp_path / str(seed), callbacks=Collect(0))
         gain, eval_gain = learning_gains(f"seed {seed}", rewards, result)
         gains.append(gain)
         eval_gains.append(eval_gain)
