@@ -142,6 +142,11 @@ class Settings(BaseSettings):
     serve_adapters_cached: int = Field(8, ge=1, description="LoRA adapters a serving worker keeps loaded on "
                                        "its resident base (least recently used are dropped).")
     serve_max_tokens: int = Field(4096, ge=1, description="The most tokens one completion may ask for.")
+    serve_max_waiting: int = Field(256, ge=1, description="Chat and completion requests one API process waits on "
+                                   "serving workers for at once, each on a thread of a pool of their own (not the "
+                                   "API's: waiting chats never slow its other routes); one more is a 429.")
+    serve_max_waiting_per_project: int = Field(64, ge=1, description="Of those, the most one project may hold; "
+                                               "one more is a 429 (code serving_quota_exceeded).")
     tracking_file_roots: str = Field("", description="Comma-separated directories under which a job's mlflow "
                                      "integration may name a file: store; empty: only http(s) servers.")
     wandb_entities: str = Field("", description="Comma-separated W&B entities a job's wandb integration may "

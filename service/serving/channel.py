@@ -31,6 +31,12 @@ def presence_key(base: str) -> str:
     return f"{PREFIX}:alive:{_slug(base)}"
 
 
+def cancel_key(reply: str) -> str:
+    """Set (as a presence mark) when the caller of the request answered on `reply` hung up: the worker stops
+    decoding it at its next token."""
+    return f"{reply}:cancel"
+
+
 def _slug(base: str) -> str:
     # A hash, not the name: base names are paths or hub ids of any length and alphabet.
     return "any" if base == ANY_BASE else hashlib.sha256(base.encode()).hexdigest()[:24]

@@ -72,6 +72,8 @@ DEFAULTS_SUFFICE = {
     "serve_reply_timeout_s": "5 min between a serving worker's messages",
     "serve_adapters_cached": "8 adapters loaded per serving worker",
     "serve_max_tokens": "4096 tokens per completion",
+    "serve_max_waiting": "256 chat requests waiting per API process, on threads of their own",
+    "serve_max_waiting_per_project": "64 of them per project",
     "tinker_max_body_bytes": "16 MiB per Tinker request body (the SDK sends up to about 5 MB)",
     "tinker_session_timeout_s": "a Tinker session ends 120 s after its last heartbeat",
     "tinker_poll_hold_s": "a future's poll is held 25 s",

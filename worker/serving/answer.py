@@ -20,15 +20,23 @@ class Refused(ValueError):
         self.param = param
 
 
-def answer(resident: ResidentModel, request: dict, send: Callable[..., None]) -> None:
+class Cancelled(Exception):
+    """The caller hung up: nothing more of this request is decoded."""
+
+
+def answer(resident: ResidentModel, request: dict, send: Callable[..., None],
+           cancelled: Callable[[], bool] = lambda: False) -> int:
+    """Decode the request's choices one token at a time, looking before each token whether its caller is gone;
+    returns the tokens decoded. Raises Cancelled (after the tokens so far) when it is."""
     sampling, prompts = request["sampling"], request["prompts"]
     try:
         encoded, max_new = _encode(resident, prompts, sampling["max_tokens"], asked=sampling["max_tokens_asked"])
     except Refused as e:
         send(type="error", status=400, message=str(e), param=e.param, code="context_length_exceeded")
-        return
+        return 0
     n, tok = sampling["n"], resident.tokenizer
     send(type="start", prompt_tokens=sum(map(len, encoded)), choices=len(encoded) * n)
+    decoded = 0
     with resident.weights(request["target"]["checkpoint"]) as model:
         for p, ids in enumerate(encoded):
             for j in range(n):
@@ -38,7 +46,10 @@ def answer(resident: ResidentModel, request: dict, send: Callable[..., None]) ->
                 for token in stream_tokens(model, ids, max_new=max_new,
                                            temperature=sampling["temperature"], top_p=sampling["top_p"],
                                            seed=seed, eos_id=tok.eos_token_id, device=resident.device):
+                    if cancelled():
+                        raise Cancelled(f"after {decoded} tokens")
                     count += 1
+                    decoded += 1
                     if token == tok.eos_token_id:
                         reason = "stop"
                         break
@@ -50,6 +61,7 @@ def answer(resident: ResidentModel, request: dict, send: Callable[..., None]) ->
                 if not deltas.stopped and (rest := deltas.flush()):
                     send(type="delta", index=index, text=rest)
                 send(type="finish", index=index, reason=reason, tokens=count)
+    return decoded
 
 
 def _encode(resident: ResidentModel, prompts: list[dict], max_tokens: int, *, asked: bool

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 
-from service.serving.channel import ANY_BASE, Channel, open_channel, presence_key, request_queue
+from service.serving.channel import ANY_BASE, Channel, cancel_key, open_channel, presence_key, request_queue
 from service.settings import Settings
 from service.storage import open_store
 from worker.scratch import beside_jobs
@@ -80,10 +80,14 @@ class ServingWorker:
             log.warning("serving: dropped a request whose caller gave up waiting for a worker")
             return
         send(type="accepted")
-        try:
-            from worker.serving.answer import answer
+        from worker.serving.answer import Cancelled, answer
 
-            answer(self._resident(request["target"]["base"]), request, send)
+        try:
+            answer(self._resident(request["target"]["base"]), request, send,
+                   cancelled=lambda: self.channel.alive(cancel_key(reply)))
+        except Cancelled as e:
+            log.info("serving: %s: its caller hung up; stopped %s", reply, e)
+            return
         except Exception as e:
             log.exception("serving: request failed")
             send(type="error", status=500, message=f"the serving worker failed: {type(e).__name__}: {e}",

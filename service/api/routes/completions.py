@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 
 from anyio import to_thread
 from fastapi import APIRouter, Request
@@ -21,7 +22,8 @@ from service.api import json_body
 from service.api.deps import PrincipalDep
 from service.errors import InvalidRequest, ServiceError
 from service.serving import dispatch, requests, targets
-from service.serving.channel import Channel, open_channel
+from service.serving.channel import Channel, cancel_key, open_channel
+from service.serving.waits import ServingWaits
 from service.serving.replies import CHAT, DONE, TEXT, Reply, sse
 
 log = logging.getLogger(__name__)
@@ -49,16 +51,24 @@ async def _serve(request: Request, who, kind: type, obj: str):
     target = await to_thread.run_sync(_resolve, request.app, who.project_id, parsed.model)
     if (leave := getattr(request.state, "leave_admission", None)) is not None:
         leave()  # from here on it waits on a worker and holds no database connection
-    channel = _channel(request.app)
+    channel, waits = _channel(request.app), _waits(request.app)
     message = {"target": target.wire(), "prompts": requests.prompts(parsed), "sampling": requests.sampling(parsed),
                "project_id": who.project_id}
-    messages = await to_thread.run_sync(_first_reply, channel, settings, target.base, message)
-    reply = Reply(obj, parsed.model)
-    if not parsed.stream:
-        return JSONResponse(await to_thread.run_sync(reply.whole, messages))
+    waits.hold(who.project_id)
+    streaming = False
+    try:
+        reply_key = await waits.run(dispatch.send, channel, settings, target.base, message)
+        messages = await waits.run(_first_reply, channel, settings, reply_key)
+        reply = Reply(obj, parsed.model)
+        if not parsed.stream:
+            return JSONResponse(await waits.run(reply.whole, messages))
+        streaming = True  # the stream gives the place back when it ends
+    finally:
+        if not streaming:
+            waits.release(who.project_id)
     include_usage = bool((parsed.stream_options or {}).get("include_usage"))
-    return StreamingResponse(_events(reply, messages, include_usage), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    return _Stream(reply, messages, include_usage, waits, who.project_id,
+                   lambda: _cancel(channel, settings, reply_key))
 
 
 def _resolve(app, project_id: str, model: str) -> targets.Target:
@@ -72,9 +82,15 @@ def _channel(app) -> Channel:
     return app.state.serve_channel
 
 
-def _first_reply(channel: Channel, settings, base: str, message: dict):
-    """Sent and answered up to the worker's first word (start or error), so a refusal is a plain HTTP error."""
-    reply_key = dispatch.send(channel, settings, base, message)
+def _waits(app) -> ServingWaits:
+    if getattr(app.state, "serving_waits", None) is None:
+        settings = app.state.settings
+        app.state.serving_waits = ServingWaits(settings.serve_max_waiting, settings.serve_max_waiting_per_project)
+    return app.state.serving_waits
+
+
+def _first_reply(channel: Channel, settings, reply_key: str):
+    """Answered up to the worker's first word (start or error), so a refusal is a plain HTTP error."""
     messages = dispatch.replies(channel, settings, reply_key)
     first = next(messages, None)
     if first is None:  # ended before a word: only a worker that broke its protocol does that
@@ -82,13 +98,43 @@ def _first_reply(channel: Channel, settings, base: str, message: dict):
     return itertools.chain([first], messages)
 
 
-def _events(reply: Reply, messages, include_usage: bool):
-    # A plain generator: Starlette runs it in the threadpool, where the channel's blocking reads belong.
-    try:
-        for chunk in reply.chunks(messages, include_usage=include_usage):
-            yield sse(chunk)
-    except ServiceError as e:  # the worker failed or went silent mid-stream: OpenAI's in-stream error
-        log.warning("serving stream %s ended early: %s", reply.id, e.message)
-        yield sse({"error": {"message": e.message, "type": "server_error", "param": e.param, "code": e.code}})
-        return
-    yield DONE
+def _cancel(channel: Channel, settings, reply_key: str) -> None:
+    """Tell the worker the caller is gone, from a thread: the request's own task is being cancelled."""
+    def mark() -> None:
+        try:
+            channel.mark_alive(cancel_key(reply_key), settings.serve_reply_timeout_s)
+        except Exception:
+            log.exception("serving: could not cancel %s", reply_key)
+
+    threading.Thread(target=mark, daemon=True, name="serve-cancel").start()
+
+
+class _Stream(StreamingResponse):
+    """The reply as server-sent events, each read on a serving thread. However the response ends its place is
+    given back; if the client hung up first (Starlette cancels the response), the worker is told to stop."""
+
+    def __init__(self, reply: Reply, messages, include_usage: bool, waits: ServingWaits, project_id: str, cancel):
+        super().__init__(self._events(reply, messages, include_usage), media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.waits, self.project_id, self.cancel, self.ended = waits, project_id, cancel, False
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.waits.release(self.project_id)
+            if not self.ended:
+                self.cancel()
+
+    async def _events(self, reply: Reply, messages, include_usage: bool):
+        chunks = reply.chunks(messages, include_usage=include_usage)
+        try:
+            while (chunk := await self.waits.run(next, chunks, None)) is not None:
+                yield sse(chunk)
+        except ServiceError as e:  # the worker failed or went silent mid-stream: OpenAI's in-stream error
+            log.warning("serving stream %s ended early: %s", reply.id, e.message)
+            self.ended = True
+            yield sse({"error": {"message": e.message, "type": "server_error", "param": e.param, "code": e.code}})
+            return
+        self.ended = True
+        yield DONE

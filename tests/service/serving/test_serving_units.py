@@ -7,8 +7,10 @@ import time
 
 import pytest
 
+from service.errors import TooManyRequests
 from service.serving.channel import SqliteChannel, presence_key, request_queue
 from service.serving.replies import CHAT, Reply
+from service.serving.waits import ServingWaits
 from worker.serving.stream import TextDeltas
 
 
@@ -81,3 +83,20 @@ def test_usage_sums_every_choice():
                          {"type": "finish", "index": 1, "reason": "length", "tokens": 3}])
     assert [c["message"]["content"] for c in whole["choices"]] == ["a", "b"]
     assert whole["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+
+
+def test_a_project_holds_at_most_its_share_of_the_serving_waits_and_all_at_most_the_total():
+    waits = ServingWaits(total=5, per_project=3)
+    for _ in range(3):
+        waits.hold("alpha")
+    with pytest.raises(TooManyRequests) as refused:
+        waits.hold("alpha")
+    assert refused.value.code == "serving_quota_exceeded" and "CISPO_SERVE_MAX_WAITING_PER_PROJECT" in str(refused.value)
+    waits.hold("beta")  # another tenant still has room
+    waits.hold("beta")
+    with pytest.raises(TooManyRequests) as busy:
+        waits.hold("gamma")
+    assert busy.value.code == "serving_busy"
+    waits.release("alpha")
+    waits.hold("gamma")  # a place given back is taken again
+    assert dict(waits.held) == {"alpha": 2, "beta": 2, "gamma": 1}

@@ -14,7 +14,7 @@ from service.serving import requests
 from service.serving.targets import Target
 from service.storage import LocalStore
 from worker.artifacts import upload_checkpoint
-from worker.serving.answer import answer
+from worker.serving.answer import Cancelled, answer
 from worker.serving.engine import ResidentModel
 
 from tests.worker.serving.served import local_greedy, random_adapter_checkpoint
@@ -62,3 +62,23 @@ def test_alternating_requests_are_answered_by_the_adapter_each_names(toy_dir, ch
     for key in order:
         assert _served(resident, base, found[key][0]) == expected[key], key
     assert len(resident.adapters) == min(cached, len(found))
+
+
+def test_a_request_whose_caller_hung_up_stops_at_the_next_token(toy_dir, checkpoints):
+    store, root, found = checkpoints
+    resident = ResidentModel(str(toy_dir / "model"), store=store, scratch=root / "scratch-cancel", max_adapters=1)
+    parsed = requests.parse(requests.ChatRequest, {"model": "ft:any", "messages": CHAT, "max_tokens": 50, "n": 3,
+                                                   "temperature": 1, "seed": 1})
+    message = {"target": Target(str(toy_dir / "model"), found["alpha", 1][0]).wire(),
+               "prompts": requests.prompts(parsed), "sampling": requests.sampling(parsed)}
+    looks = []
+
+    def cancelled() -> bool:  # the caller hangs up after the 3rd token
+        looks.append(1)
+        return len(looks) > 3
+
+    sent = []
+    with pytest.raises(Cancelled, match="after 3 tokens"):
+        answer(resident, message, lambda **m: sent.append(m), cancelled=cancelled)
+    assert len(looks) == 4  # one look per token: nothing more was decoded once it was gone
+    assert not [m for m in sent if m["type"] == "finish" and m["index"] > 0]  # no further choice was begun

@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -32,9 +33,9 @@ ACCEPT_TIMEOUT_S = 8
 
 
 class Served:
-    def __init__(self, api, model_dir, ft_model, checkpoints, other_key):
+    def __init__(self, api, model_dir, ft_model, checkpoints, other_key, log):
         self.api, self.model_dir, self.ft_model, self.checkpoints = api, model_dir, ft_model, checkpoints
-        self.other_key = other_key
+        self.other_key, self.log = other_key, log
 
     def sdk(self, key: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(api_key=key or self.api.key, base_url=f"{self.api.base}/v1", max_retries=0, timeout=120)
@@ -74,7 +75,8 @@ def served(tmp_path_factory, toy_dir):
                 assert worker.poll() is None, (root / "serve.log").read_text()
                 assert time.monotonic() < deadline, "the serving worker did not come up"
                 time.sleep(0.2)
-            yield Served(api, model_dir, ft_model, {step: (ids[step], local[step]) for step in ids}, other_key)
+            yield Served(api, model_dir, ft_model, {step: (ids[step], local[step]) for step in ids}, other_key,
+                         root / "serve.log")
         finally:
             worker.send_signal(signal.SIGTERM)
             try:
@@ -258,3 +260,57 @@ def test_a_worker_that_never_takes_the_request_is_a_503_after_the_accept_timeout
     assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
     assert "within" in r.json()["error"]["message"]
     assert ACCEPT_TIMEOUT_S <= time.monotonic() - started < ACCEPT_TIMEOUT_S + 10
+
+
+def test_an_abandoned_stream_stops_decoding_at_its_next_token(served):
+    """A client that reads the first chunk of a long stream and hangs up: the worker stops decoding it (one look
+    at the cancel mark per token) instead of decoding every choice to its end for nobody."""
+    seen = served.log.read_text().count("its caller hung up")
+    body = {"model": served.ft_model, "prompt": "a", "max_tokens": 200, "n": 8, "temperature": 1.0, "seed": 3,
+            "stream": True}
+    with httpx.Client(base_url=served.api.base, headers={"Authorization": f"Bearer {served.api.key}"},
+                      timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first chunk, then the connection closes
+    deadline = time.monotonic() + 30
+    while served.log.read_text().count("its caller hung up") == seen:
+        assert time.monotonic() < deadline, served.log.read_text()[-2000:]
+        time.sleep(0.1)
+    stopped = served.log.read_text().split("its caller hung up; stopped after ")[-1].split(" tokens")[0]
+    assert int(stopped) < 8 * 200
+    r = served.sdk().completions.create(model=served.ft_model, prompt="a", max_tokens=3, temperature=0)
+    assert r.choices[0].text is not None  # the worker goes on serving
+
+
+def test_waiting_chats_hold_no_api_thread_and_one_project_holds_at_most_its_share(served):
+    """More chats than the API has threads (40), all waiting on a worker that never takes them: another
+    tenant's job list still answers at once, one project's waits stop at its cap (64, then 429), and another
+    project may still wait."""
+    redis.Redis.from_url(REDIS_TEST_URL).set(presence_key(UNSERVED_BASE), "1", ex=60)
+    results: list[httpx.Response] = []
+
+    def chat(key: str) -> None:
+        with httpx.Client(base_url=served.api.base, headers={"Authorization": f"Bearer {key}"}, timeout=60) as h:
+            results.append(h.post("/v1/chat/completions", json={"model": UNSERVED_BASE, "messages": CHAT}))
+
+    threads = [threading.Thread(target=chat, args=(served.api.key,)) for _ in range(70)]
+    for t in threads:
+        t.start()
+    time.sleep(2)  # all of them sent and waiting
+    other = threading.Thread(target=chat, args=(served.other_key,))
+    other.start()
+    with httpx.Client(base_url=served.api.base, headers={"Authorization": f"Bearer {served.other_key}"},
+                      timeout=60) as http:
+        took = []
+        for _ in range(5):
+            started = time.monotonic()
+            assert http.get("/v1/fine_tuning/jobs").status_code == 200
+            took.append(time.monotonic() - started)
+    for t in threads + [other]:
+        t.join(60)
+    assert max(took) < 2.0, took  # not behind the waits (an API thread each: about the accept timeout)
+    codes = sorted(r.status_code for r in results)
+    refused = [r for r in results if r.status_code == 429]
+    assert codes.count(503) == 64 + 1 and len(refused) == 70 - 64, codes  # the other project waited its turn
+    assert refused[0].json()["error"]["code"] == "serving_quota_exceeded" and int(refused[0].headers["retry-after"]) >= 1
