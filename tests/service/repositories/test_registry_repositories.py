@@ -11,15 +11,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Environment, Job, RewardFunction
 from service.db.session import session_factory
-from service.repositories import environments, health, jobs, projects, reward_functions
-
-
-@pytest.fixture
-def two_projects(database_url):
-    sessions = session_factory(database_url)
-    with sessions.begin() as s:
-        own, other = (projects.get_or_create_project(s, name).id for name in ("own", "other"))
-    return sessions, own, other
+from service.repositories import environments, health, jobs, reward_functions
 
 
 @pytest.mark.parametrize("repo, model, prefix", [(reward_functions, RewardFunction, "rwfn-"),

@@ -12,22 +12,14 @@ from worker.engine.engine import Engine, lora_spec
 from worker.engine.types import AdamParams, AdapterConfig, Datum, Pass
 from worker.model.policy import lora_config
 
+from tests.worker.engine.engines import engine_with
 from tests.worker.multi.conftest import toy_base
 
 TOL = 1e-5
 
 
 def _engine(toy_dir, **configs) -> Engine:
-    """An engine with the given adapters, B moved off zero so that each changes what the base computes."""
-    engine = Engine.load(toy_dir / "model")
-    for name, config in configs.items():
-        engine.create(name, config)
-        with torch.no_grad():
-            torch.manual_seed(config.seed + 1)
-            for n, p in engine.shared.model.named_parameters():
-                if f"lora_B.{name}." in n:
-                    p.normal_(0, 0.3)
-    return engine
+    return engine_with(toy_dir, configs)
 
 
 CONFIGS = {"one": AdapterConfig(rank=4, seed=1), "two": AdapterConfig(rank=2, seed=2, train_mlp=False, alpha=8.0),

@@ -13,6 +13,7 @@ from worker.engine.engine import Engine, lora_spec
 from worker.engine.types import AdamParams, AdapterConfig, Datum, Draw, Pass, SampleParams
 from worker.model.policy import lora_config
 
+from tests.worker.engine.engines import engine_with
 from tests.worker.multi.conftest import toy_base
 
 TOL = 1e-4
@@ -24,15 +25,7 @@ OTHER = [1, 33, 43, 34, 41]  # "<s>3-4="
 @pytest.fixture
 def engine(toy_dir) -> Engine:
     """Both adapters, B far from zero: each samples long sequences, unlike the base and unlike each other."""
-    engine = Engine.load(toy_dir / "model")
-    for name, config in CONFIGS.items():
-        engine.create(name, config)
-        with torch.no_grad():
-            torch.manual_seed(config.seed + 1)
-            for n, p in engine.shared.model.named_parameters():
-                if f"lora_B.{name}." in n:
-                    p.normal_(0, 1.0)
-    return engine
+    return engine_with(toy_dir, CONFIGS, b_std=1.0)
 
 
 def _draw(source, prompt=PROMPT, n=1, **params) -> Draw:
