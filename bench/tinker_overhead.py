@@ -1,7 +1,7 @@
 """What the Tinker API adds to a training step: the engine's forward_backward + optim_step in process against
 the same calls through HTTP, driven by the real `tinker` SDK, on the tiny model and on SmolLM2-135M-Instruct.
 
-    .venv/bin/python bench/tinker_overhead.py                          # both models, ~3 min on 2 busy cores
+    .venv/bin/python bench/tinker_overhead.py                          # both models, ~5 min on 2 busy cores
     .venv/bin/python bench/tinker_overhead.py --models tiny --steps 20
     .venv/bin/python bench/tinker_overhead.py --models real --real-model runs/SmolLM2-135M-Instruct
     .venv/bin/python bench/tinker_overhead.py --database postgresql    # a fresh database on the local server
