@@ -39,9 +39,10 @@ from worker.tinker.calls import Call, Calls, Engines, Reply, UserError
 
 log = logging.getLogger(__name__)
 
-# The wait between polls grows from POLL_MIN_S while the queue stays empty to POLL_MAX_S: a busy client's
-# next request waits little, an idle worker costs the database a few queries a second.
-POLL_MIN_S, POLL_MAX_S = 0.01, 0.5
+# The wait between polls is POLL_MIN_S for HOT_S after the last request ran (a training loop's next call comes
+# a round trip after its last result: tens of ms), then doubles while the queue stays empty up to POLL_MAX_S: a
+# busy client's next request waits little, an idle worker costs the database a few queries a second.
+POLL_MIN_S, POLL_MAX_S, HOT_S = 0.005, 0.5, 1.0
 EXPIRE_EVERY_S = 5.0  # well inside the repository's HOLD_TTL_S
 CLAIM_LIMIT = 256
 BATCHED = ("forward_backward", "forward")
@@ -130,16 +131,17 @@ class TinkerRunner:
             requests.fail_running_of(s, self.worker_id, "the worker restarted; resume from your last save_state")
         threading.Thread(target=self.renew_holds, daemon=True, name="tinker-holds").start()
         log.info("tinker worker %s polling", self.worker_id)
-        wait, expired_at = POLL_MIN_S, 0.0
+        wait, expired_at, ran_at = POLL_MIN_S, 0.0, 0.0
         while not self.stop.is_set():
             if time.time() - expired_at >= EXPIRE_EVERY_S:
                 self.release_expired()
                 expired_at = time.time()
             if self.cycle():
-                wait = POLL_MIN_S
+                wait, ran_at = POLL_MIN_S, time.monotonic()
             else:
                 self.stop.wait(wait)
-                wait = min(2 * wait, POLL_MAX_S)
+                if time.monotonic() - ran_at >= HOT_S:
+                    wait = min(2 * wait, POLL_MAX_S)
 
     def renew_holds(self) -> None:
         """In a thread of its own, so a long engine call never lets this runner's holds look dead."""

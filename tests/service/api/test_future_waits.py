@@ -20,7 +20,7 @@ def test_many_waiters_share_one_read_per_interval_and_wake_when_their_request_en
             reads.append(len(ids))
             return ended & set(ids)
 
-    waits = FutureWaits(ended_among, interval_s=0.05)
+    waits = FutureWaits(ended_among, interval_s=0.05, first_interval_s=0.05)  # a fixed interval
 
     async def main():
         async def end_later():
@@ -37,3 +37,42 @@ def test_many_waiters_share_one_read_per_interval_and_wake_when_their_request_en
     assert results == [i % 2 == 0 for i in range(100)]  # the ended woke, the others timed out
     assert took < 2.0
     assert max(reads) == 100 and len(reads) <= 1.0 / 0.05 + 5  # one read per interval for all hundred
+
+
+def _reads_while_waiting(ends_after_s: float, read_s: float = 0.0, timeout_s: float = 1.0):
+    """One waiter whose request ends after `ends_after_s`: (woken, when it was woken, the reads' times)."""
+    reads: list[float] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        def ended_among(ids: list[str]) -> set[str]:
+            time.sleep(read_s)
+            reads.append(loop.time() - started)
+            return set(ids) if loop.time() - started >= ends_after_s else set()
+
+        waits = FutureWaits(ended_among, interval_s=0.05, first_interval_s=0.005, growth=0.1)
+        woken = await waits.wait("r", timeout_s)
+        return woken, loop.time() - started
+
+    woken, at = asyncio.run(main())
+    return woken, at, reads
+
+
+def test_a_short_wait_is_read_often_and_a_long_one_once_per_interval():
+    woken, at, reads = _reads_while_waiting(0.03)
+    assert woken and at < 0.03 + 0.03  # seen within a few ms (loaded machines: some slack), not up to 50 ms late
+    woken, at, reads = _reads_while_waiting(10.0, timeout_s=1.0)
+    assert not woken
+    gaps = [b - a for a, b in zip(reads, reads[1:])]
+    assert min(gaps[:3]) < 0.02  # young: passes come soon after each other
+    assert len(reads) < 1.0 / 0.005 / 2  # and then less often: far from one per first_interval_s
+    late = [g for g, t in zip(gaps, reads[1:]) if t > 0.6]
+    assert late and min(late) >= 0.045  # a waiter held for long: one read per interval_s
+
+
+def test_passes_wait_nine_times_as_long_as_a_read_takes():
+    woken, at, reads = _reads_while_waiting(10.0, read_s=0.004, timeout_s=0.5)
+    gaps = [b - a for a, b in zip(reads, reads[1:])]
+    assert not woken and gaps and min(gaps) >= 9 * 0.004
