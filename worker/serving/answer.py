@@ -25,15 +25,15 @@ class Cancelled(Exception):
 
 
 def answer(resident: ResidentModel, request: dict, send: Callable[..., None],
-           cancelled: Callable[[], bool] = lambda: False) -> int:
+           cancelled: Callable[[], bool] = lambda: False) -> None:
     """Decode the request's choices one token at a time, looking before each token whether its caller is gone;
-    returns the tokens decoded. Raises Cancelled (after the tokens so far) when it is."""
+    raises Cancelled (naming the tokens decoded so far) when it is."""
     sampling, prompts = request["sampling"], request["prompts"]
     try:
         encoded, max_new = _encode(resident, prompts, sampling["max_tokens"], asked=sampling["max_tokens_asked"])
     except Refused as e:
         send(type="error", status=400, message=str(e), param=e.param, code="context_length_exceeded")
-        return 0
+        return
     n, tok = sampling["n"], resident.tokenizer
     send(type="start", prompt_tokens=sum(map(len, encoded)), choices=len(encoded) * n)
     decoded = 0
@@ -61,7 +61,6 @@ def answer(resident: ResidentModel, request: dict, send: Callable[..., None],
                 if not deltas.stopped and (rest := deltas.flush()):
                     send(type="delta", index=index, text=rest)
                 send(type="finish", index=index, reason=reason, tokens=count)
-    return decoded
 
 
 def _encode(resident: ResidentModel, prompts: list[dict], max_tokens: int, *, asked: bool

@@ -207,10 +207,17 @@ class TinkerRunner:
                     (reply,) = run([call])
                 except Exception as e:  # noqa: BLE001
                     reply = e
-                self.fail(call, reply) if isinstance(reply, Exception) else self.finish(call, reply)
+                self.settle(call, reply)
             return
         for call, reply in zip(calls, replies):
-            self.fail(call, reply) if isinstance(reply, Exception) else self.finish(call, reply)
+            self.settle(call, reply)
+
+    def settle(self, call: Call, reply: Reply | Exception) -> None:
+        """A call's outcome written: its reply, or the error that ended it."""
+        if isinstance(reply, Exception):
+            self.fail(call, reply)
+        else:
+            self.finish(call, reply)
 
     def finish(self, call: Call, reply: Reply) -> None:
         with self.sessions.begin() as s:
