@@ -35,6 +35,10 @@ def make_engine(url: str, *, pool_size: int = 5, max_connections: int = 15) -> E
             dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
+            # In WAL mode NORMAL syncs at checkpoints, not at every commit: a commit stays durable when a process
+            # dies (the API, a worker) and may be lost only to a power cut or an OS crash, for 0.05 ms a commit
+            # instead of one fsync (4.5 ms on this disk), which every job event, metric and Tinker call pays.
+            cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=30000")
             cur.close()
