@@ -101,6 +101,7 @@ def is_a_fine_tuned_model(up: Up, key: str, toy_dir: Path, recipe_sampler_path: 
         training.forward_backward([datum], "cross_entropy").result()
         training.optim_step(tinker.types.AdamParams(learning_rate=0.05)).result()
     sampler_path = training.save_weights_for_sampler("chat").result().path
+    service.close("success").result(timeout=60)  # its session's heartbeats would outlive the server
     models = tinker_models(http)
     assert len(models) == 2, models
     by_path = {c["metrics"]["tinker_path"]: (model, c) for model, ckpts in models.items() for c in ckpts}
@@ -174,3 +175,4 @@ def test_two_projects_recipes_at_once_share_one_resident_base_and_not_their_chec
                     tinker.types.ModelInput.from_ints([5, 6]), 1, tinker.types.SamplingParams(max_tokens=2)).result()
             own = client.create_training_client_from_state(finals[reader]["state_path"]).result()
             assert own.model_id  # its own project's state loads
+            client.close("success").result(timeout=60)

@@ -270,8 +270,8 @@ def test_the_real_sdk_creates_a_session_and_reads_capabilities(api, monkeypatch)
     import tinker
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    with LiveServer(api.app) as base:
-        client = tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}")
+    with LiveServer(api.app) as base, \
+            tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}") as client:
         rest = tinker.RestClient(base_url=base, api_key=f"tml-{_key(api.client)}")
         capabilities = rest.get_server_capabilities().result()
         assert [m.model_name for m in capabilities.supported_models] == [BASE]
@@ -300,8 +300,8 @@ def test_the_real_sdk_waits_on_a_future_until_the_runner_ends_its_row(api, monke
     thread = threading.Thread(target=runner, daemon=True)
     thread.start()
     try:
-        with LiveServer(api.app) as base:
-            client = tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}")
+        with LiveServer(api.app) as base, \
+                tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}") as client:
             training = client.create_lora_training_client(base_model=BASE, rank=8).result()
             info = training.get_info()
             assert info.model_id.endswith(":train:0") and info.lora_rank == 8
@@ -373,8 +373,8 @@ def test_the_real_sdk_trains_samples_saves_and_resumes_over_the_request_rows(api
     from tinker import types
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    with LiveServer(api.app) as base, StandInRunner(api.database_url) as runner:
-        client = tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}")
+    with LiveServer(api.app) as base, StandInRunner(api.database_url) as runner, \
+            tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}") as client:
         training = client.create_lora_training_client(base_model=BASE, rank=8,
                                                       user_metadata={"renderer_name": "role_colon"}).result()
         datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
@@ -408,8 +408,8 @@ def test_a_large_forward_backward_arrives_in_chunks_first_chunk_last_and_runs_in
     from tinker import types
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    with LiveServer(api.app) as base, StandInRunner(api.database_url) as runner:
-        client = tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}")
+    with LiveServer(api.app) as base, StandInRunner(api.database_url) as runner, \
+            tinker.ServiceClient(base_url=base, api_key=f"tml-{_key(api.client)}") as client:
         training = client.create_lora_training_client(base_model=BASE, rank=8).result()
         data = [types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
                             loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})] * 1100

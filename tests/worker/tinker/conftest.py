@@ -21,6 +21,7 @@ class Served:
         self.runner = TinkerRunner(api.app.state.settings, worker_id="test-runner")
         self.thread = threading.Thread(target=self.runner.run, daemon=True)
         self.live = LiveServer(api.app)
+        self.clients: list = []  # closed while the server still answers: an open one's heartbeats outlive the test
 
     def __enter__(self) -> Served:
         self.url = self.live.__enter__()
@@ -28,13 +29,16 @@ class Served:
         return self
 
     def __exit__(self, *exc) -> None:
+        for client in self.clients:
+            client.close("success").result(timeout=30)
         self.runner.stop.set()
         self.thread.join(timeout=30)
         self.live.__exit__(*exc)
 
     def client(self, other: bool = False):
         key = (self.api.other if other else self.api.client).headers["Authorization"].removeprefix("Bearer ")
-        return tinker.ServiceClient(base_url=self.url, api_key=f"tml-{key}")
+        self.clients.append(tinker.ServiceClient(base_url=self.url, api_key=f"tml-{key}"))
+        return self.clients[-1]
 
 
 @pytest.fixture
