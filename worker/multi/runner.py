@@ -29,14 +29,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db.models import Job
 from service.db.session import session_factory
 from service.job_spec.spec import JobSpec
 from service.repositories import job_queue, jobs
@@ -67,16 +64,6 @@ class Resident:
     work: Path
     job: object | None = None  # its ResidentJob, once admitted
     started: bool = False  # its pre-flight and step-0 evaluation done (start_admitted)
-
-
-def waiting_jobs_of_base(session: Session, model: str, weights: dict[str, float], limit: int) -> list[tuple[str, dict]]:
-    """(id, spec) of queued jobs of `model` past any backoff, in fair-share order (service/fair_share.py): the
-    candidates for free slots."""
-    order = job_queue.fair_queue(session, model, weights)[:limit]
-    t = time.time()
-    specs = dict(session.execute(select(Job.id, Job.spec).where(
-        Job.id.in_(order), Job.status == "queued", or_(Job.not_before.is_(None), Job.not_before <= t))).all())
-    return [(job_id, specs[job_id]) for job_id in order if job_id in specs]
 
 
 class SharedWorker:
@@ -177,7 +164,7 @@ class SharedWorker:
         if free <= 0 or DRAIN.is_set():
             return
         with self.sessions.begin() as s:
-            waiting = waiting_jobs_of_base(s, self.model, self.settings.project_weights, limit=4 * free + 16)
+            waiting = job_queue.waiting_of_base(s, self.model, self.settings.project_weights, limit=4 * free + 16)
         for job_id, raw in waiting:
             if len(self.residents) >= self.slots:
                 break
