@@ -6,7 +6,8 @@ each scored by the spec's reward in its sandbox. The result is the mean with its
 (worker/evals/intervals.py) and a per-row JSONL file (prompt, completion, reward) of purpose "evals".
 
 A duplicate broker message finds the run claimed and returns. A run that fails is failed with the
-error, not retried (an eval is cheap to ask for again). The claim is a lease the run renews
+error, not retried (an eval is cheap to ask for again), its error classified as a job's
+(worker/lifecycle/failures.py). The claim is a lease the run renews
 (worker/heartbeat.py) while it scores the rows in chunks of CHUNK_ROWS; between two chunks it ends as
 `cancelled` when a cancel was asked, and stops writing when the lease is no longer its own. A worker that
 dies stops renewing, and the reconciler fails the run once the lease has passed (worker/reconciler.py).
@@ -17,36 +18,26 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import socket
 from dataclasses import fields
 from pathlib import Path
 
 from service.db.models import File, new_id
-from service.db.session import session_factory
 from service.files import EVAL_RESULTS_PURPOSE
 from service.repositories import evals as evals_repo
 from service.repositories import files as files_repo
-from service.repositories import jobs as jobs_repo
-from service.repositories import secrets as secrets_repo
 from service.job_spec.spec import JobSpec
-from service.schemas.rewards import secret_names
-from service.secrets.box import secret_box
 from service.settings import Settings
-from service.storage import ObjectStore, open_store
-from worker.artifacts import download_checkpoint
+from service.storage import ObjectStore
 from worker.evals.intervals import mean_interval
 from worker.heartbeat import Heartbeat
+from worker.lifecycle.failures import MESSAGE_CHARS, Cancelled, LeaseLost, ending_of
+from worker.lifecycle.start import connect, fetch_start, run_secrets, starting_checkpoint, worker_owner
 from worker.scratch import beside_jobs
 
 log = logging.getLogger(__name__)
 
 CHUNK_ROWS = 32  # rows scored between two looks at the lease: how soon a cancel takes effect
-
-
-class Stopped(Exception):
-    """The run must end now: a cancel was asked, or the lease is no longer this worker's."""
 
 
 class EvalLease:
@@ -64,8 +55,10 @@ class EvalLease:
 
     def check(self) -> None:
         self.renew()
-        if self.lost or self.cancel:
-            raise Stopped("lost" if self.lost else "cancelled")
+        if self.lost:
+            raise LeaseLost()
+        if self.cancel:
+            raise Cancelled()
 
 
 def work_dir(settings: Settings, eval_id: str) -> Path:
@@ -100,8 +93,7 @@ def _evaluate(run, spec: JobSpec, store: ObjectStore, settings: Settings, secret
     store.get_file(f"files/{run.file_id}", data)
     update = {"data": spec.data.model_copy(update={"train_file": str(data), "validation_file": None})}
     if start is not None:
-        prefix, files = start
-        update["init_from"] = str(download_checkpoint(store, prefix, files, work / "start" / run.checkpoint_id))
+        update["init_from"] = str(fetch_start(store, start, work, run.checkpoint_id))
     local = spec.model_copy(update=update)
     trainer = Trainer(local, work / "run", resume=False, scoring=ScoringContext.from_settings(settings, secrets))
     try:
@@ -118,19 +110,15 @@ def _evaluate(run, spec: JobSpec, store: ObjectStore, settings: Settings, secret
 
 def run_eval(eval_id: str, settings: Settings, *, owner: str | None = None) -> str | None:
     """Run the eval if it is still queued; returns the status it ended in (None if not ours)."""
-    from worker.job_runner import run_failure
-
-    sessions = session_factory(settings.resolved_database_url())
-    store = open_store(settings.resolved_storage_url())
-    owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+    sessions, store = connect(settings)
+    owner = worker_owner(owner)
     with sessions.begin() as s:
         if not evals_repo.claim(s, eval_id, owner, ttl_s=settings.lease_ttl_s):
             return None
         run = evals_repo.get_for_worker(s, eval_id)
         spec = JobSpec.model_validate(run.spec)
-        secrets = secrets_repo.values(s, run.project_id, secret_names(spec.reward), secret_box(settings))
-        start = jobs_repo.project_checkpoint(s, run.project_id, run.checkpoint_id) if run.checkpoint_id else None
-        start = (start.storage_prefix, dict(start.files)) if start is not None else None
+        secrets = run_secrets(s, run.project_id, spec, settings)
+        start = starting_checkpoint(s, run.project_id, run.checkpoint_id)
         s.expunge(run)
     work = work_dir(settings, eval_id)
     lease = EvalLease(sessions, eval_id, owner, settings)
@@ -147,20 +135,16 @@ def run_eval(eval_id: str, settings: Settings, *, owner: str | None = None) -> s
                 log.warning("eval run %s: no longer this worker's when it finished; its result is dropped", eval_id)
                 return None
         return "succeeded"
-    except Stopped as stop:
-        if lease.lost:
+    except Exception as e:  # the run fails with a message (not retried), or is cancelled; the worker lives on
+        status, failure = ending_of(e, lost=lease.lost, what=f"eval run {eval_id}")
+        if status is None:
             log.warning("eval run %s: the lease is no longer this worker's; stopped without writing", eval_id)
             return None
         with sessions.begin() as s:
-            evals_repo.finish(s, eval_id, owner, status="cancelled")
-        log.info("eval run %s cancelled (%s)", eval_id, stop)
-        return "cancelled"
-    except Exception as e:  # the run fails with a message; the worker lives on
-        log.exception("eval run %s failed", eval_id)
-        code, message, _ = run_failure(e)
-        with sessions.begin() as s:
-            evals_repo.finish(s, eval_id, owner, status="failed", error_code=code, error_message=message[:2000])
-        return "failed"
+            evals_repo.finish(s, eval_id, owner, status=status, error_code=failure and failure.code,
+                              error_message=failure and failure.message[:MESSAGE_CHARS])
+        log.info("eval run %s ended %s", eval_id, status)
+        return status
     finally:
         lease.heartbeat.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -34,10 +34,6 @@ EVENT_METRICS = ("reward_mean", "loss", "clip_fraction", "kl_old", "completion_l
 REWARD_WARN_EVERY = 10  # steps between warn events that repeat already-shown reward errors
 
 
-class LeaseLost(Exception):
-    pass
-
-
 def _finite(metrics: dict) -> dict[str, float]:
     """JSON and SQL cannot hold NaN everywhere; a non-finite metric is left out rather than stored."""
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}

@@ -15,11 +15,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from sqlalchemy import select
-
-from service.db.models import Job
 from service.db.session import session_factory
 from service.private_paths import private_dir
+from service.repositories import job_lease
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -70,8 +68,7 @@ def sweep(settings: Settings) -> list[Path]:
     if not found:
         return []
     with session_factory(settings.resolved_database_url()).begin() as s:
-        live = dict(s.execute(select(Job.id, Job.lease_epoch).where(Job.id.in_(list(found)),
-                                                                    Job.status == "running")).all())
+        live = job_lease.running_epochs(s, list(found))
     removed = []
     for job_id, entries in found.items():
         for entry in entries:

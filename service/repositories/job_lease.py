@@ -98,3 +98,12 @@ def requeue(session: Session, job_id: str, epoch: int, *, delay_s: float = 0.0, 
         update(Job).where(fenced(job_id, epoch)).values(**values).execution_options(synchronize_session=False)
     )
     return result.rowcount == 1
+
+
+def running_epochs(session: Session, job_ids: list[str]) -> dict[str, int]:
+    """The lease epoch of each of `job_ids` that is running now: the runs that own their job (the scratch sweep
+    keeps their directories)."""
+    if not job_ids:
+        return {}
+    return dict(session.execute(select(Job.id, Job.lease_epoch).where(Job.id.in_(job_ids),
+                                                                      Job.status == "running")).all())

@@ -8,9 +8,10 @@ every queued job, in creation order.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
-from sqlalchemy import func, select, tuple_
+from sqlalchemy import func, or_, select, tuple_
 from sqlalchemy.orm import Session
 
 from service.db.models import Job, Project
@@ -26,6 +27,18 @@ def fair_queue(session: Session, model: str, weights: Mapping[str, float]) -> li
         select(Project.name, func.count()).select_from(Job).join(Project, Project.id == Job.project_id)
         .where(Job.status == "running", Job.model == model).group_by(Project.name)).all())
     return fair_order(waiting, running, weights)
+
+
+def waiting_of_base(session: Session, model: str, weights: Mapping[str, float], limit: int) -> list[tuple[str, dict]]:
+    """(id, spec) of the first `limit` jobs of the fair queue of `model` that are past any backoff: the
+    candidates for a shared worker's free slots."""
+    order = fair_queue(session, model, weights)[:limit]
+    if not order:
+        return []
+    t = time.time()
+    specs = dict(session.execute(select(Job.id, Job.spec).where(
+        Job.id.in_(order), Job.status == "queued", or_(Job.not_before.is_(None), Job.not_before <= t))).all())
+    return [(job_id, specs[job_id]) for job_id in order if job_id in specs]
 
 
 def positions(session: Session, queued: list[Job], *, fair: bool, weights: Mapping[str, float]) -> dict[str, int]:

@@ -137,7 +137,8 @@ def test_no_circle_among_service_packages():
 
 def test_no_circle_among_worker_packages():
     """The layers of docs/ARCHITECTURE.md: cispo, evals, distributed <- model <- rollout <- trainer <- torchrun
-    <- job_runner <- eval_runner <- celery_app <- cli; a failure prints every circle and the imports making it."""
+    <- lifecycle <- job_runner, eval_runner <- celery_app <- cli; a failure prints every circle and the imports
+    making it."""
     arrows = _package_arrows("worker")
     circles = _circles(_graph("worker"))
     assert circles == [], "circles among worker's packages:\n" + _explain(circles, arrows)

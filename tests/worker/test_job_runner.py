@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from service.db.models import Checkpoint, Job, JobEvent, JobMetric
 from service.db.session import session_factory
@@ -19,6 +19,7 @@ from service.repositories import job_lease, job_records, jobs, projects
 from service.job_spec.spec import JobSpec
 from service.settings import Settings
 from service.storage import open_store
+from service.storage_layout import checkpoint_prefix
 from worker.job_runner import run_job
 from worker.toy.__main__ import toy_spec
 
@@ -179,6 +180,36 @@ def test_a_worker_that_lost_its_lease_cannot_write(database_url, toy_dir, tmp_pa
         assert s.scalar(select(JobMetric.value).where(JobMetric.job_id == job_id)) == 2.0
         assert jobs.get_for_worker(s, job_id).status == "running"
 
+
+
+def test_a_run_that_fails_after_losing_its_lease_leaves_the_job_to_its_new_owner(database_url, toy_dir, tmp_path,
+                                                                                  monkeypatch):
+    """A run whose lease was taken over and that then fails writes nothing, and keeps its hands off the new
+    owner's uploads that are not committed yet: the failure is no longer its job's."""
+    from worker import job_runner
+
+    settings = make_settings(tmp_path, database_url)
+    job_id = submit(settings, toy_dir, steps=3)
+    sessions, store = session_factory(database_url), open_store(settings.resolved_storage_url())
+    upload = f"{checkpoint_prefix(job_id, 2, 'step-00000002')}/adapter.tar"
+
+    def taken_over_then_failing(claimed, store_, work, settings_, reporter):
+        with sessions.begin() as s:  # the lease lapses and another worker claims the job
+            s.execute(update(Job).where(Job.id == job_id).values(lease_expires_at=time.time() - 1))
+            assert job_lease.claim(s, job_id, "w2", ttl_s=30) == claimed.epoch + 1
+        store.put_bytes(upload, b"w2's checkpoint, uploaded, not yet committed")
+        deadline = time.time() + 30
+        while not reporter.lost:  # the run's heartbeat sees its renewal refused
+            assert time.time() < deadline, "the run never saw its lease lost"
+            time.sleep(0.05)
+        raise ValueError("a row of the dataset is bad")  # a failure that would end the job at once
+
+    monkeypatch.setattr(job_runner, "train", taken_over_then_failing)
+    assert run_job(job_id, settings) is None
+    job = job_row(settings, job_id)
+    assert (job.status, job.lease_owner, job.lease_epoch, job.error_code) == ("running", "w2", 2, None)
+    assert upload in store.list(f"jobs/{job_id}")  # w2 commits it later
+    assert not any(e.message.startswith("Job failed") for e in _events(database_url, job_id))
 
 def test_reconciler_requeues_a_job_whose_worker_died(database_url, toy_dir, tmp_path, monkeypatch):
     from worker import reconciler

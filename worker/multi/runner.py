@@ -11,8 +11,8 @@ the worker that holds it, and their own broker messages, delivered later,
 find the lease taken and are dropped (as any duplicate is). A job that cannot
 share (worker/multi/support.py) runs the ordinary way.
 
-Every job keeps what it has alone, by the job runner's own code
-(worker/job_runner.py): its claim and lease epoch, its fenced reporter
+Every job keeps what it has alone, by the steps every run goes through
+(worker/lifecycle/): its claim and lease epoch, its fenced reporter
 (heartbeat, metrics, events, checkpoints, samples), its scratch directory,
 its attempts, retries and end. Cancel, pause, a lost lease, a failure or the
 job's end removes that job at the cycle boundary; the others go on. A worker
@@ -27,25 +27,22 @@ resident job's scoring (ResidentReporter).
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db.models import Job
-from service.db.session import session_factory
 from service.job_spec.spec import JobSpec
 from service.repositories import job_queue, jobs
 from service.sandbox.channel import INTERRUPT
 from service.settings import Settings
-from service.storage import ObjectStore, open_store
+from service.storage import ObjectStore
 from worker import job_runner, scratch
 from worker.drain import DRAIN
-from worker.job_reporter import JobReporter, LeaseLost
+from worker.job_reporter import JobReporter
+from worker.lifecycle import end as run_end
+from worker.lifecycle import start as run_start
+from worker.lifecycle.failures import LeaseLost, ending_of
 from worker.multi import memory
 from worker.multi.support import base_key, refusal
 from worker.rewards.engine import ScoringContext
@@ -62,21 +59,11 @@ class ResidentReporter(JobReporter):
 @dataclass
 class Resident:
     job_id: str
-    claimed: job_runner.Claimed
+    claimed: run_start.Claimed
     reporter: ResidentReporter
     work: Path
     job: object | None = None  # its ResidentJob, once admitted
     started: bool = False  # its pre-flight and step-0 evaluation done (start_admitted)
-
-
-def waiting_jobs_of_base(session: Session, model: str, weights: dict[str, float], limit: int) -> list[tuple[str, dict]]:
-    """(id, spec) of queued jobs of `model` past any backoff, in fair-share order (service/fair_share.py): the
-    candidates for free slots."""
-    order = job_queue.fair_queue(session, model, weights)[:limit]
-    t = time.time()
-    specs = dict(session.execute(select(Job.id, Job.spec).where(
-        Job.id.in_(order), Job.status == "queued", or_(Job.not_before.is_(None), Job.not_before <= t))).all())
-    return [(job_id, specs[job_id]) for job_id in order if job_id in specs]
 
 
 class SharedWorker:
@@ -125,11 +112,11 @@ class SharedWorker:
     def admit(self, job_id: str) -> None:
         """Claim the job and set it up beside the others (start_admitted starts it); a job whose set-up fails
         ends at once, alone."""
-        claimed = job_runner.claim_run(self.sessions, job_id, self.owner, self.settings)
-        if not isinstance(claimed, job_runner.Claimed):
+        claimed = run_start.claim_run(self.sessions, job_id, self.owner, self.settings)
+        if not isinstance(claimed, run_start.Claimed):
             self.outcomes[job_id] = claimed
             return
-        reporter = job_runner.make_reporter(self.sessions, self.store, job_id, claimed, self.settings,
+        reporter = run_start.make_reporter(self.sessions, self.store, job_id, claimed, self.settings,
                                             kind=ResidentReporter)
         resident = Resident(job_id, claimed, reporter, scratch.run_dir(self.settings, job_id, claimed.epoch))
         self.residents[job_id] = resident
@@ -138,13 +125,13 @@ class SharedWorker:
             if refusal(claimed.spec) or base_key(claimed.spec) != self.key:  # its spec changed since we peeked
                 self._end(resident, "queued", None)
                 return
-            job_runner.start_trackers(reporter, job_id, claimed, self.settings)
+            run_start.start_trackers(reporter, job_id, claimed, self.settings)
             if self.shared is None:
                 self._load_base(claimed.spec)
             self.estimates[job_id] = memory.estimate(claimed.spec, self.shape)
             from worker.multi.job import ResidentJob
 
-            local_spec, run_dir = job_runner.prepare_run(claimed, self.store, resident.work, reporter)
+            local_spec, run_dir = run_start.prepare_run(claimed, self.store, resident.work, reporter)
             reporter.event(f"Training beside the other jobs of {self.model} on this worker "
                            f"({len(self.residents)} of {self.slots} slots)")
             resident.job = ResidentJob(local_spec, run_dir, self.shared, self.tokenizer, self.device, name=job_id,
@@ -177,7 +164,7 @@ class SharedWorker:
         if free <= 0 or DRAIN.is_set():
             return
         with self.sessions.begin() as s:
-            waiting = waiting_jobs_of_base(s, self.model, self.settings.project_weights, limit=4 * free + 16)
+            waiting = job_queue.waiting_of_base(s, self.model, self.settings.project_weights, limit=4 * free + 16)
         for job_id, raw in waiting:
             if len(self.residents) >= self.slots:
                 break
@@ -221,7 +208,7 @@ class SharedWorker:
 
     def _finish(self, resident: Resident) -> None:
         try:
-            status, error = job_runner.run_outcome(resident.reporter, resident.job.step,
+            status, error = run_end.run_outcome(resident.reporter, resident.job.step,
                                                    resident.claimed.spec.training.steps)
         except LeaseLost:
             self._lost(resident)
@@ -229,11 +216,11 @@ class SharedWorker:
         self._end(resident, status, error)
 
     def _fail(self, resident: Resident, e: BaseException) -> None:
-        if resident.reporter.lost or isinstance(e, LeaseLost):
+        status, error = ending_of(e, lost=resident.reporter.lost, what=f"job {resident.job_id} on the shared worker")
+        if status is None:
             self._lost(resident)
-            return
-        log.warning("job %s failed on the shared worker", resident.job_id, exc_info=e)
-        self._end(resident, "failed", job_runner.run_failure(e))
+        else:
+            self._end(resident, status, error)
 
     def _release(self, resident: Resident) -> None:
         del self.residents[resident.job_id]
@@ -247,13 +234,13 @@ class SharedWorker:
 
     def _lost(self, resident: Resident) -> None:
         self._release(resident)
-        job_runner.abandon(self.sessions, self.store, resident.job_id, resident.claimed, resident.reporter,
+        run_end.abandon(self.sessions, self.store, resident.job_id, resident.claimed, resident.reporter,
                            resident.work)
         self.outcomes[resident.job_id] = None
 
     def _end(self, resident: Resident, status: str, error) -> None:
         self._release(resident)
-        self.outcomes[resident.job_id] = job_runner.conclude(
+        self.outcomes[resident.job_id] = run_end.conclude(
             self.sessions, self.store, resident.job_id, resident.claimed, self.settings, resident.reporter,
             resident.work, status, error)
 
@@ -284,7 +271,7 @@ class SharedWorker:
 
 def run_shared(job_id: str, settings: Settings, *, owner: str | None = None, slots: int | None = None) -> str | None:
     """Run the job, and with it other queued jobs of its base, in this process; returns the job's end status."""
-    sessions = session_factory(settings.resolved_database_url())
+    sessions, store = run_start.connect(settings)
     with sessions.begin() as s:
         job = jobs.get_for_worker(s, job_id)
         spec = JobSpec.model_validate(job.spec) if job is not None else None
@@ -295,8 +282,7 @@ def run_shared(job_id: str, settings: Settings, *, owner: str | None = None, slo
                            data={"reason": "cannot_share"})
     if spec is None or alone is not None:
         return job_runner.run_job(job_id, settings, owner=owner)
-    worker = SharedWorker(settings, sessions, open_store(settings.resolved_storage_url()),
-                          owner or f"{socket.gethostname()}:{os.getpid()}", model, base_key(spec),
+    worker = SharedWorker(settings, sessions, store, run_start.worker_owner(owner), model, base_key(spec),
                           slots or settings.worker_jobs)
     worker.admit(job_id)
     worker.run()

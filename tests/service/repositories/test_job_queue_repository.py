@@ -4,6 +4,8 @@ from (fair share per base, or every queued job oldest first)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from service.db.models import Job
@@ -51,6 +53,24 @@ def test_the_fair_queue_counts_each_projects_running_jobs_and_takes_creation_tim
     with sessions() as s:
         # turns: c1 1, a1 2 and c2 2 (a1 older), b1 3
         assert job_queue.fair_queue(s, "m", {}) == [c1, a1, c2, b1]
+
+
+def test_the_waiting_jobs_of_a_base_are_its_fair_queue_less_those_in_backoff_with_their_specs(queue):
+    sessions, add = queue
+    add("a", "running")
+    a1, b1, b2, b3 = add("a", created_at=10), add("b", created_at=20), add("b", created_at=21), add("b", created_at=22)
+    add("c", model="m2", created_at=1)  # another base
+    add("c", "paused", created_at=1)  # not queued
+    with sessions.begin() as s:
+        jobs.get_for_worker(s, b1).spec = {"model": "m", "seed": 7}
+        jobs.get_for_worker(s, b2).not_before = time.time() + 300  # backing off: skipped, not waited for
+        jobs.get_for_worker(s, a1).not_before = time.time() - 1  # its backoff has passed
+    with sessions() as s:
+        # fair order b1, a1, b2, b3; b2 waits out a backoff
+        assert job_queue.waiting_of_base(s, "m", {}, limit=10) == [(b1, {"model": "m", "seed": 7}), (a1, {}),
+                                                                   (b3, {})]
+        assert job_queue.waiting_of_base(s, "m", {}, limit=3) == [(b1, {"model": "m", "seed": 7}), (a1, {})]
+        assert job_queue.waiting_of_base(s, "m3", {}, limit=10) == []
 
 
 def test_fair_places_are_per_base_and_only_for_queued_jobs(queue):

@@ -152,6 +152,21 @@ def test_a_requeue_without_a_delay_can_be_claimed_at_once_and_still_counts_the_a
     assert before + 0.5 <= _job(sessions, job_id).not_before <= time.time() + 0.5
 
 
+
+def test_running_epochs_are_those_of_the_running_jobs_asked_for(sessions):
+    first, second = _new_job(sessions), _new_job(sessions)
+    queued, paused, unasked = _new_job(sessions), _new_job(sessions), _new_job(sessions)
+    assert _claim(sessions, first) == 1
+    _claim(sessions, second, ttl_s=-1)  # its lease runs out and it is claimed again: the epoch is the newest
+    assert _claim(sessions, second) == 2
+    epoch = _claim(sessions, paused)
+    with sessions.begin() as s:
+        assert job_lease.finish(s, paused, epoch, "paused")
+    _claim(sessions, unasked)
+    with sessions() as s:
+        assert job_lease.running_epochs(s, [first, second, queued, paused, "job-none"]) == {first: 1, second: 2}
+        assert job_lease.running_epochs(s, []) == {}
+
 def test_retry_and_outage_delays():
     assert [job_recovery.retry_delay(a, base_s=5) for a in (0, 1, 2, 3, 4)] == [5, 5, 10, 20, 40]
     assert job_recovery.retry_delay(20, base_s=5) == 360 and job_recovery.retry_delay(20, base_s=5, cap_s=7) == 7
