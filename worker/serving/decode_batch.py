@@ -74,6 +74,7 @@ class DecodeBatch:
         self.positions: torch.Tensor | None = None  # (rows,) each row's position of its next input
         self.logits: torch.Tensor | None = None  # (rows, vocab) each row's next-token logits
         self.forwards: list[tuple[list[str | None], int]] = []
+        self._processors: dict[tuple[float, float], object] = {}  # (temperature, top_p) -> logits processors
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -123,8 +124,10 @@ class DecodeBatch:
         for i, r in enumerate(self.rows):
             if r.temperature != 0 and finite[i]:
                 groups.setdefault((r.temperature, r.top_p), []).append(i)
-        for (temperature, top_p), members in groups.items():
-            procs = logits_processors(SamplingSpec(temperature=temperature, top_p=top_p), greedy=False)
+        for knobs, members in groups.items():
+            if (procs := self._processors.get(knobs)) is None:
+                procs = self._processors[knobs] = logits_processors(
+                    SamplingSpec(temperature=knobs[0], top_p=knobs[1]), greedy=False)
             uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=self.rows[i].generator)
                                  for i in members]).to(scores.device)
             history = torch.zeros((len(members), 0), dtype=torch.long, device=scores.device)  # no knob reads it

@@ -145,15 +145,16 @@ def alone(adapters, toy_dir):
 
 def test_sixteen_streams_of_four_projects_decode_together_each_as_alone(worker, adapters, alone):
     _, found = adapters
-    asked = [_request(worker.base, found[project], PROMPTS[i], max_tokens=12)
-             for i in range(4) for project in PROJECTS]  # the projects interleaved, as they arrive
+    sampled = {"temperature": 1.0, "top_p": 0.9, "n": 2}  # seeded: the same draws whatever shares the batch
+    asked = [_request(worker.base, found[project], PROMPTS[i], max_tokens=12, **(
+             {**sampled, "seed": 7 + k} if i == 3 else {})) for i in range(4) for k, project in enumerate(PROJECTS)]
     replies = [worker.push(r) for r in asked]
     worker.thread.start()
     worker.ended(replies)
     for request, reply in zip(asked, replies):
         assert _outcome(worker.channel.replies(reply)) == _alone(alone, request), reply
     steps = worker.steps()
-    assert max(rows for rows, _ in steps) == 16  # all sixteen in one forward
+    assert max(rows for rows, _ in steps) == 12 + 4 * 2  # all sixteen requests' choices in one forward
     assert len(steps) <= 2 * 12  # one forward per step for all rows; alone, one per token of each: 16 * 12
     assert set().union(*(names for _, names in steps)) == {found[p]["id"] for p in PROJECTS}  # each its adapter
 
