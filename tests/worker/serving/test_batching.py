@@ -88,12 +88,13 @@ def _outcome(messages: list[dict]) -> list[dict]:
 class Worker:
     """A ServingWorker on `base` in a thread, its model's forwards recorded: (rows, rows' adapters, tokens per row)."""
 
-    def __init__(self, root, base: str, tmp_path):
+    def __init__(self, root, base: str, tmp_path, *, adapters_kept: int = 8):
         self.base = base
         self.channel = WatchedChannel(tmp_path / "serve.db")
         settings = Settings(home=tmp_path / "home", work_dir=tmp_path / "work", storage_url=str(root / "store"))
         self.worker = ServingWorker(settings, [base], channel=self.channel)
-        resident = ResidentModel(base, store=self.worker.store, scratch=self.worker.scratch, max_adapters=8)
+        resident = ResidentModel(base, store=self.worker.store, scratch=self.worker.scratch,
+                                 max_adapters=adapters_kept)
         self.worker.residents[base] = resident  # the one it serves with (it loads a base only where none is)
         self.forwards: list[tuple[int, list[str | None] | None, int]] = []
 
@@ -128,9 +129,9 @@ class Worker:
 
 
 @pytest.fixture
-def worker(adapters, toy_dir, tmp_path):
+def worker(adapters, toy_dir, tmp_path, request):
     root, _ = adapters
-    w = Worker(root, str(toy_dir / "model"), tmp_path)
+    w = Worker(root, str(toy_dir / "model"), tmp_path, **getattr(request, "param", {}))
     yield w
     w.close()
 
@@ -206,3 +207,17 @@ def test_a_request_arriving_mid_decode_joins_the_running_batch(worker, adapters,
     assert any({found["alpha"]["id"], found["beta"]["id"]} <= set(names or ()) for _, names in worker.steps())
     assert _outcome(worker.channel.replies(replies["first"])) == expected_first
     assert _outcome(worker.channel.replies(replies["later"])) == _alone(alone, later)
+
+
+@pytest.mark.parametrize("worker", [{"adapters_kept": 1}], indirect=True)
+def test_an_adapter_a_running_request_uses_is_not_the_one_evicted(worker, adapters, alone):
+    """One adapter kept, four requests on four adapters decoding together: each loaded adapter stays until no row
+    uses it, so every request is answered through its own."""
+    _, found = adapters
+    asked = [_request(worker.base, found[p], PROMPTS[0], max_tokens=12) for p in PROJECTS]
+    replies = [worker.push(r) for r in asked]
+    worker.thread.start()
+    worker.ended(replies)
+    for request, reply in zip(asked, replies):
+        assert _outcome(worker.channel.replies(reply)) == _alone(alone, request), reply
+    assert max(len(set(names)) for _, names in worker.steps()) == 4  # all four adapters in one forward
