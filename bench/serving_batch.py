@@ -55,6 +55,10 @@ class MemoryChannel:
     def push(self, key: str, message: dict, ttl_s: float) -> None:
         self._list(key).put(message)
 
+    def push_many(self, messages: list[tuple[str, dict]], ttl_s: float) -> None:
+        for key, message in messages:
+            self.push(key, message, ttl_s)
+
     def pop(self, keys: list[str], timeout_s: float):
         (key,) = keys  # one base served, one reply read: one list a pop
         try:

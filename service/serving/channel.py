@@ -45,6 +45,8 @@ def _slug(base: str) -> str:
 class Channel(Protocol):
     def push(self, key: str, message: dict, ttl_s: float) -> None: ...
 
+    def push_many(self, messages: list[tuple[str, dict]], ttl_s: float) -> None: ...
+
     def pop(self, keys: list[str], timeout_s: float) -> tuple[str, dict] | None: ...
 
     def mark_alive(self, key: str, ttl_s: float) -> None: ...
@@ -66,6 +68,15 @@ class RedisChannel:
         with self.redis.pipeline() as p:
             p.rpush(key, json.dumps(message))
             p.pexpire(key, int(ttl_s * 1000))
+            p.execute()
+
+    def push_many(self, messages: list[tuple[str, dict]], ttl_s: float) -> None:
+        """push() of each (key, message), in order, in one round trip (a serving worker's replies of a step)."""
+        with self.redis.pipeline(transaction=False) as p:
+            for key, message in messages:
+                p.rpush(key, json.dumps(message))
+            for key in dict.fromkeys(key for key, _ in messages):
+                p.pexpire(key, int(ttl_s * 1000))
             p.execute()
 
     def pop(self, keys: list[str], timeout_s: float) -> tuple[str, dict] | None:
@@ -107,6 +118,14 @@ class SqliteChannel:
         with closing(self._connect()) as db:
             db.execute("INSERT INTO messages (key, body, expires) VALUES (?, ?, ?)",
                        (key, json.dumps(message), time.time() + ttl_s))
+
+    def push_many(self, messages: list[tuple[str, dict]], ttl_s: float) -> None:
+        expires = time.time() + ttl_s
+        with closing(self._connect()) as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.executemany("INSERT INTO messages (key, body, expires) VALUES (?, ?, ?)",
+                           [(key, json.dumps(message), expires) for key, message in messages])
+            db.execute("COMMIT")
 
     def pop(self, keys: list[str], timeout_s: float) -> tuple[str, dict] | None:
         deadline = time.monotonic() + timeout_s

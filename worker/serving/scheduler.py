@@ -49,8 +49,10 @@ class InFlight:
 
 class Scheduler:
     def __init__(self, resident: ResidentModel, *, looks: Callable[[list[str]], list[bool]] | None = None,
-                 max_rows: int = MAX_ROWS):
-        self.resident, self.max_rows = resident, max_rows
+                 said: Callable[[], None] = lambda: None, max_rows: int = MAX_ROWS):
+        """`looks`: whether each cancel key is set, all in one call; `said`: called once a step's messages are all
+        sent (to `send`), before its forward (a sender that buffers sends them then)."""
+        self.resident, self.max_rows, self.said = resident, max_rows, said
         self.looks = looks or (lambda keys: [False] * len(keys))
         self.batch = DecodeBatch(resident.model, resident.router, pad_id=resident.pad_id, device=resident.device)
         self.waiting: deque[InFlight] = deque()  # started, rows not yet in the batch
@@ -112,6 +114,7 @@ class Scheduler:
                     "the serving worker failed: NonFiniteLogits: the model gave NaN or inf logits"))
             elif self._took(flight, row, token):
                 leaving.add(row)
+        self.said()
         ended = [f for f in self.running if f.cancelled or f.failed or f.done]
         for flight in ended:
             leaving.update(flight.rows)

@@ -50,6 +50,7 @@ class ServingWorker:
         self.schedulers: dict = {}  # base -> its Scheduler (worker/serving/scheduler.py)
         self.held: deque[dict] = deque()  # any-base requests for another base than the resident one
         self.taken: queue.Queue[dict] = queue.Queue(maxsize=TAKEN_AHEAD)
+        self.outbox: list[tuple[str, dict]] = []  # (reply list, message) to send at the end of the admission or step
         self.stop = threading.Event()
         names = self.bases or [ANY_BASE]
         self.queues = [request_queue(b) for b in names]
@@ -64,9 +65,11 @@ class ServingWorker:
         log.info("serving %s", ", ".join(self.bases) or "any base")
         while not self.stop.is_set() or intake.is_alive() or not self.taken.empty() or self._busy():
             self._admit(wait=not self._busy())
+            self._flush()
             for scheduler in list(self.schedulers.values()):
                 if scheduler.busy:
                     self._step(scheduler)
+                    self._flush()
         for key in self.presence:  # gone now, not in PRESENCE_TTL_S: the API stops routing here at once
             self.channel.mark_alive(key, 0.001)
 
@@ -120,7 +123,7 @@ class ServingWorker:
             self.residents[base] = ResidentModel(base, store=self.store, scratch=self.scratch,
                                                  max_adapters=self.settings.serve_adapters_cached)
         if base not in self.schedulers:
-            self.schedulers[base] = Scheduler(self.residents[base], looks=self._gone)
+            self.schedulers[base] = Scheduler(self.residents[base], looks=self._gone, said=self._flush)
         return self.schedulers[base]
 
     def _gone(self, keys: list[str]) -> list[bool]:
@@ -132,11 +135,18 @@ class ServingWorker:
             return [False] * len(keys)
 
     def _sender(self, reply: str):
-        ttl = self.settings.serve_reply_timeout_s + 60
-
         def send(**message) -> None:
-            self.channel.push(reply, message, ttl_s=ttl)
+            self.outbox.append((reply, message))
         return send
+
+    def _flush(self) -> None:
+        """Send what the last admission or decode step said, every reply's messages in one round trip."""
+        if self.outbox:
+            messages, self.outbox = self.outbox, []
+            try:
+                self.channel.push_many(messages, ttl_s=self.settings.serve_reply_timeout_s + 60)
+            except Exception:
+                log.exception("serving: could not send %d reply messages", len(messages))
 
     def handle(self, request: dict, *, accepted: bool = False) -> None:
         """Admit one request into its base's batch (or hold it for a base switch); the decoding is `run`'s."""
@@ -147,6 +157,7 @@ class ServingWorker:
                 log.warning("serving: dropped a request whose caller gave up waiting for a worker")
                 return
             send(type="accepted")
+            self._flush()  # before its adapter may have to be fetched: the API waits for this a short while only
         base = request["target"]["base"]
         if not self.bases and base not in self.schedulers and any(s.busy for s in self.schedulers.values()):
             self.held.append(request)

@@ -40,9 +40,17 @@ class WatchedChannel(SqliteChannel):
 
     def push(self, key: str, message: dict, ttl_s: float) -> None:
         super().push(key, message, ttl_s)
+        self._sent(key, message)
+
+    def _sent(self, key: str, message: dict) -> None:
         if key.startswith(f"{PREFIX}:reply:"):
             self.sent.append((key, message))
             self.on_reply(key, message)
+
+    def push_many(self, messages: list[tuple[str, dict]], ttl_s: float) -> None:
+        super().push_many(messages, ttl_s)
+        for key, message in messages:
+            self._sent(key, message)
 
     def replies(self, reply: str) -> list[dict]:
         return [m for k, m in self.sent if k == reply]
