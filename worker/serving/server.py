@@ -11,8 +11,8 @@ in one round trip a step.
 `cispo serve --model BASE` (repeatable) loads those bases at start and takes
 only their queues; `cispo serve` with no model takes the any-base queue and
 loads the base a request names, keeping the last one resident: a request
-for another base waits until the running batch is done, then the base
-switches. Presence keys, refreshed by a thread, tell the API which queues
+for another base waits until the running batch is done (and the requests
+taken after it wait with it, in order), then the base switches. Presence keys, refreshed by a thread, tell the API which queues
 have a worker. Nothing the worker is sent runs as code: requests carry
 text, sampling numbers, and a checkpoint the API resolved for the caller's
 project.
@@ -159,8 +159,8 @@ class ServingWorker:
             send(type="accepted")
             self._flush()  # before its adapter may have to be fetched: the API waits for this a short while only
         base = request["target"]["base"]
-        if not self.bases and base not in self.schedulers and any(s.busy for s in self.schedulers.values()):
-            self.held.append(request)
+        if not self.bases and (self.held or base not in self.schedulers and self._busy()):
+            self.held.append(request)  # in order: requests for the resident base do not overtake it for ever
             return
         try:
             self._scheduler(base).add(request, send, cancel_key=cancel_key(reply), name=reply)

@@ -7,6 +7,7 @@ on the embedding (rows and adapters per forward)."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 import uuid
@@ -15,7 +16,7 @@ from collections import defaultdict
 import pytest
 
 from service.serving import requests
-from service.serving.channel import PREFIX, SqliteChannel, cancel_key, request_queue
+from service.serving.channel import ANY_BASE, PREFIX, SqliteChannel, cancel_key, request_queue
 from service.serving.targets import Target
 from service.settings import Settings
 from service.storage import LocalStore
@@ -229,3 +230,37 @@ def test_an_adapter_a_running_request_uses_is_not_the_one_evicted(worker, adapte
     for request, reply in zip(asked, replies):
         assert _outcome(worker.channel.replies(reply)) == _alone(alone, request), reply
     assert max(len(set(names)) for _, names in worker.steps()) == 4  # all four adapters in one forward
+
+
+def test_an_any_base_worker_finishes_the_running_batch_before_it_switches_base(adapters, toy_dir, tmp_path, alone):
+    """Requests for the resident base, another base, and the first again: the other waits for the running batch to
+    end, and the one taken after it waits for it in turn (no request for the resident base overtakes it)."""
+    root, found = adapters
+    base, other = str(toy_dir / "model"), tmp_path / "other-base"
+    shutil.copytree(toy_dir / "model", other)  # the same weights under another name: another base to the worker
+    channel = WatchedChannel(tmp_path / "serve.db")
+    settings = Settings(home=tmp_path / "home", work_dir=tmp_path / "work", storage_url=str(root / "store"))
+    worker = ServingWorker(settings, [], channel=channel)
+    asked = [_request(base, found["alpha"], PROMPTS[0], max_tokens=12), _request(str(other), None, PROMPTS[1],
+             max_tokens=6), _request(base, found["beta"], PROMPTS[2], max_tokens=12)]
+    replies = []
+    for request in asked:
+        replies.append(f"{PREFIX}:reply:{uuid.uuid4().hex}")
+        channel.push(request_queue(ANY_BASE), {**request, "reply": replies[-1], "deadline": time.time() + 120},
+                     ttl_s=120)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not all(any(m["type"] == "end" for m in channel.replies(r)) for r in replies):
+            assert thread.is_alive() and time.monotonic() < deadline, channel.sent[-5:]
+            time.sleep(0.05)
+    finally:
+        worker.stop.set()
+        thread.join(30)
+    order = [(k, m["type"]) for k, m in channel.sent]
+    assert order.index((replies[0], "end")) < order.index((replies[1], "start"))
+    assert order.index((replies[1], "end")) < order.index((replies[2], "start"))
+    same_as_base = {**asked[1], "target": {**asked[1]["target"], "base": base}}
+    for request, reply in zip([asked[0], same_as_base, asked[2]], replies):
+        assert _outcome(channel.replies(reply)) == _alone(alone, request), reply
