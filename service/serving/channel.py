@@ -45,11 +45,15 @@ def _slug(base: str) -> str:
 class Channel(Protocol):
     def push(self, key: str, message: dict, ttl_s: float) -> None: ...
 
+    def push_many(self, messages: list[tuple[str, dict]], ttl_s: float) -> None: ...
+
     def pop(self, keys: list[str], timeout_s: float) -> tuple[str, dict] | None: ...
 
     def mark_alive(self, key: str, ttl_s: float) -> None: ...
 
     def alive(self, key: str) -> bool: ...
+
+    def alive_many(self, keys: list[str]) -> list[bool]: ...
 
 
 class RedisChannel:
@@ -66,6 +70,15 @@ class RedisChannel:
             p.pexpire(key, int(ttl_s * 1000))
             p.execute()
 
+    def push_many(self, messages: list[tuple[str, dict]], ttl_s: float) -> None:
+        """push() of each (key, message), in order, in one round trip (a serving worker's replies of a step)."""
+        with self.redis.pipeline(transaction=False) as p:
+            for key, message in messages:
+                p.rpush(key, json.dumps(message))
+            for key in dict.fromkeys(key for key, _ in messages):
+                p.pexpire(key, int(ttl_s * 1000))
+            p.execute()
+
     def pop(self, keys: list[str], timeout_s: float) -> tuple[str, dict] | None:
         got = self.redis.blpop(keys, timeout=max(timeout_s, 0.01))
         return None if got is None else (got[0].decode(), json.loads(got[1]))
@@ -75,6 +88,13 @@ class RedisChannel:
 
     def alive(self, key: str) -> bool:
         return bool(self.redis.exists(key))
+
+    def alive_many(self, keys: list[str]) -> list[bool]:
+        """alive() of each key, in one round trip (a serving worker looks at every request's cancel mark a step)."""
+        with self.redis.pipeline(transaction=False) as p:
+            for key in keys:
+                p.exists(key)
+            return [bool(n) for n in p.execute()]
 
 
 class SqliteChannel:
@@ -98,6 +118,14 @@ class SqliteChannel:
         with closing(self._connect()) as db:
             db.execute("INSERT INTO messages (key, body, expires) VALUES (?, ?, ?)",
                        (key, json.dumps(message), time.time() + ttl_s))
+
+    def push_many(self, messages: list[tuple[str, dict]], ttl_s: float) -> None:
+        expires = time.time() + ttl_s
+        with closing(self._connect()) as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.executemany("INSERT INTO messages (key, body, expires) VALUES (?, ?, ?)",
+                           [(key, json.dumps(message), expires) for key, message in messages])
+            db.execute("COMMIT")
 
     def pop(self, keys: list[str], timeout_s: float) -> tuple[str, dict] | None:
         deadline = time.monotonic() + timeout_s
@@ -128,6 +156,14 @@ class SqliteChannel:
         with closing(self._connect()) as db:
             return db.execute("SELECT 1 FROM alive WHERE key = ? AND expires > ?", (key, time.time())).fetchone() \
                 is not None
+
+    def alive_many(self, keys: list[str]) -> list[bool]:
+        if not keys:
+            return []
+        with closing(self._connect()) as db:
+            found = {k for (k,) in db.execute(f"SELECT key FROM alive WHERE key IN ({','.join('?' * len(keys))}) "
+                                                "AND expires > ?", (*keys, time.time()))}
+        return [k in found for k in keys]
 
 
 def open_channel(settings: Settings) -> Channel:

@@ -159,7 +159,7 @@ class SharedBase:
         self.base = base
         self.model: PeftModel | None = None
         self.router = SegmentRouter()
-        self.specs: dict[str, LoraSpec] = {}
+        self.specs: dict[str, LoraSpec | None] = {}  # None: an adapter loaded from a directory (load)
         self.frozen: set[str] = set()  # adapters that never train (add's `trainable` False)
         self.slots = slots  # how many jobs the worker holds at most
         self.vllm = None  # the vLLM engine of the jobs that sample with one (worker/multi/vllm_engine.py)
@@ -193,6 +193,21 @@ class SharedBase:
         self._route_all()
         self._mark_trainable()
         return self.parameters(name)
+
+    def load(self, name: str, adapter_dir: str) -> None:
+        """Add a saved adapter (a PEFT adapter directory) under `name`, frozen: a serving worker's, which no
+        optimizer steps; its rows are routed like any job's."""
+        if name in self.specs:
+            raise ValueError(f"adapter {name!r} is already on this base")
+        if self.model is None:
+            self.model = PeftModel.from_pretrained(self.base, adapter_dir, adapter_name=name, is_trainable=False)
+        else:
+            self.model.load_adapter(adapter_dir, adapter_name=name, is_trainable=False)
+        self.specs[name] = None  # no job spec: it was trained elsewhere
+        self.frozen.add(name)
+        self._modules = None
+        self._route_all()
+        self._mark_trainable()
 
     def remove(self, name: str) -> None:
         """Drop job `name`'s adapter (its memory goes with it)."""

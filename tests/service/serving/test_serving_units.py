@@ -8,7 +8,7 @@ import time
 import pytest
 
 from service.errors import TooManyRequests
-from service.serving.channel import SqliteChannel, presence_key, request_queue
+from service.serving.channel import RedisChannel, SqliteChannel, presence_key, request_queue
 from service.serving.replies import CHAT, Reply
 from service.serving.waits import ServingWaits
 from worker.serving.stream import TextDeltas
@@ -33,6 +33,31 @@ def test_sqlite_channel_wakes_a_waiting_reader_and_drops_expired_messages(tmp_pa
     started = time.monotonic()
     assert channel.pop(["k"], 5)[1] == {"new": True}
     assert time.monotonic() - started < 2
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def channel(request, tmp_path):
+    if request.param == "sqlite":
+        return SqliteChannel(tmp_path / "serve.db")
+    import redis
+
+    from tests.conftest import REDIS_TEST_URL
+
+    redis.Redis.from_url(REDIS_TEST_URL).flushdb()
+    return RedisChannel(REDIS_TEST_URL, 5.0)
+
+
+def test_many_messages_are_pushed_in_order_and_many_marks_looked_at_at_once(channel):
+    """A serving worker sends a decode step's replies together and looks at every request's cancel mark in one
+    call: the same lists and marks as one push or one look at a time."""
+    channel.push_many([("r1", {"n": 1}), ("r2", {"n": 2}), ("r1", {"n": 3})], ttl_s=60)
+    assert [channel.pop(["r1"], 1)[1]["n"] for _ in range(2)] == [1, 3]
+    assert channel.pop(["r2"], 1)[1] == {"n": 2} and channel.pop(["r1", "r2"], 0.05) is None
+    channel.mark_alive("c2", 60)
+    channel.mark_alive("c3", 0.001)
+    time.sleep(0.01)
+    assert channel.alive_many(["c1", "c2", "c3"]) == [False, True, False]
+    assert channel.alive_many([]) == []
 
 
 def test_presence_expires(tmp_path):

@@ -64,7 +64,7 @@ def test_alternating_requests_are_answered_by_the_adapter_each_names(toy_dir, ch
     assert len(resident.adapters) == min(cached, len(found))
 
 
-def test_a_request_whose_caller_hung_up_stops_at_the_next_token(toy_dir, checkpoints):
+def test_a_request_whose_caller_hung_up_stops_at_the_next_decode_step(toy_dir, checkpoints):
     store, root, found = checkpoints
     resident = ResidentModel(str(toy_dir / "model"), store=store, scratch=root / "scratch-cancel", max_adapters=1)
     parsed = requests.parse(requests.ChatRequest, {"model": "ft:any", "messages": CHAT, "max_tokens": 50, "n": 3,
@@ -73,12 +73,15 @@ def test_a_request_whose_caller_hung_up_stops_at_the_next_token(toy_dir, checkpo
                "prompts": requests.prompts(parsed), "sampling": requests.sampling(parsed)}
     looks = []
 
-    def cancelled() -> bool:  # the caller hangs up after the 3rd token
+    def cancelled() -> bool:  # the caller hangs up after the 3rd decode step
         looks.append(1)
         return len(looks) > 3
 
     sent = []
-    with pytest.raises(Cancelled, match="after 3 tokens"):
+    with pytest.raises(Cancelled) as e:
         answer(resident, message, lambda **m: sent.append(m), cancelled=cancelled)
-    assert len(looks) == 4  # one look per token: nothing more was decoded once it was gone
-    assert not [m for m in sent if m["type"] == "finish" and m["index"] > 0]  # no further choice was begun
+    assert len(looks) == 4  # one look per decode step (for all 3 choices): nothing more was decoded once it was gone
+    finished = {m["index"]: m["tokens"] for m in sent if m["type"] == "finish"}
+    decoded = sum(finished.values()) + 3 * (3 - len(finished))  # the 3 choices decode together, 3 steps each
+    assert str(e.value) == f"after {decoded} tokens"
+    assert not [m for m in sent if m["type"] == "end"]
