@@ -15,16 +15,17 @@ is one packed row of whole sequences instead of a padded micro-batch
 (worker/trainer/packing.py); the log-probs come back one row per sequence,
 so nothing after the forward changes.
 
-With several processes (FSDP2) each rank updates on its own sequences. The
-normaliser is the action-token count of the whole optimizer step, summed over
-ranks, so the sharded losses add up to the global token mean; FSDP averages
-gradients over ranks, so each rank's loss is scaled by the world size to make
-that average the sum. Every rank runs the same number of micro-batches per
-optimizer step (FSDP's collectives pair up), a rank short of sequences
-running a zero-weighted one. The mini-batches are cut from a shuffle of the
-whole batch's sequences (all ranks'), keyed by the job seed, the step and the
-epoch, each rank taking its own sequences of each: the same optimizer steps
-on the same sequences at any number of processes.
+What the update runs (the kept sequences, advantages, logp_old's source, the
+optimizer steps' sequences, normalisers and prompt weights) is
+worker/trainer/plan.py's plan, the one a resident job's batched update runs
+too; this module runs its forwards and backwards.
+
+With several processes (FSDP2) each rank updates on its own sequences of the
+plan, whose normalisers are summed over ranks, so the sharded losses add up
+to the global token mean; FSDP averages gradients over ranks, so each rank's
+loss is scaled by the world size to make that average the sum. Every rank
+runs the same number of micro-batches per optimizer step (FSDP's collectives
+pair up), a rank short of sequences running a zero-weighted one.
 """
 
 from __future__ import annotations
