@@ -93,8 +93,7 @@ class ResidentJob(Trainer):
 
     def take_rollout(self, rollout: Rollout, rollout_s: float) -> JobUpdate:
         """Trainer.take_rollout (raises the job's reward-error failure), and this job's share of the update."""
-        super().take_rollout(rollout, rollout_s)
-        state = self._state
+        state = super().take_rollout(rollout, rollout_s)
         return JobUpdate(self.name, self.spec, self.optimizer, self.params, rollout, state.advantages.per_token,
                          state.indices, self.step)
 

@@ -303,7 +303,7 @@ class Trainer:
             return self._supervised_step(self._state.lr, self._state.started)
         if self.pipeline is not None:  # sampled and scored ahead (rank 0's sampler process), this rank's share
             scored = self.pipeline.take(self.step)
-            self.take_rollout(scored.rollout, scored.sample_s, scored=scored, fallbacks=[])
+            state = self.take_rollout(scored.rollout, scored.sample_s, scored=scored, fallbacks=[])
         else:
             with unsharded(self.policy.model):
                 rollout = self.engine.generate(self.policy, draw.rows, self.spec.sampling,
@@ -313,8 +313,7 @@ class Trainer:
             release_rollout_state(self.policy.model)  # a large model's decode caches and copies
             fallbacks = take_compile_fallbacks()  # this step's and the last evaluation's
             self._warn_fallbacks(self.step + 1)
-            self.take_rollout(rollout, rollout_s, fallbacks=fallbacks)
-        state = self._state
+            state = self.take_rollout(rollout, rollout_s, fallbacks=fallbacks)
         update_started = time.perf_counter()
         stats = self.updater.run(state.rollout, state.advantages.per_token, state.indices, step=self.step)
         update_s = time.perf_counter() - update_started
@@ -343,9 +342,10 @@ class Trainer:
             if self.environment is not None else []
         return StepDraw(rows, sampling_seeds, seeds)
 
-    def take_rollout(self, rollout: Rollout, rollout_s: float, *, scored=None, fallbacks: list | None = None) -> None:
+    def take_rollout(self, rollout: Rollout, rollout_s: float, *, scored=None,
+                     fallbacks: list | None = None) -> StepState:
         """Score the step's rollout (`scored`: the pipeline's, scored already), stop the job when too many samples
-        failed, assign advantages and choose the sequences to train on (self._state.indices); record samples.
+        failed, assign advantages and choose the sequences to train on; record samples. Returns the step so far.
         `fallbacks`: the decode's compile fallbacks, None where the decode is not this trainer's own."""
         spec, tc, state = self.spec, self.spec.training, self._state
         feedback = scored.feedback if scored is not None else \
@@ -368,6 +368,7 @@ class Trainer:
                                                tc.group_size, multi_turn=self.environment is not None))
         state.rollout, state.rollout_s, state.feedback, state.advantages = rollout, rollout_s, feedback, advantages
         state.errors, state.indices, state.fallbacks, state.scored = errors, indices, fallbacks, scored
+        return state
 
     def end_step(self, stats: UpdateStats, update_s: float) -> dict[str, float]:
         """The step's metrics, over every rank's share; retire solved prompts; the step is done."""

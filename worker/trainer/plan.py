@@ -102,7 +102,8 @@ def plan_update(rollout: Rollout, advantages: Tensor | list[Tensor], indices: li
     if group.max_all(len(indices)) == 0:
         return None
     if isinstance(advantages, Tensor):
-        advantages = advantages.repeat_interleave(torch.tensor(counts, device=advantages.device)).split(counts)  # one op, not one per row
+        # one op, not one per row
+        advantages = advantages.repeat_interleave(torch.tensor(counts, device=advantages.device)).split(counts)
     sampler = None if rollout.sampler_logprobs is None else {
         i: torch.tensor(rollout.sampler_logprobs[i], dtype=torch.float32) for i in indices}
     old, needs_old = None, not reuses_current_logprobs(spec)
