@@ -37,7 +37,8 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
                 "tests/service/api/test_poll_cache.py",
                 "-k", "not postgresql"], []),
     # The packed path (training.pack_tokens) and the off-policy masks are trained in their own test files.
-    "update": (["worker/trainer/update.py"], ["tests/worker/trainer/test_update.py",
+    "update": (["worker/trainer/update.py", "worker/trainer/plan.py"], ["tests/worker/trainer/test_update.py",
+                                              "tests/worker/trainer/test_plan.py",
                                               "tests/worker/trainer/test_packing.py",
                                               "tests/worker/trainer/test_recipe_knobs.py"], []),
     "scoring": (["worker/trainer/scoring.py"], ["tests/worker/trainer/test_scoring.py"], []),

@@ -1,8 +1,9 @@
 """The update phase of one cycle: every resident job's CISPO optimizer steps, their micro-batches batched.
 
-Each job plans its optimizer steps exactly as worker/trainer/update.py does
-alone (the same mini-batch shuffle from its seed, step and epoch, the same
-micro-batches of similar lengths). Round r holds every job's r-th optimizer
+Each job's optimizer steps are worker/trainer/plan.py's plan, the one its
+job alone runs (the same kept sequences, mini-batch shuffle from its seed,
+step and epoch, normalisers and logp_old), cut into the same micro-batches
+of similar lengths. Round r holds every job's r-th optimizer
 step; the k-th micro-batches of the round's jobs run as ONE forward and ONE
 backward over the shared base, rows sorted by job (worker/multi/lora.py).
 
@@ -29,13 +30,12 @@ import torch
 from torch import Tensor
 
 from service.job_spec.spec import JobSpec
-from worker.cispo import sequence_weights
 from worker.multi.lora import BASE_ONLY, SharedBase
 from worker.rollout.rollout import Rollout
 from worker.trainer.metrics import UpdateStats
 from worker.multi.routed import collate_rows, routed_hidden, row_slices, rows_logprobs
-from worker.trainer.step import micro_batch_loss, optimizer_step
-from worker.trainer.update import micro_batches, shuffled_mini_batches
+from worker.trainer.plan import UpdatePlan, plan_update
+from worker.trainer.update import micro_batches
 
 
 @dataclass
@@ -51,30 +51,11 @@ class JobUpdate:
     indices: list[int]  # the sequences to train on
     step: int  # the job's trainer step (keys its mini-batch shuffle)
     stats: UpdateStats = field(default_factory=UpdateStats)
-    # filled by prepare():
-    token_adv: dict[int, Tensor] = field(default_factory=dict)
-    old: dict[int, Tensor] | None = None
-    ref: dict[int, Tensor] | None = None
-    sampler: dict[int, Tensor] | None = None
-    plan: list[list[int]] = field(default_factory=list)  # its optimizer steps' sequences, in order
+    plan: UpdatePlan | None = None  # worker/trainer/plan.py's, made by batched_update (None: nothing to train)
 
     @property
     def lengths(self) -> list[int]:
         return [len(ids) for ids in self.rollout.token_ids]
-
-
-def _prepare(job: JobUpdate) -> None:
-    counts = job.rollout.action_counts
-    job.indices = [i for i in job.indices if counts[i] > 0]
-    adv = job.advantages
-    if isinstance(adv, Tensor):
-        adv = adv.repeat_interleave(torch.tensor(counts)).split(counts)  # one op, not one per row
-    job.token_adv = {i: adv[i] for i in job.indices}
-    if job.rollout.sampler_logprobs is not None:
-        job.sampler = {i: torch.tensor(job.rollout.sampler_logprobs[i], dtype=torch.float32) for i in job.indices}
-    job.plan = [mini for epoch in range(job.spec.training.update_epochs)
-                for mini in (shuffled_mini_batches(job.indices, job.spec.seed, job.step, epoch,
-                                                   job.spec.training.mini_batches) if job.indices else [])]
 
 
 def _collate(parts: list[tuple[JobUpdate, list[int]]], pad_id: int, device):
@@ -96,7 +77,7 @@ def _frozen_logprobs(shared: SharedBase, jobs: list[JobUpdate], *, reference: bo
     if not jobs:  # the usual case (one update per rollout, no KL): no eval/train round trip over every module
         return []
     results: list[dict[int, Tensor]] = [{} for _ in jobs]
-    micros = [micro_batches(job.indices, job.lengths, job.spec.training.micro_batch_size) for job in jobs]
+    micros = [micro_batches(job.plan.indices, job.lengths, job.spec.training.micro_batch_size) for job in jobs]
     model = shared.model
     was_training = model.training
     shared.set_training(False)
@@ -120,19 +101,19 @@ def batched_update(shared: SharedBase, jobs: list[JobUpdate], *, pad_id: int, de
     """Every job's optimizer steps of this cycle; returns each job's UpdateStats, in order. `autocast()`: the
     context forwards run in (the shared base's compute dtype)."""
     for job in jobs:
-        _prepare(job)
-    trained = [job for job in jobs if job.indices]
-    needs_old = [job for job in trained if job.spec.training.updates_per_rollout > 1]
+        job.plan = plan_update(job.rollout, job.advantages, job.indices, step=job.step, spec=job.spec)
+    trained = [job for job in jobs if job.plan is not None]
+    needs_old = [job for job in trained if job.plan.needs_old]
     for job, old in zip(needs_old, _frozen_logprobs(shared, needs_old, reference=False, pad_id=pad_id,
                                                      device=device, autocast=autocast)):
-        job.old = old
-    needs_ref = [job for job in trained if job.spec.loss.kl_beta > 0]
+        job.plan.old = old
+    needs_ref = [job for job in trained if job.plan.needs_ref]
     for job, ref in zip(needs_ref, _frozen_logprobs(shared, needs_ref, reference=True, pad_id=pad_id,
                                                      device=device, autocast=autocast)):
-        job.ref = ref
+        job.plan.ref = ref
     shared.set_training(True)
-    for r in range(max((len(job.plan) for job in trained), default=0)):
-        _round(shared, [job for job in trained if r < len(job.plan)], r, pad_id, device, autocast)
+    for r in range(max((len(job.plan.steps) for job in trained), default=0)):
+        _round(shared, [job for job in trained if r < len(job.plan.steps)], r, pad_id, device, autocast)
     for job in jobs:
         job.optimizer.zero_grad(set_to_none=True)
     return [job.stats for job in jobs]
@@ -141,21 +122,13 @@ def batched_update(shared: SharedBase, jobs: list[JobUpdate], *, pad_id: int, de
 def _round(shared: SharedBase, jobs: list[JobUpdate], r: int, pad_id: int, device, autocast) -> None:
     """Optimizer step r of each of `jobs`: their micro-batches in shared forwards and backwards, then each job's
     own clipping and step."""
-    normalizers, micros, weight_of = {}, {}, {}
+    micros = {job.name: micro_batches(job.plan.steps[r].sequences, job.lengths, job.spec.training.micro_batch_size)
+              for job in jobs}
     for job in jobs:
-        mini, counts, loss = job.plan[r], job.rollout.action_counts, job.spec.loss
-        weights, share = sequence_weights(loss.normalization, [counts[i] for i in mini],
-                                          [i // job.spec.training.group_size for i in mini])
-        if share == 0:
-            continue
-        normalizers[job.name] = share
-        weight_of[job.name] = dict(zip(mini, weights)) if loss.normalization == "prompt" else None
-        micros[job.name] = micro_batches(mini, job.lengths, job.spec.training.micro_batch_size)
         job.optimizer.zero_grad(set_to_none=True)
-    stepping = [job for job in jobs if job.name in normalizers]
-    losses = {job.name: 0.0 for job in stepping}
-    for k in range(max((len(micros[job.name]) for job in stepping), default=0)):
-        parts = [(job, micros[job.name][k]) for job in stepping if k < len(micros[job.name])]
+    losses = {job.name: 0.0 for job in jobs}
+    for k in range(max((len(micros[job.name]) for job in jobs), default=0)):
+        parts = [(job, micros[job.name][k]) for job in jobs if k < len(micros[job.name])]
         batch = _collate(parts, pad_id, device)
         names = [job.name for job, micro in parts for _ in micro]
         hidden = routed_hidden(shared, batch, names, autocast)
@@ -163,14 +136,10 @@ def _round(shared: SharedBase, jobs: list[JobUpdate], r: int, pad_id: int, devic
         for (job, micro), rows in zip(parts, row_slices([len(micro) for _, micro in parts])):
             with autocast():
                 logp, entropy = _job_logprobs(shared, job, hidden, batch, rows)
-            out = micro_batch_loss(job.spec, micro, logp, batch.action_mask_BT[rows], normalizers[job.name],
-                                   token_adv=job.token_adv, old=job.old, ref=job.ref, sampler=job.sampler,
-                                   weight_of=weight_of[job.name])
+            out = job.plan.loss(job.plan.steps[r], micro, logp, batch.action_mask_BT[rows])
             total = out.loss if total is None else total + out.loss
             losses[job.name] += float(out.loss.detach())
             job.stats.add(out, float((entropy * batch.action_mask_BT[rows]).sum()))
         total.backward()  # one backward for every job's micro-batch: the adapters are disjoint
-    for job in stepping:
-        job.stats.grad_norms.append(optimizer_step(job.params, job.optimizer, job.spec.optimizer.max_grad_norm))
-        job.stats.step_losses.append(losses[job.name])
-
+    for job in jobs:
+        job.plan.close_step(job.stats, job.params, job.optimizer, losses[job.name])

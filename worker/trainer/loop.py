@@ -78,6 +78,8 @@ from worker.trainer.callbacks import Callbacks, NoCallbacks, TrainResult
 from worker.trainer.pipeline import SerialScorer, pipeline_metrics
 from worker.trainer.rank_pipeline import RankPipeline
 from worker.trainer.resume_check import resume_mismatch
+from worker.trainer.step_state import StepDraw, StepState
+from worker.rollout.rollout import Rollout
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -112,19 +114,38 @@ class Trainer:
         rank 0 runs the asynchronous sampler (worker/trainer/pipeline.py; the Ray driver's actor), None: a child.
         `own_engine`: the engine of this trainer's own rollouts (evaluations, pre-flight) when not the job's: 'hf'
         on the Ray ranks of a vLLM job, whose training batches the sampler actor's vLLM makes."""
-        say = progress or (lambda message: None)
+        self._say = progress or (lambda message: None)
         own = spec if own_engine is None else \
             spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": own_engine})})
         if engine is None:
             refuse_unavailable_engine(own)  # before any sandboxed child starts
-        self.spec, self.output_dir, self.scoring = spec, Path(output_dir), scoring
         self.sampler_host = sampler_host
-        self.checkpoint_root = self.output_dir / "checkpoints"
         seed_everything(spec.seed)
-        self.callbacks: Callbacks = NoCallbacks()
-        self.environment, self.scorer = feedback_source(spec, reward_fn=reward_fn, environment=environment,
-                                                        scoring=scoring)
+        self.setup(spec, output_dir, resume=resume, reward_fn=reward_fn, environment=environment, scoring=scoring)
+        if self.rank:  # sampling draws from keyed streams; the global RNG is left to dropout masks, per rank
+            seed_everything(spec.seed + 1_000_003 * self.rank + self.step)
+        self.updater = Updater(self.policy, self.optimizer, spec)
+        generates = self.scorer is not None or self.environment is not None  # an SFT job without a reward never samples
+        if engine is None and generates:
+            self._say(f"Starting the rollout engine ({own.rollout.engine})")
+        self.engine: RolloutEngine | None = engine or (make_engine(own, self.policy) if generates else None)
+        self._owns_engine = engine is None
+
+    # -- setup ------------------------------------------------------------------
+
+    def setup(self, spec: JobSpec, output_dir: Path, *, resume: bool, reward_fn: RewardFn | None,
+              environment: Environment | None, scoring: ScoringContext | None,
+              callbacks: Callbacks | None = None) -> None:
+        """All a job's trainer holds but its model and rollout engine: the data splits and their sampler, the
+        checkpoint it resumes from (checked against the spec), the optimizer, the step, the learning-signal
+        watches and the reward or environment. The model comes from load_model, a checkpoint's model and
+        optimizer state go back through restore_state: those are what a job alone and a resident job
+        (worker/multi/job.py) do differently."""
+        self.spec, self.output_dir, self.scoring = spec, Path(output_dir), scoring
+        self.checkpoint_root = self.output_dir / "checkpoints"
+        self.callbacks: Callbacks = callbacks or NoCallbacks()
         self.supervised = spec.method == "supervised"
+        self.pipeline: RankPipeline | None = None  # rollout.max_staleness > 0, while run() runs
         self.train_rows, self.val_rows = load_splits(spec.data, seed=spec.seed, use=spec.method)
 
         found = latest_checkpoint(self.checkpoint_root) if resume else None
@@ -135,31 +156,43 @@ class Trainer:
             if diffs:
                 raise ValueError(f"cannot resume from {resumed.path}: the spec changed in {', '.join(diffs)}")
 
-        # Rank 0 reads (or initialises) the weights; the other ranks receive them (worker/distributed/state.py).
-        say(f"Loading the model {spec.model}" + (f" and the checkpoint at step {resumed.state['step']}"
-                                                 if resumed is not None else ""))
-        self.policy: Policy = load_policy(spec, resume_from=resumed, warm_start=warm)
+        self.policy, params = self.load_model(resumed, warm)
         self.rank, self.world = group.rank(), group.world_size()
-        self.optimizer = adamw(self.policy.trainable_parameters(), spec.optimizer)
+        self.optimizer = adamw(params, spec.optimizer)
         self.sampler = PromptSampler(self.train_rows, seed=spec.seed)
         self.step = 0
         if resumed is not None:
-            load_full_optimizer_state(self.policy.model, self.optimizer, optimizer_state_dict(self.optimizer, resumed))
+            self.restore_state(resumed)
             self.sampler = PromptSampler(self.train_rows, seed=spec.seed, **resumed.state["data"])
             self.step = int(resumed.state["step"])
-            restore_rng(resumed.state["rng"], {k[4:]: v for k, v in resumed.tensors.items() if k.startswith("rng.")})
         # The step-0 eval's per-row rewards: every later eval reports its paired difference to them.
         self.eval_baseline: list[float] | None = resumed.state.get("eval_baseline") if resumed is not None else None
-        if self.rank:  # sampling draws from keyed streams; the global RNG is left to dropout masks, per rank
-            seed_everything(spec.seed + 1_000_003 * self.rank + self.step)
-        self.updater = Updater(self.policy, self.optimizer, spec)
-        generates = self.scorer is not None or self.environment is not None  # an SFT job without a reward never samples
-        if engine is None and generates:
-            say(f"Starting the rollout engine ({own.rollout.engine})")
-        self.engine: RolloutEngine | None = engine or (make_engine(own, self.policy) if generates else None)
-        self._owns_engine = engine is None
-        self.pipeline: RankPipeline | None = None  # rollout.max_staleness > 0, while run() runs
         self.last_checkpoint: Path | None = resumed.path if resumed else None
+        self.first_eval = self.last_eval = None
+        self.stopped = False  # callbacks.should_stop() ended the run at the last step boundary
+        self.watch = ZeroVarianceWatch(spec.training.no_signal_steps)
+        self.jumps = PolicyJumpWatch(lr=spec.optimizer.lr, ratio_max=spec.loss.ratio_max,
+                                     mini_batches=spec.training.mini_batches,
+                                     update_epochs=spec.training.update_epochs)
+        self._state: StepState | None = None
+        # Last, so that a failure above leaves no sandboxed child behind (the caller has no trainer to close).
+        self.environment, self.scorer = feedback_source(spec, reward_fn=reward_fn, environment=environment,
+                                                        scoring=scoring)
+
+    def load_model(self, resumed: Checkpoint | None, warm: Checkpoint | None) -> tuple[Policy, list]:
+        """The job's own model, from the checkpoint it resumes or warm-starts from (else initialised), and its
+        trainable parameters. Rank 0 reads the weights; the other ranks receive them (worker/distributed/state.py)."""
+        spec = self.spec
+        self._say(f"Loading the model {spec.model}" + (f" and the checkpoint at step {resumed.state['step']}"
+                                                       if resumed is not None else ""))
+        policy = load_policy(spec, resume_from=resumed, warm_start=warm)
+        return policy, policy.trainable_parameters()
+
+    def restore_state(self, resumed: Checkpoint) -> None:
+        """What a checkpoint holds besides the weights load_model read, the step and the data position: the
+        optimizer's state and the random generators'."""
+        load_full_optimizer_state(self.policy.model, self.optimizer, optimizer_state_dict(self.optimizer, resumed))
+        restore_rng(resumed.state["rng"], {k[4:]: v for k, v in resumed.tensors.items() if k.startswith("rng.")})
 
     # -- phases ---------------------------------------------------------------
 
@@ -260,64 +293,91 @@ class Trainer:
                 f"every completion (baseline reward {metrics['preflight_reward_mean']:.4f}), so every advantage is "
                 "zero (training.fail_on_no_signal is set)")
 
+    # -- one step: begin_step -> sample -> take_rollout -> update -> end_step -------------------------------
+    # train_step runs these in turn; worker/multi/cycle.py runs each phase for every resident job, the sampling
+    # and the update batched across them.
+
     def train_step(self) -> dict[str, float]:
+        draw = self.begin_step()
+        if self.supervised:
+            return self._supervised_step(self._state.lr, self._state.started)
+        if self.pipeline is not None:  # sampled and scored ahead (rank 0's sampler process), this rank's share
+            scored = self.pipeline.take(self.step)
+            state = self.take_rollout(scored.rollout, scored.sample_s, scored=scored, fallbacks=[])
+        else:
+            with unsharded(self.policy.model):
+                rollout = self.engine.generate(self.policy, draw.rows, self.spec.sampling,
+                                               group_size=self.spec.training.group_size,
+                                               sampling_seeds=draw.sampling_seeds, **self._episodes(draw.episode_seeds))
+            rollout_s = time.perf_counter() - self._state.started
+            release_rollout_state(self.policy.model)  # a large model's decode caches and copies
+            fallbacks = take_compile_fallbacks()  # this step's and the last evaluation's
+            self._warn_fallbacks(self.step + 1)
+            state = self.take_rollout(rollout, rollout_s, fallbacks=fallbacks)
+        update_started = time.perf_counter()
+        stats = self.updater.run(state.rollout, state.advantages.per_token, state.indices, step=self.step)
+        update_s = time.perf_counter() - update_started
+        self._warn_fallbacks(self.step + 1)
+        if self.pipeline is not None:
+            self.pipeline.publish(self.step + 1, self.policy.model)
+        return self.end_step(stats, update_s)
+
+    def begin_step(self) -> StepDraw | None:
+        """Set the step's learning rate; its prompts (this rank's share) and their streams, None when the
+        asynchronous pipeline drew them ahead (or a supervised step draws its own)."""
         spec, tc = self.spec, self.spec.training
         started = time.perf_counter()
         lr = spec.optimizer.lr * lr_multiplier(spec.schedule, self.step, tc.steps)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
-        if self.supervised:
-            return self._supervised_step(lr, started)
+        self._state = StepState(lr=lr, started=started)
+        if self.supervised or self.pipeline is not None:
+            return None
+        rows = _share(self.sampler.next_batch(tc.batch_size), self.rank, self.world)
+        # Streams keyed by each prompt's index in the whole batch (this rank holds a contiguous share), so
+        # the draws are the same at any number of processes. An episode seed is shared by the prompt's group.
+        prompts = range(self.rank * len(rows), (self.rank + 1) * len(rows))
+        sampling_seeds = [stream_seed("sample", spec.seed, self.step, p) for p in prompts]
+        seeds = [stream_seed("episode", spec.seed, self.step, p) % (2**31 - 1) for p in prompts] \
+            if self.environment is not None else []
+        return StepDraw(rows, sampling_seeds, seeds)
 
-        if self.pipeline is not None:  # sampled and scored ahead (rank 0's sampler process), this rank's share
-            scored = self.pipeline.take(self.step)
-            rollout, feedback, rollout_s, fallbacks = scored.rollout, scored.feedback, scored.sample_s, []
-        else:
-            rows = _share(self.sampler.next_batch(tc.batch_size), self.rank, self.world)
-            # Streams keyed by each prompt's index in the whole batch (this rank holds a contiguous share), so
-            # the draws are the same at any number of processes. An episode seed is shared by the prompt's group.
-            prompts = range(self.rank * len(rows), (self.rank + 1) * len(rows))
-            sampling_seeds = [stream_seed("sample", spec.seed, self.step, p) for p in prompts]
-            seeds = [stream_seed("episode", spec.seed, self.step, p) % (2**31 - 1) for p in prompts] \
-                if self.environment is not None else []
-            with unsharded(self.policy.model):
-                rollout = self.engine.generate(self.policy, rows, spec.sampling, group_size=tc.group_size,
-                                               sampling_seeds=sampling_seeds, **self._episodes(seeds))
-            rollout_s = time.perf_counter() - started
-            release_rollout_state(self.policy.model)  # a large model's decode caches and copies
-            fallbacks = take_compile_fallbacks()  # this step's and the last evaluation's
-            self._warn_fallbacks(self.step + 1)
-            feedback = collect_feedback(rollout, self.scorer, failure_score=tc.reward_failure_score)
+    def take_rollout(self, rollout: Rollout, rollout_s: float, *, scored=None,
+                     fallbacks: list | None = None) -> StepState:
+        """Score the step's rollout (`scored`: the pipeline's, scored already), stop the job when too many samples
+        failed, assign advantages and choose the sequences to train on; record samples. Returns the step so far.
+        `fallbacks`: the decode's compile fallbacks, None where the decode is not this trainer's own."""
+        spec, tc, state = self.spec, self.spec.training, self._state
+        feedback = scored.feedback if scored is not None else \
+            collect_feedback(rollout, self.scorer, failure_score=tc.reward_failure_score)
         # Every rank judges the whole step's errors, so all stop together.
         errors = _concat_ranks({"errors": feedback.errors})["errors"]
         self._check_reward_errors(self.step + 1, SimpleNamespace(errors=errors), len(rollout) * self.world)
-        rewards = feedback.rewards
         adv = spec.advantages
         advantages = assign_advantages(rollout, feedback, adv, tc.group_size, batch_std=batch_reward_std(
             feedback.rewards) if adv.scale == "batch_std" else None)
-        advantages_PG, zero_P = advantages.episode_PG, advantages.zero_P
-        keep_P = ~zero_P if adv.drop_zero_groups else torch.ones_like(zero_P)
+        keep_P = ~advantages.zero_P if adv.drop_zero_groups else torch.ones_like(advantages.zero_P)
         indices = [i for i in range(len(rollout)) if keep_P[i // tc.group_size]]
-        if self.pipeline is not None:  # never train on a sample more than max_staleness versions old
+        if scored is not None:  # never train on a sample more than max_staleness versions old
             indices = sorted(set(indices) & set(fresh_sequences(scored.versions, self.step,
                                                                 spec.rollout.max_staleness).kept))
             every_version = _concat_ranks({"versions": scored.versions})["versions"]
-            fresh = fresh_sequences(every_version, self.step, spec.rollout.max_staleness)  # the whole batch's
+            state.fresh = fresh_sequences(every_version, self.step, spec.rollout.max_staleness)  # the whole batch's
         if (record := getattr(self.callbacks, "on_samples", None)) is not None:
-            record(self.step + 1, pick_samples(self.policy.tokenizer, rollout, feedback, advantages_PG, tc.group_size,
-                                               multi_turn=self.environment is not None))
+            record(self.step + 1, pick_samples(self.policy.tokenizer, rollout, feedback, advantages.episode_PG,
+                                               tc.group_size, multi_turn=self.environment is not None))
+        state.rollout, state.rollout_s, state.feedback, state.advantages = rollout, rollout_s, feedback, advantages
+        state.errors, state.indices, state.fallbacks, state.scored = errors, indices, fallbacks, scored
+        return state
 
-        update_started = time.perf_counter()
-        stats = self.updater.run(rollout, advantages.per_token, indices, step=self.step)
-        update_s = time.perf_counter() - update_started
-        self._warn_fallbacks(self.step + 1)
-        if self.pipeline is not None:
-            self.pipeline.publish(self.step + 1, self.policy.model)
-        step_s = time.perf_counter() - started
-
+    def end_step(self, stats: UpdateStats, update_s: float) -> dict[str, float]:
+        """The step's metrics, over every rank's share; retire solved prompts; the step is done."""
+        tc, state = self.spec.training, self._state
+        rollout, feedback, advantages = state.rollout, state.feedback, state.advantages
+        step_s = time.perf_counter() - state.started
         every = _concat_ranks({
-            "rewards": rewards.tolist(), "advantages": advantages_PG.flatten().tolist(),
-            "zero": zero_P.float().tolist(), "counts": rollout.action_counts, "turns": rollout.turns,
+            "rewards": feedback.rewards.tolist(), "advantages": advantages.episode_PG.flatten().tolist(),
+            "zero": advantages.zero_P.float().tolist(), "counts": rollout.action_counts, "turns": rollout.turns,
             "truncated": rollout.truncated, "all_tokens": [sum(map(len, rollout.token_ids))],
             "components": [feedback.scores.components] if feedback.scores is not None else [], "stats": [stats],
         })
@@ -330,6 +390,8 @@ class Trainer:
         retired = {} if tc.pass_rate_filter is None else {"retired_prompts": float(retire_solved(
             self.sampler, rewards.view(-1, tc.group_size), tc.pass_rate_filter))}
         self.step += 1
+        self._state = None
+        errors = state.errors
         return {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)),
@@ -342,17 +404,42 @@ class Trainer:
             "completion_length_mean": completion_tokens / sequences,
             "turns_mean": sum(every["turns"]) / sequences,
             "truncated_fraction": sum(every["truncated"]) / sequences,
-            "lr": lr,
+            "lr": state.lr,
             **UpdateStats.combined(every["stats"]).metrics(),
-            "decode_compile_fallbacks": float(len(fallbacks)),
-            "rollout_seconds": rollout_s,
+            **({"decode_compile_fallbacks": float(len(state.fallbacks))} if state.fallbacks is not None else {}),
+            "rollout_seconds": state.rollout_s,
             "update_seconds": update_s,
             "step_seconds": step_s,
-            "sampled_tokens_per_second": completion_tokens / max(rollout_s, 1e-9),
+            "sampled_tokens_per_second": completion_tokens / max(state.rollout_s, 1e-9),
             "tokens_per_second": all_tokens / max(step_s, 1e-9),
             **retired,
-            **(pipeline_metrics(scored, fresh) if self.pipeline is not None else {}),
+            **(pipeline_metrics(state.scored, state.fresh) if state.scored is not None else {}),
         }
+
+    def report_step(self, metrics: dict[str, float]) -> None:
+        """Report a finished step's metrics and watch them: a policy jump warns, a run of steps without learning
+        signal warns or stops the job."""
+        cb, tc = self.callbacks, self.spec.training
+        cb.on_step(self.step, metrics)
+        if (jump := self.jumps.update(metrics)) and (warn := getattr(cb, "on_warning", None)) is not None:
+            warn(self.step, jump)
+        if not self.supervised and self.watch.update(metrics["zero_advantage_group_fraction"]):
+            if tc.fail_on_no_signal:
+                raise NoLearningSignal(f"{no_signal_message(self.step, self.watch.streak)} "
+                                       "(training.fail_on_no_signal is set)")
+            if (warn := getattr(cb, "on_no_signal", None)) is not None:
+                warn(self.step, self.watch.streak)
+
+    def finish_step(self) -> None:
+        """After a reported step: evaluate and checkpoint when due, ask the callbacks whether to stop."""
+        cb = self.callbacks
+        due = self.checkpoint_due(self.step)
+        if self.eval_due(self.step):
+            self.last_eval = self.evaluate()
+            cb.on_eval(self.step, self.last_eval)
+        self.stopped = cb.should_stop()
+        if due or self.stopped:
+            cb.on_checkpoint(self.step, self.save())
 
     def _supervised_step(self, lr: float, started: float) -> dict[str, float]:
         tc = self.spec.training
@@ -476,42 +563,25 @@ class Trainer:
         if message and (warn := getattr(self.callbacks, "on_warning", None)) is not None:
             warn(self.step, message)
 
-    def _run(self, callbacks: Callbacks | None) -> TrainResult:
-        cb = self.callbacks = callbacks or NoCallbacks()
-        tc = self.spec.training
-        take_messages()  # fallbacks of models of earlier runs in this process, reported (or not) by those
+    def start(self) -> None:
+        """The start of a run: a fresh run's pre-flight and step-0 evaluation."""
         self._warn_emulated_bf16()
-        first_eval = last_eval = None
         if self.step == 0:
-            if tc.preflight_groups and not self.supervised:
-                self._check_preflight(cb)
-            first_eval = last_eval = self.evaluate()
-            cb.on_eval(0, first_eval)
-        stopped = False
-        watch = ZeroVarianceWatch(tc.no_signal_steps)
-        jumps = PolicyJumpWatch(lr=self.spec.optimizer.lr, ratio_max=self.spec.loss.ratio_max,
-                                mini_batches=tc.mini_batches, update_epochs=tc.update_epochs)
-        while self.step < tc.steps:
-            metrics = self.train_step()
-            cb.on_step(self.step, metrics)
-            if (jump := jumps.update(metrics)) and (warn := getattr(cb, "on_warning", None)) is not None:
-                warn(self.step, jump)
-            if not self.supervised and watch.update(metrics["zero_advantage_group_fraction"]):
-                if tc.fail_on_no_signal:
-                    raise NoLearningSignal(f"{no_signal_message(self.step, watch.streak)} "
-                                           "(training.fail_on_no_signal is set)")
-                if (warn := getattr(cb, "on_no_signal", None)) is not None:
-                    warn(self.step, watch.streak)
-            due = self.checkpoint_due(self.step)
-            if self.eval_due(self.step):
-                last_eval = self.evaluate()
-                cb.on_eval(self.step, last_eval)
-            stopped = cb.should_stop()
-            if due or stopped:
-                cb.on_checkpoint(self.step, self.save())
-            if stopped:
+            if self.spec.training.preflight_groups and not self.supervised:
+                self._check_preflight(self.callbacks)
+            self.first_eval = self.last_eval = self.evaluate()
+            self.callbacks.on_eval(0, self.first_eval)
+
+    def _run(self, callbacks: Callbacks | None) -> TrainResult:
+        self.callbacks = callbacks or NoCallbacks()
+        take_messages()  # fallbacks of models of earlier runs in this process, reported (or not) by those
+        self.start()
+        while self.step < self.spec.training.steps:
+            self.report_step(self.train_step())
+            self.finish_step()
+            if self.stopped:
                 break
-        return TrainResult(self.step, stopped, self.last_checkpoint, first_eval, last_eval)
+        return TrainResult(self.step, self.stopped, self.last_checkpoint, self.first_eval, self.last_eval)
 
 
 def train(spec: JobSpec, output_dir: Path, *, reward_fn: RewardFn | None = None,

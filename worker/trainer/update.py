@@ -15,16 +15,17 @@ is one packed row of whole sequences instead of a padded micro-batch
 (worker/trainer/packing.py); the log-probs come back one row per sequence,
 so nothing after the forward changes.
 
-With several processes (FSDP2) each rank updates on its own sequences. The
-normaliser is the action-token count of the whole optimizer step, summed over
-ranks, so the sharded losses add up to the global token mean; FSDP averages
-gradients over ranks, so each rank's loss is scaled by the world size to make
-that average the sum. Every rank runs the same number of micro-batches per
-optimizer step (FSDP's collectives pair up), a rank short of sequences
-running a zero-weighted one. The mini-batches are cut from a shuffle of the
-whole batch's sequences (all ranks'), keyed by the job seed, the step and the
-epoch, each rank taking its own sequences of each: the same optimizer steps
-on the same sequences at any number of processes.
+What the update runs (the kept sequences, advantages, logp_old's source, the
+optimizer steps' sequences, normalisers and prompt weights) is
+worker/trainer/plan.py's plan, the one a resident job's batched update runs
+too; this module runs its forwards and backwards.
+
+With several processes (FSDP2) each rank updates on its own sequences of the
+plan, whose normalisers are summed over ranks, so the sharded losses add up
+to the global token mean; FSDP averages gradients over ranks, so each rank's
+loss is scaled by the world size to make that average the sum. Every rank
+runs the same number of micro-batches per optimizer step (FSDP's collectives
+pair up), a rank short of sequences running a zero-weighted one.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import torch
 from torch import Tensor
 
 from service.job_spec.spec import JobSpec
-from worker.cispo import sequence_weights
 from worker.distributed import group
 from worker.distributed.shard import unsharded
 from worker.trainer.metrics import UpdateStats
@@ -45,8 +45,7 @@ from worker.model.lean_backward import lean_backward
 from worker.rollout.rollout import Rollout
 from worker.trainer.packing import collate_packed, pack_rows
 from worker.trainer.scoring import collate_sequences, sequence_logprobs
-from worker.trainer.step import micro_batch_loss, optimizer_step
-from worker.model.streams import generator
+from worker.trainer.plan import plan_update
 
 
 def _chunks(indices: list[int], size: int) -> list[list[int]]:
@@ -61,14 +60,6 @@ def micro_batches(indices: list[int], lengths: list[int], size: int) -> list[lis
     gradient is accumulated, not what it is.
     """
     return _chunks(sorted(indices, key=lambda i: lengths[i]), size)
-
-
-def shuffled_mini_batches(indices: list[int], seed: int, step: int, epoch: int, parts: int) -> list[list[int]]:
-    """The sequences `indices` shuffled by a stream keyed by the job seed, the trainer step and the epoch, cut
-    into `parts` mini-batches (fewer when there are fewer sequences): the order of the epoch's optimizer steps."""
-    shuffle = torch.randperm(len(indices), generator=generator("minibatch", seed, step, epoch))
-    order = torch.tensor(indices, dtype=torch.long)[shuffle]
-    return [cut.tolist() for cut in order.tensor_split(min(parts, len(indices)))]
 
 
 def _per_sequence(values_BT: Tensor, action_mask_BT: Tensor) -> list[Tensor]:
@@ -136,24 +127,6 @@ class Updater:
         model.train(was_training)
         return result
 
-    def reuses_current_logprobs(self) -> bool:
-        """One optimizer step per rollout: the policy has not moved since sampling, so logp_old is the current
-        pass's own log-probs, detached (ratio exactly 1), and the frozen forward that would recompute them is
-        skipped (a third of the update's compute with LoRA)."""
-        return self.training.updates_per_rollout == 1
-
-    def _mini_batches(self, indices: list[int], sequences: int, step: int, epoch: int) -> list[list[int]]:
-        """This rank's sequences of each of the epoch's mini-batches (a list for every mini-batch, maybe empty).
-
-        `indices` are this rank's kept sequences of its `sequences`; the ranks hold consecutive shares of the batch.
-        """
-        shares = group.gather_objects((sequences, indices))  # in rank order
-        starts = [sum(n for n, _ in shares[:r]) for r in range(len(shares))]
-        offset = starts[group.rank()]
-        everyone = [start + i for start, (_, kept) in zip(starts, shares) for i in kept]
-        cuts = shuffled_mini_batches(everyone, self.spec.seed, step, epoch, self.training.mini_batches)
-        return [[i - offset for i in cut if offset <= i < offset + sequences] for cut in cuts]
-
     def run(self, rollout: Rollout, advantages: Tensor | list[Tensor], indices: list[int], *,
             step: int = 0) -> UpdateStats:
         """Optimizer steps over the sequences `indices` of the rollout, at trainer step `step` (which keys the
@@ -172,64 +145,39 @@ class Updater:
 
     def _run(self, rollout: Rollout, advantages: Tensor | list[Tensor], indices: list[int], step: int) -> UpdateStats:
         stats = UpdateStats()
-        counts = rollout.action_counts
-        lengths = [len(ids) for ids in rollout.token_ids]
-        indices = [i for i in indices if counts[i] > 0]
-        if group.max_all(len(indices)) == 0:
+        plan = plan_update(rollout, advantages, indices, step=step, spec=self.spec)
+        if plan is None:
             return stats
-        if isinstance(advantages, Tensor):
-            advantages = [advantages[i].repeat(counts[i]) for i in range(len(rollout))]
-        token_adv = {i: advantages[i] for i in indices}
-        # The rollout engine's own log-probs (vLLM), for the truncated IS correction; None with transformers.
-        sampler = None if rollout.sampler_logprobs is None else {
-            i: torch.tensor(rollout.sampler_logprobs[i], dtype=torch.float32) for i in indices}
-        loss_spec = self.spec.loss
-        if self.spec.rollout.max_staleness > 0:
-            # Asynchronous rollouts: logp_old is the sampler's own log-prob under the version that produced the
-            # token, so the ratio carries the staleness (and the sampler's numerical mismatch) and ratio_max caps
-            # it; the TIS factor exp(logp_old - logp_sampler) would be 1, so it is left out.
-            if sampler is None:
-                raise ValueError("rollout.max_staleness > 0 needs the sampler's log-probs of every sequence")
-            old, sampler = sampler, None
-        else:
-            old = None if self.reuses_current_logprobs() else self._frozen_logprobs(rollout, indices, reference=False)
-        ref = self._frozen_logprobs(rollout, indices, reference=True) if loss_spec.kl_beta > 0 else None
-        by_prompt = loss_spec.normalization == "prompt"
+        if plan.needs_old:
+            plan.old = self._frozen_logprobs(rollout, plan.indices, reference=False)
+        if plan.needs_ref:
+            plan.ref = self._frozen_logprobs(rollout, plan.indices, reference=True)
         model = self.policy.model
         model.train()
         params = self.policy.trainable_parameters()
+        lengths = [len(ids) for ids in rollout.token_ids]
         world = group.world_size()
-        for epoch in range(self.training.update_epochs):
-            for mini in self._mini_batches(indices, len(rollout), step, epoch):
-                weights, share = sequence_weights(loss_spec.normalization, [counts[i] for i in mini],
-                                                  [i // self.training.group_size for i in mini])
-                normalizer = group.sum_all(share)
-                weight_of = dict(zip(mini, weights)) if by_prompt else None
-                if normalizer == 0:  # no rank has a sequence for this step
-                    continue
-                self.optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
-                micros = self._micro_batches(mini, lengths)
-                for _ in range(group.max_all(len(micros)) - len(micros)):
-                    self._zero_weight_pass(rollout)
-                for micro in micros:
-                    batch = self._batch(rollout, micro)
-                    with self.policy.autocast():  # the backward below runs outside it, as torch advises
-                        logp, entropy = sequence_logprobs(
-                            model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size,
-                            head_dtype=self.head_dtype,
-                        )
-                    action_mask_BT = batch.sequence_action_mask_BT  # logp's layout: one row per sequence
-                    out = micro_batch_loss(self.spec, micro, logp, action_mask_BT, normalizer,
-                                           token_adv=token_adv, old=old, ref=ref, sampler=sampler, weight_of=weight_of)
-                    (out.loss * world).backward()  # FSDP averages gradients over ranks; the sum is wanted
-                    step_loss += float(out.loss.detach())
-                    stats.add(out, float((entropy * action_mask_BT).sum()))
-                stats.grad_norms.append(optimizer_step(params, self.optimizer, self.spec.optimizer.max_grad_norm))
-                stats.step_losses.append(group.sum_all(step_loss))
+        for opt_step in plan.steps:
+            self.optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            micros = self._micro_batches(opt_step.sequences, lengths)
+            for _ in range(group.max_all(len(micros)) - len(micros)):
+                self._zero_weight_pass(rollout)
+            for micro in micros:
+                batch = self._batch(rollout, micro)
+                with self.policy.autocast():  # the backward below runs outside it, as torch advises
+                    logp, entropy = sequence_logprobs(
+                        model, batch, temperature=self.temperature, chunk_size=self.training.logprob_chunk_size,
+                        head_dtype=self.head_dtype,
+                    )
+                action_mask_BT = batch.sequence_action_mask_BT  # logp's layout: one row per sequence
+                out = plan.loss(opt_step, micro, logp, action_mask_BT)
+                (out.loss * world).backward()  # FSDP averages gradients over ranks; the sum is wanted
+                step_loss += float(out.loss.detach())
+                stats.add(out, float((entropy * action_mask_BT).sum()))
+            plan.close_step(stats, params, self.optimizer, group.sum_all(step_loss))
         self.optimizer.zero_grad(set_to_none=True)
         return stats
-
 
     def _zero_weight_pass(self, rollout: Rollout) -> None:
         """A forward and backward that adds nothing to the gradients but joins FSDP's collectives."""

@@ -1,6 +1,7 @@
-"""The update paths share one optimizer step: the trainer alone (worker/trainer/update.py), the resident jobs'
-batched update (worker/multi/update.py) and supervised fine-tuning build the micro-batch loss, clip and step
-through worker/trainer/step.py, so a knob read in one place reaches every path. Read with ast: a copy of the
+"""The update paths share one optimizer step: the trainer alone (worker/trainer/update.py) and the resident jobs'
+batched update (worker/multi/update.py) run one plan (worker/trainer/plan.py), and with supervised fine-tuning
+build the micro-batch loss, clip and step through worker/trainer/step.py, so a knob read in one place reaches
+every path. Read with ast: a copy of the
 loss call or of the clipping elsewhere in worker/ is how the paths drifted apart. That the two CISPO paths
 give the same numbers is tests/worker/multi/test_batched_update.py's each-adapter-equals-alone test."""
 
@@ -35,9 +36,15 @@ def test_the_loss_call_and_the_clipping_have_one_home():
                      "clip_grad_norm_": ["worker/trainer/step.py"]}
 
 
-def test_both_cispo_updates_use_the_shared_pieces():
+def test_both_cispo_updates_run_one_plan():
+    """The kept sequences, advantages, logp_old's source, mini-batches, normalisers and prompt weights are
+    worker/trainer/plan.py's; each update path only runs its own forwards of that plan."""
+    plan = _called(REPO / "worker/trainer/plan.py")
+    assert {"micro_batch_loss", "optimizer_step", "shuffled_mini_batches", "sequence_weights"} <= plan
     for module in ("worker/trainer/update.py", "worker/multi/update.py"):
-        assert {"micro_batch_loss", "optimizer_step", "shuffled_mini_batches"} <= _called(REPO / module), module
+        called = _called(REPO / module)
+        assert "plan_update" in called, module
+        assert not called & {"micro_batch_loss", "optimizer_step", "shuffled_mini_batches", "sequence_weights"}, module
     assert "optimizer_step" in _called(REPO / "worker/trainer/supervised.py")
 
 

@@ -263,3 +263,16 @@ def test_cispo_learns_the_toy_task(toy_dir, tmp_path):
         eval_gains.append(eval_gain)
     assert sum(gains) / 2 > 0.08
     assert sum(eval_gains) / 2 >= 0.3
+
+
+def test_a_trainer_that_cannot_start_starts_no_reward(toy_dir, tmp_path, monkeypatch):
+    """The reward or environment (a sandboxed child for a user's code) is made last in the setup: a refused
+    checkpoint leaves none behind, since the caller gets no trainer to close."""
+    import worker.trainer.loop as loop
+
+    made = []
+    monkeypatch.setattr(loop, "feedback_source", lambda *a, **k: made.append(1) or (None, None))
+    spec = small_spec(toy_dir, steps=1).model_copy(update={"init_from": str(tmp_path / "no-checkpoint")})
+    with pytest.raises(CheckpointError):
+        Trainer(spec, tmp_path / "run")
+    assert made == []

@@ -14,6 +14,8 @@ from service.job_spec.spec import JobSpec
 from tests.specs import job_spec
 from worker.cispo.loss import k3_kl
 from worker.toy.__main__ import toy_spec
+from worker.trainer import plan
+from worker.trainer.plan import rank_mini_batches
 from worker.trainer.update import Updater, micro_batches
 
 TEMPERATURE = 0.8
@@ -243,16 +245,15 @@ def test_mini_batches_cut_a_shuffle_keyed_by_seed_step_and_epoch(toy_dir):
     """Each epoch's mini-batches split the kept sequences between them; the cut is the same for the same seed,
     step and epoch, and another for another seed, step or epoch."""
     spec = one_step_spec(toy_dir, mini_batches=3)
-    updater = Updater(None, None, spec)  # cutting needs neither a model nor an optimizer
     kept = [0, 1, 2, 4, 5, 6, 7]
-    cuts = updater._mini_batches(kept, 8, step=3, epoch=0)
+    cuts = rank_mini_batches(spec, kept, 8, 3, 0)
     assert len(cuts) == 3 and sorted(i for c in cuts for i in c) == kept and all(cuts)
-    assert updater._mini_batches(kept, 8, step=3, epoch=0) == cuts
-    assert updater._mini_batches(kept, 8, step=4, epoch=0) != cuts
-    assert updater._mini_batches(kept, 8, step=3, epoch=1) != cuts
-    reseeded = Updater(None, None, spec.model_copy(update={"seed": spec.seed + 1}))
-    assert reseeded._mini_batches(kept, 8, step=3, epoch=0) != cuts
-    assert len(updater._mini_batches([5, 6], 8, step=3, epoch=0)) == 2  # never more cuts than sequences
+    assert rank_mini_batches(spec, kept, 8, 3, 0) == cuts
+    assert rank_mini_batches(spec, kept, 8, 4, 0) != cuts
+    assert rank_mini_batches(spec, kept, 8, 3, 1) != cuts
+    reseeded = spec.model_copy(update={"seed": spec.seed + 1})
+    assert rank_mini_batches(reseeded, kept, 8, 3, 0) != cuts
+    assert len(rank_mini_batches(spec, [5, 6], 8, 3, 0)) == 2  # never more cuts than sequences
 
 
 def test_each_rank_takes_its_own_sequences_of_the_same_global_cut(toy_dir, monkeypatch):
@@ -266,10 +267,10 @@ def test_each_rank_takes_its_own_sequences_of_the_same_global_cut(toy_dir, monke
     per_rank = []
     for rank in (0, 1):
         monkeypatch.setattr(group, "rank", lambda rank=rank: rank)
-        per_rank.append(Updater(None, None, spec)._mini_batches(shares[rank][1], 4, step=2, epoch=0))
+        per_rank.append(rank_mini_batches(spec, shares[rank][1], 4, 2, 0))
     monkeypatch.setattr(group, "gather_objects", lambda mine: [mine])
     monkeypatch.setattr(group, "rank", lambda: 0)
-    alone = Updater(None, None, spec)._mini_batches([0, 1, 2, 3, 4, 6, 7], 8, step=2, epoch=0)
+    alone = rank_mini_batches(spec, [0, 1, 2, 3, 4, 6, 7], 8, 2, 0)
     for cut, on_0, on_1 in zip(alone, *per_rank, strict=True):
         assert all(0 <= i < 4 for i in on_0 + on_1)
         assert sorted(on_0 + [4 + i for i in on_1]) == sorted(cut)
@@ -296,7 +297,8 @@ def test_zero_weight_pass_runs_a_backward_that_adds_nothing(toy_dir):
     assert all(g is not None for g in grads) and all(not g.any() for g in grads)
 
 
-def test_one_step_per_rollout_skips_the_frozen_forward_with_the_same_loss_and_gradient(toy_dir, tmp_path):
+def test_one_step_per_rollout_skips_the_frozen_forward_with_the_same_loss_and_gradient(toy_dir, tmp_path,
+                                                                                         monkeypatch):
     """With one optimizer step per rollout, logp_old is the current pass's log-probs (detached): no frozen no-grad
     forward runs, and the step's loss and gradient are exactly those of the path that runs it."""
     import torch
@@ -317,10 +319,10 @@ def test_one_step_per_rollout_skips_the_frozen_forward_with_the_same_loss_and_gr
     frozen = updater._frozen_logprobs
     updater._frozen_logprobs = lambda *a, **k: frozen_calls.append(1) or frozen(*a, **k)
 
-    assert updater.reuses_current_logprobs()
+    assert plan.reuses_current_logprobs(spec)
     reused = updater.run(rollout, advantages, list(range(len(rollout))))
     assert frozen_calls == []
-    updater.reuses_current_logprobs = lambda: False  # the frozen-forward path, on the same weights
+    monkeypatch.setattr(plan, "reuses_current_logprobs", lambda _spec: False)  # the frozen path, same weights
     recomputed = updater.run(rollout, advantages, list(range(len(rollout))))
     assert frozen_calls == [1]
     assert reused.step_losses == recomputed.step_losses and reused.step_losses[0] != 0
@@ -354,9 +356,9 @@ def test_each_epoch_trains_the_cut_of_its_own_step_and_epoch(toy_dir):
 
     updater.run(rollout, advantages, kept, step=6)
 
-    want = [sorted(cut) for epoch in (0, 1) for cut in updater._mini_batches(kept, 8, step=6, epoch=epoch)]
+    want = [sorted(cut) for epoch in (0, 1) for cut in rank_mini_batches(spec, kept, 8, 6, epoch)]
     assert [sorted(t) for t in trained[:-1]] == want
-    assert want != [sorted(cut) for epoch in (0, 1) for cut in updater._mini_batches(kept, 8, step=0, epoch=epoch)]
+    assert want != [sorted(cut) for epoch in (0, 1) for cut in rank_mini_batches(spec, kept, 8, 0, epoch)]
     assert want[:2] != want[2:]  # the second epoch is cut anew
 
 
