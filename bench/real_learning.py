@@ -1,0 +1,216 @@
+"""Does CISPO learn on a real instruct model? Greedy held-out reward before and after, per configuration and seed.
+
+    make real-model          # runs/SmolLM2-135M-Instruct (worker/toy/real_model.py)
+    nice -n 10 .venv/bin/python bench/real_learning.py --model runs/SmolLM2-135M-Instruct --out runs.jsonl \
+        --task capitals --configs defaults group_std --seeds 0 1 --steps 20
+    .venv/bin/python bench/real_learning.py --summary runs.jsonl
+    .venv/bin/python bench/real_learning.py --model runs/SmolLM2-135M-Instruct --out probe.jsonl --steps 2  # time a run
+
+Each run is a `cispo train` job in this process (worker/trainer/loop.py's Trainer) on SmolLM2-135M-Instruct with
+the shared settings below and the spec's defaults for everything else, then one configuration's overrides
+(CONFIGS). Two tasks with a checkable reward, the answer in as few words as it takes:
+- capitals: examples/capitals' rows and reward ("Paris" 1.0, "The capital of France is Paris." 0.5, wrong 0);
+- arithmetic: "What is 23 + 48?" with two-digit operands drawn from a fixed seed, the number alone 1.0, a sentence
+  ending in the right number less, a wrong number 0 (numeric_match on the last number times the same brevity).
+Per run: the greedy held-out reward and exact match (the completion alone equals the answer, case and punctuation
+ignored) at step 0 and every --eval-every steps, and per step the train reward, the share of groups with zero
+reward variance (no signal), the share of truncated completions, the completion length, kl_old and clip_fraction;
+the run's CPU time (this process's) and the load average. Runs go one after another (seed-major: every config at
+seed 0, then at seed 1), each appended to --out as one JSON line as it finishes, so a run cut short still leaves
+comparable results. --summary prints one line per run and the mean over seeds per task and config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import string
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+# The shared settings: 8 prompts x 4 completions a step, 2 optimizer steps a rollout, LoRA r 16, lr 2e-4.
+SHARED = {
+    "lora": {"r": 16, "alpha": 32},
+    "optimizer": {"lr": 2e-4},
+    "training": {"batch_size": 8, "group_size": 4, "mini_batches": 2, "micro_batch_size": 32,
+                 "checkpoint_interval": 0, "preflight_groups": 0, "eval_max_rows": 20},
+}
+TRL_ADAMW = {"betas": [0.9, 0.999], "eps": 1e-8}
+CONFIGS = {  # name: sections merged into the shared settings
+    "defaults": {},
+    "group_std": {"advantages": {"scale": "group_std"}},
+    "trl_adamw": {"optimizer": TRL_ADAMW},
+    "group_std+trl_adamw": {"advantages": {"scale": "group_std"}, "optimizer": TRL_ADAMW},
+    "tokens16": {"sampling": {"max_output_tokens": 16}},
+    "tokens512": {"sampling": {"max_output_tokens": 512}},
+    "eps1e-8": {"optimizer": {"eps": 1e-8}},
+    "beta2_0.999": {"optimizer": {"betas": [0.9, 0.999]}},
+    "lr1e-4": {"optimizer": {"lr": 1e-4}},
+    "lr5e-4": {"optimizer": {"lr": 5e-4}},
+    "all_linear": {"lora": {"target_modules": "all-linear"}},
+}
+BRIEF = {"type": "length", "unit": "words", "target": 1, "tolerance": 1, "scale": 8, "penalize": "over"}
+REWARDS = {
+    "capitals": {"type": "multi", "formula": "correct * brief",
+                 "rewards": {"correct": {"type": "contains", "field": "answer"}, "brief": BRIEF}},
+    "arithmetic": {"type": "multi", "formula": "correct * brief",
+                   "rewards": {"correct": {"type": "numeric_match", "field": "answer"}, "brief": BRIEF}},
+}
+
+
+def capitals_rows() -> tuple[list[dict], list[dict]]:
+    sys.path.insert(0, str(ROOT / "examples" / "capitals"))
+    from build_dataset import CAPITALS, TEST, rows
+
+    return rows(CAPITALS[:-TEST]), rows(CAPITALS[-TEST:])
+
+
+def arithmetic_rows(seed: int = 7, train: int = 200, test: int = 20) -> tuple[list[dict], list[dict]]:
+    """Two-digit sums, distinct questions, the last `test` held out; the same rows for every run."""
+    rng, seen = random.Random(seed), set()
+    while len(seen) < train + test:
+        seen.add((rng.randint(10, 99), rng.randint(10, 99)))
+    pairs = sorted(seen, key=lambda _: rng.random())
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
+             "answer": str(a + b)} for a, b in pairs]
+    return rows[:train], rows[train:]
+
+
+TASKS = {"capitals": capitals_rows, "arithmetic": arithmetic_rows}
+
+
+def normalized(text: str) -> str:
+    return text.translate(str.maketrans("", "", string.punctuation)).strip().casefold()
+
+
+def merged(base: dict, sections: dict) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for name, values in sections.items():
+        out[name] = {**out.get(name, {}), **values}
+    return out
+
+
+def job(model: Path, task: str, config: str, seed: int, steps: int, eval_every: int, data: Path,
+        max_output_tokens: int | None = None) -> dict:
+    train_rows, test_rows = TASKS[task]()
+    for name, part in (("train.jsonl", train_rows), ("test.jsonl", test_rows)):
+        (data / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    raw = merged(SHARED, CONFIGS[config])
+    raw["training"] = {**raw["training"], "steps": steps, "eval_interval": eval_every}
+    if max_output_tokens is not None and "max_output_tokens" not in raw.get("sampling", {}):
+        raw["sampling"] = {**raw.get("sampling", {}), "max_output_tokens": max_output_tokens}
+    return {"model": str(model), "seed": seed, "reward": REWARDS[task],
+            "data": {"train_file": str(data / "train.jsonl"), "validation_file": str(data / "test.jsonl")}, **raw}
+
+
+def learning_run(model: Path, task: str, config: str, seed: int, steps: int, eval_every: int,
+                 max_output_tokens: int | None = None) -> dict:
+    from service.job_spec.spec import JobSpec
+    from worker.trainer.callbacks import NoCallbacks
+    from worker.trainer.loop import Trainer
+
+    steps_seen, evals = [], []
+
+    class Collect(NoCallbacks):
+        def on_step(self, step, metrics):
+            steps_seen.append({"step": step, **{k: round(metrics[k], 4) for k in (
+                "reward_mean", "zero_advantage_group_fraction", "truncated_fraction", "completion_length_mean",
+                "kl_old", "clip_fraction", "entropy") if k in metrics}})
+
+        def on_eval(self, step, metrics):
+            evals[-1].update(step=step, reward=round(metrics["eval_reward_mean"], 4),
+                             length=round(metrics["eval_completion_length"], 1))
+
+    with tempfile.TemporaryDirectory(prefix="real-learning-") as tmp:
+        tmp = Path(tmp)
+        spec = JobSpec.model_validate(job(model, task, config, seed, steps, eval_every, tmp, max_output_tokens))
+        cpu, wall = time.process_time(), time.perf_counter()
+        trainer = Trainer(spec, tmp / "run")
+        plain_eval_rows = trainer.eval_rows
+
+        def eval_rows(rows, *, first=0):  # the exact match of each evaluation, from its completions
+            every = plain_eval_rows(rows, first=first)
+            hits = sum(normalized(c) == normalized(r["answer"]) for c, r in zip(every.completions, rows))
+            evals.append({"exact": hits / len(rows), "sample": every.completions[:2]})
+            return every
+
+        trainer.eval_rows = eval_rows
+        trainer.run(Collect())
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    first, last = evals[0], evals[-1]
+    return {"task": task, "config": config, "seed": seed, "steps": steps,
+            "max_output_tokens": spec.sampling.max_output_tokens,
+            "eval_before": first["reward"], "eval_after": last["reward"],
+            "exact_before": first["exact"], "exact_after": last["exact"],
+            "curve": [(e["step"], e["reward"], e["exact"]) for e in evals], "last_samples": last["sample"],
+            "zero_group_fraction": statistics.fmean(s["zero_advantage_group_fraction"] for s in steps_seen),
+            "truncated_fraction": statistics.fmean(s["truncated_fraction"] for s in steps_seen),
+            "train_reward_first": steps_seen[0]["reward_mean"], "train_reward_last": steps_seen[-1]["reward_mean"],
+            "per_step": steps_seen, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
+            "load": [round(x, 2) for x in os.getloadavg()], "threads": __import__("torch").get_num_threads()}
+
+
+def summary(path: Path) -> str:
+    runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines, groups = [], defaultdict(list)
+    for r in runs:
+        groups[(r["task"], r["config"], r["steps"], r.get("max_output_tokens"))].append(r)
+        curve = " ".join(f"{s}:{rw:.2f}" for s, rw, _ in r["curve"])
+        lines.append(f"{r['task']:10} {r['config']:20} seed {r['seed']} {r['steps']} steps "
+                     f"{r.get('max_output_tokens')} tokens: eval {r['eval_before']:.3f}"
+                     f" -> {r['eval_after']:.3f}, exact {r['exact_before']:.2f} -> {r['exact_after']:.2f}; "
+                     f"curve {curve}; zero-var groups {r['zero_group_fraction']:.2f}, truncated "
+                     f"{r['truncated_fraction']:.2f}; {r['cpu_s']:.0f} s CPU, load {r['load'][0]:.2f}")
+    lines.append("mean over seeds:")
+    for (task, config, steps, tokens), group in sorted(groups.items(), key=str):
+        gain = statistics.fmean(r["eval_after"] - r["eval_before"] for r in group)
+        exact = statistics.fmean(r["exact_after"] - r["exact_before"] for r in group)
+        lines.append(f"{task:10} {config:20} {steps} steps, {tokens} tokens, seeds {[r['seed'] for r in group]}: eval gain "
+                     f"{gain:+.3f}, exact gain {exact:+.2f}, {statistics.fmean(r['cpu_s'] for r in group):.0f} s "
+                     "CPU a run")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=ROOT / "runs" / "SmolLM2-135M-Instruct")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--task", choices=sorted(TASKS), nargs="+", default=["capitals"])
+    parser.add_argument("--configs", choices=sorted(CONFIGS), nargs="+", default=["defaults", "group_std"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-output-tokens", type=int, default=None,
+                        help="sampling.max_output_tokens of every run but a config's own (default: the spec's)")
+    parser.add_argument("--summary", type=Path, help="print the summary of a results file and exit")
+    args = parser.parse_args()
+    if args.summary:
+        print(summary(args.summary))
+        return
+    import torch
+
+    torch.set_num_threads(args.threads)
+    for seed in args.seeds:
+        for task in args.task:
+            for config in args.configs:
+                run = learning_run(args.model.resolve(), task, config, seed, args.steps, args.eval_every,
+                                   args.max_output_tokens)
+                with args.out.open("a") as f:
+                    f.write(json.dumps(run) + "\n")
+                print(json.dumps({k: v for k, v in run.items() if k != "per_step"}), flush=True)
+    print(summary(args.out))
+
+
+if __name__ == "__main__":
+    main()
