@@ -105,7 +105,7 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install -c constraints/cuda.txt --ind
 COPY . .
 # Import what a deployment uses, so an image with a missing dependency fails here, not at run time.
 RUN pip install --no-deps -e . \
- && python -c "import torch, transformers, peft, psycopg, redis, service.tinker.wire, worker.cli, worker.job_runner; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS" \
+ && python -c "import torch, transformers, peft, psycopg, redis, service.tinker.wire, worker.cli, worker.jobs.job_runner; from service.db.migrate import MIGRATIONS; assert MIGRATIONS.is_dir(), MIGRATIONS" \
  && python -c "import shutil, torch, triton, vllm; v = [l.split('==')[1].strip() for l in open('constraints/cuda.txt') if l.startswith('torch==')][0]; assert torch.__version__.split('+')[0] == v, (torch.__version__, v); assert shutil.which('cc'), 'no C compiler for Triton'" \
  && python -c "import shutil; from service.sandbox.probe import SYSTEM_SEARCH; assert shutil.which('unshare', path=SYSTEM_SEARCH), 'no unshare: the sandbox cannot start'" \
  && sh -n /app/docker/worker-entrypoint.sh

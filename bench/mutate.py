@@ -42,7 +42,7 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
                                               "tests/worker/trainer/test_packing.py",
                                               "tests/worker/trainer/test_recipe_knobs.py"], []),
     "scoring": (["worker/trainer/scoring.py"], ["tests/worker/trainer/test_scoring.py"], []),
-    "checkpoint": (["worker/checkpoint.py"], ["tests/worker/test_checkpoint.py", "tests/worker/test_checkpoint_edges.py"],
+    "checkpoint": (["worker/checkpoints/checkpoint.py"], ["tests/worker/checkpoints/test_checkpoint.py", "tests/worker/checkpoints/test_checkpoint_edges.py"],
                    []),
     # SQLite only (no PostgreSQL, no broker, no training run): the fenced writes, the tenant filters and the state
     # machine, through the repositories themselves and through the API routes that use them.
@@ -83,7 +83,7 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
                             "tests/service/repositories/test_evals_repository.py",
                             "tests/service/repositories/test_job_states.py", "tests/service/api/test_queue_position.py",
                             "tests/worker/multi/test_fair_share.py", "tests/service/api/test_broker_outage.py",
-                            "tests/worker/test_eval_reconcile.py", "tests/service/api/test_prometheus.py",
+                            "tests/worker/jobs/test_eval_reconcile.py", "tests/service/api/test_prometheus.py",
                             "-k", "not postgresql"], []),
     "repositories-registry": (["service/repositories/reward_functions.py", "service/repositories/environments.py",
                                "service/repositories/job_evidence.py", "service/repositories/health.py"],
@@ -91,7 +91,7 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
                                "tests/service/repositories/test_job_evidence_repository.py",
                                "tests/service/api/test_reward_functions.py",
                                "tests/service/api/test_environments.py", "tests/service/api/test_job_evidence.py",
-                               "tests/worker/test_job_evidence_points.py", "tests/service/api/test_models.py",
+                               "tests/worker/jobs/test_job_evidence_points.py", "tests/service/api/test_models.py",
                                "tests/service/api/test_health.py", "tests/service/api/test_isolation.py",
                                "-k", "not postgresql"], []),
     # launch.py and child_bootstrap.py run under `python -I -S` (no site-packages, so no mutmut trampoline): not

@@ -92,8 +92,8 @@ def adapters(model_dir: Path, work: Path, store) -> dict[str, dict]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from worker.artifacts import upload_checkpoint
-    from worker.checkpoint import checkpoint_name, save_checkpoint
+    from worker.checkpoints.artifacts import upload_checkpoint
+    from worker.checkpoints.checkpoint import checkpoint_name, save_checkpoint
 
     found = {}
     for k, project in enumerate(PROJECTS):

@@ -37,8 +37,8 @@ from service.storage import ObjectStore
 log = logging.getLogger(__name__)
 
 PURPOSE = "fine-tune"
-RESULTS_PURPOSE = "fine-tune-results"  # a job's metrics CSV, written by the worker (worker/results.py), never uploaded
-EVAL_RESULTS_PURPOSE = "evals"  # an eval run's per-row JSONL, written by the worker (worker/eval_runner.py)
+RESULTS_PURPOSE = "fine-tune-results"  # a job's metrics CSV, written by the worker (worker/jobs/results.py), never uploaded
+EVAL_RESULTS_PURPOSE = "evals"  # an eval run's per-row JSONL, written by the worker (worker/jobs/eval_runner.py)
 MAX_REPORTED_ROWS = 10
 MAX_FILENAME = 512
 MAX_LINE_BYTES = 8 * 1024 * 1024  # one row (prompt or messages); a longer line is refused

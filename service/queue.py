@@ -77,7 +77,7 @@ def enqueue_job(job_id: str, delay_s: float = 0.0, settings: Settings | None = N
 def enqueue_eval(eval_id: str, *, app: Celery | None = None, settings: Settings | None = None, delay_s: float = 0.0,
                  yielded: int = 0) -> None:
     """Ask a worker to run the eval run (not before delay_s); call only after its row is committed. `yielded`:
-    how often a worker already handed the run's turn to another project (worker/eval_turns.py)."""
+    how often a worker already handed the run's turn to another project (worker/jobs/eval_turns.py)."""
     if app is None:
         app = celery_app() if settings is None or settings is get_settings() else make_celery(settings)
     app.send_task(RUN_EVAL, args=[eval_id, yielded] if yielded else [eval_id], queue=JOBS_QUEUE,

@@ -1,5 +1,5 @@
 """Where a job's checkpoints live in the object store, and what a stored checkpoint holds: the one definition
-shared by the worker, which writes them (worker/artifacts.py, worker/export.py, worker/job_runner.py), and the
+shared by the worker, which writes them (worker/checkpoints/artifacts.py, worker/model/export.py, worker/jobs/job_runner.py), and the
 API, which serves them (service/api/routes/job_outputs.py).
 
     jobs/<job id>/checkpoints/epoch-<lease epoch, 6 digits>/<checkpoint dir>/

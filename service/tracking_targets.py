@@ -1,7 +1,7 @@
 """Where a job's trackers may log: checked by the API when the job is created and by the worker before it
 connects (service/schemas/integrations.py). A tracking URI is user input the worker acts on, so it gets the
 same rules as remote rewards: an http(s) server must pass the egress policy (no loopback or private address
-unless the operator allow-lists it; the worker checks every request again, worker/mlflow_rest.py), and a file:
+unless the operator allow-lists it; the worker checks every request again, worker/tracking/mlflow_rest.py), and a file:
 store must lie under a directory the operator names in CISPO_TRACKING_FILE_ROOTS (else a job could write into
 the worker's own files).
 

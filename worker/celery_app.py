@@ -33,7 +33,7 @@ from celery.worker import state as worker_state
 
 from service.queue import RUN_EVAL, RUN_JOB, make_celery
 from service.settings import get_settings
-from worker.drain import DRAIN
+from worker.jobs.drain import DRAIN
 from worker.gpus import pin_gpu
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def run_job(job_id: str) -> str | None:
     if get_settings().worker_jobs > 1:  # one resident base, several LoRA jobs of it (worker/multi/runner.py)
         from worker.multi.runner import run_shared as run
     else:
-        from worker.job_runner import run_job as run
+        from worker.jobs.job_runner import run_job as run
 
     status = run(job_id, get_settings())
     log.info("job %s ended as %s", job_id, status)
@@ -68,11 +68,11 @@ def run_job(job_id: str) -> str | None:
 
 @app.task(name=RUN_EVAL, acks_late=True)
 def run_eval(eval_id: str, yielded: int = 0) -> str | None:
-    """An eval run (worker/eval_runner.py): a model scored on a file, in this fresh child like a job, unless
-    another project's turn comes first (worker/eval_turns.py)."""
+    """An eval run (worker/jobs/eval_runner.py): a model scored on a file, in this fresh child like a job, unless
+    another project's turn comes first (worker/jobs/eval_turns.py)."""
     _refuse_while_draining()
-    from worker.eval_runner import run_eval as run
-    from worker.eval_turns import hand_over_turn
+    from worker.jobs.eval_runner import run_eval as run
+    from worker.jobs.eval_turns import hand_over_turn
 
     if hand_over_turn(eval_id, get_settings(), yielded):
         return "yielded"
@@ -84,7 +84,8 @@ def run_eval(eval_id: str, yielded: int = 0) -> str | None:
 
 @worker_ready.connect
 def _start_reconciler(**_):
-    from worker import reconciler, webhook_sender
+    from worker.jobs import reconciler
+    from worker.tracking import webhook_sender
 
     reconciler.start(get_settings(), interval_s=max(5.0, get_settings().lease_ttl_s / 3))
     webhook_sender.start(get_settings())

@@ -1,6 +1,6 @@
 """job.tensorboard_file_id: the TensorBoard event file among a job's result files
 
-Written with the metrics CSV when a job ends (worker/results.py); listed after it in `result_files`.
+Written with the metrics CSV when a job ends (worker/jobs/results.py); listed after it in `result_files`.
 
 Revision ID: 0011
 Revises: 0010

@@ -1,7 +1,7 @@
 """job.forecast and job.best_checkpoint_id: what a job's evidence says so far
 
 forecast: the sigmoid fit of reward against compute the worker refits as points arrive
-(worker/evals/forecast.py, worker/job_evidence.py); best_checkpoint_id: the kept checkpoint with the best eval.
+(worker/evals/forecast.py, worker/jobs/job_evidence.py); best_checkpoint_id: the kept checkpoint with the best eval.
 
 Revision ID: 0012
 Revises: 0011

@@ -1,6 +1,6 @@
 """Eval runs, service side: check the request, resolve what runs, queue it; the model never runs here.
 
-What runs is a JobSpec for the worker's eval harness (worker/eval_runner.py): the base model, the
+What runs is a JobSpec for the worker's eval harness (worker/jobs/eval_runner.py): the base model, the
 starting checkpoint (`init_from`, a checkpoint id) for a fine-tuned model, the file as its rows, and the
 reward. A fine-tuned model or checkpoint takes its job's adapter shape, precision and sampling, and its
 job's reward when the request names none. A base model must be one the project may run as it is

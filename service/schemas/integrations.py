@@ -1,5 +1,5 @@
 """A job's experiment trackers: OpenAI's `integrations` field, with Weights & Biases in OpenAI's shape and MLflow
-beside it. The worker logs each step's metrics and every evaluation to them (worker/trackers.py); a tracker
+beside it. The worker logs each step's metrics and every evaluation to them (worker/tracking/trackers.py); a tracker
 that breaks is switched off with a warn event, never failing the job. TensorBoard needs no entry: every job's
 result files include a TensorBoard event file.
 

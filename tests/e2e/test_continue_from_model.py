@@ -1,5 +1,5 @@
 """Continuing a finished job through the HTTP API, run by the real job runner (no Celery: the API's enqueue is
-recorded and each id is handed to worker.job_runner.run_job, on PostgreSQL and a local object store).
+recorded and each id is handed to worker.jobs.job_runner.run_job, on PostgreSQL and a local object store).
 
 A fine-tuned model (`ft:...`), a checkpoint's name (`...:ckpt-step-N`) or a checkpoint id (`ftckpt_...`) named
 as `model` starts the new job from that checkpoint's weights, with the reference pinned to them; another
@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from service.job_spec.spec import JobSpec
 from tests.service.api.conftest import assert_error, running_api, upload
-from worker.checkpoint import load_checkpoint
-from worker.job_runner import run_job
+from worker.checkpoints.checkpoint import load_checkpoint
+from worker.jobs.job_runner import run_job
 
 JOBS = "/v1/fine_tuning/jobs"
 

@@ -1,5 +1,5 @@
 """Supervised warm start, then CISPO, then eval runs: through the HTTP API, run by the real job runner and
-the real eval runner (worker/eval_runner.py) on PostgreSQL and a local object store; `cispo jobs eval`
+the real eval runner (worker/jobs/eval_runner.py) on PostgreSQL and a local object store; `cispo jobs eval`
 as a separate process against a real uvicorn server.
 
 An SFT job (`method.type: supervised`, OpenAI's chat rows with an assistant turn) trains the toy model; a
@@ -22,8 +22,8 @@ from service.job_spec.spec import JobSpec
 from tests.service.api.conftest import assert_error, jsonl, running_api, upload
 from tests.service.api.uvicorn_thread import serving
 from worker.evals.intervals import wilson
-from worker.eval_runner import run_eval
-from worker.job_runner import run_job
+from worker.jobs.eval_runner import run_eval
+from worker.jobs.job_runner import run_job
 
 JOBS = "/v1/fine_tuning/jobs"
 REWARD = {"type": "exact_match", "field": "answer"}

@@ -2,7 +2,7 @@
 packages nor among worker's, and worker's pure math (cispo/, evals/) imports nothing else from worker.
 
 A "package" here is a folder under service/ or worker/ (service.api, worker.trainer, ...) or a module
-directly in one (service.jobs, worker.job_runner); an arrow is any import in a module's source, at the top or
+directly in one (service.jobs, worker.scratch); an arrow is any import in a module's source, at the top or
 inside a function, read with ast, so a lazy import cannot hide a circle (imports under `if TYPE_CHECKING:`
 are annotations only). docs/ARCHITECTURE.md draws the layers these tests hold.
 """
@@ -80,7 +80,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def _package_arrows(root: str) -> dict[str, dict[str, set[str]]]:
     """package -> package it imports -> the module imports that make that arrow (the root package itself,
-    an empty `worker/__init__.py`, is no node: `from worker import reconciler` is an arrow to worker.reconciler)."""
+    an empty `worker/__init__.py`, is no node: `from worker import scratch` is an arrow to worker.scratch)."""
     modules = _modules(root)
     arrows: dict[str, dict[str, set[str]]] = {}
     for module, path in modules.items():
@@ -136,8 +136,8 @@ def test_no_circle_among_service_packages():
 
 
 def test_no_circle_among_worker_packages():
-    """The layers of docs/ARCHITECTURE.md: cispo, evals, distributed <- model <- rollout <- trainer <- torchrun
-    <- lifecycle <- job_runner, eval_runner <- celery_app <- cli; a failure prints every circle and the imports
+    """The layers of docs/ARCHITECTURE.md: cispo, evals, distributed, checkpoints <- model <- rollout <- trainer
+    <- torchrun <- jobs <- multi <- celery_app <- cli; a failure prints every circle and the imports
     making it."""
     arrows = _package_arrows("worker")
     circles = _circles(_graph("worker"))

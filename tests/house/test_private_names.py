@@ -44,7 +44,7 @@ def test_no_module_imports_another_modules_private_names():
 
 def test_the_check_sees_both_forms(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("from worker import job_runner\nfrom worker.job_runner import _claim, run_failure\n"
-                   "from service.jobs import dataset_file\nimport worker.checkpoint as ckpt\n"
+    src.write_text("from worker.jobs import job_runner\nfrom worker.jobs.job_runner import _claim, run_failure\n"
+                   "from service.jobs import dataset_file\nimport worker.checkpoints.checkpoint as ckpt\n"
                    "job_runner._failure(1)\nckpt._sha256(2)\njob_runner.claim_run(3)\nself._x\n")
     assert [r.split(":")[0] for r in private_reaches(src)] == ["2", "5", "6"]

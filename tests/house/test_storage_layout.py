@@ -10,7 +10,7 @@ from pathlib import Path
 
 from service import storage_layout as layout
 from service.storage import LocalStore
-from worker.artifacts import delete_unreferenced, upload_checkpoint
+from worker.checkpoints.artifacts import delete_unreferenced, upload_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = {layout.MANIFEST, layout.ARCHIVE, layout.MERGED_ARCHIVE}

@@ -12,8 +12,8 @@ from service.job_spec.spec import JobSpec
 from service.secrets.box import secret_box
 from service.storage import open_store
 from tests.worker.envs.test_http_env import env_server
-from tests.worker.test_job_runner import job_row, make_settings
-from worker.job_runner import run_job
+from tests.worker.jobs.test_job_runner import job_row, make_settings
+from worker.jobs.job_runner import run_job
 from worker.toy.__main__ import toy_spec
 
 

@@ -8,7 +8,8 @@ import stat
 
 from service.serving.channel import SqliteChannel
 from service.settings import Settings
-from worker import eval_runner, scratch
+from worker import scratch
+from worker.jobs import eval_runner
 from worker.serving.server import ServingWorker
 
 

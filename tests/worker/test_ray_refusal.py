@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from tests.worker.test_job_runner import job_row, make_settings, submit
-from worker.job_runner import run_job
+from tests.worker.jobs.test_job_runner import job_row, make_settings, submit
+from worker.jobs.job_runner import run_job
 
 
 def test_a_job_for_two_nodes_fails_at_once_on_a_worker_without_a_ray_cluster(database_url, toy_dir, tmp_path):

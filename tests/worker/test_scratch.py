@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from service.db.session import session_factory
 from service.repositories import job_lease, jobs
-from tests.worker.test_job_runner import job_row, make_settings, run_in_thread, submit, wait_for_step
+from tests.worker.jobs.test_job_runner import job_row, make_settings, run_in_thread, submit, wait_for_step
 from worker import scratch
 
 
@@ -51,7 +51,7 @@ def test_the_sweep_keeps_only_the_runs_that_hold_their_lease(database_url, toy_d
 
 def test_a_finished_job_keeps_only_its_committed_checkpoints_in_the_store(database_url, toy_dir, tmp_path):
     from service.storage import open_store
-    from worker.job_runner import run_job
+    from worker.jobs.job_runner import run_job
 
     settings = make_settings(tmp_path, database_url)
     job_id = submit(settings, toy_dir, steps=2)

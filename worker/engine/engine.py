@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from service.job_spec.spec import LoraSpec
-from worker.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from worker.checkpoints.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from worker.engine.draws import job_rows, sequences
 from worker.engine.losses import loss_fn
 from worker.engine.types import AdamParams, AdapterConfig, Draw, DrawResult, Pass, PassResult
@@ -171,7 +171,7 @@ class Engine:
     # state
 
     def save_state(self, adapter_id: str, directory: str | Path) -> None:
-        """Adapter weights, optimizer state and config as a job's checkpoint (worker/checkpoint.py: atomic, sha256
+        """Adapter weights, optimizer state and config as a job's checkpoint (worker/checkpoints/checkpoint.py: atomic, sha256
         manifest, no pickle), one adapter of the shared base presented as PEFT's "default" (AdapterView)."""
         directory = Path(directory)
         config = self._config(adapter_id)

@@ -1,2 +1,2 @@
 """Evaluation as evidence: confidence intervals (intervals.py; pure numpy, used by the trainer's evals and by
-worker/eval_runner.py)."""
+worker/jobs/eval_runner.py)."""

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from service.job_spec.spec import JobSpec, LoraSpec
-from worker.checkpoint import Checkpoint, CheckpointError, check_lora_config
+from worker.checkpoints.checkpoint import Checkpoint, CheckpointError, check_lora_config
 from worker.distributed import group
 from worker.distributed.shard import shard_model
 from worker.distributed.state import receive_from_rank0

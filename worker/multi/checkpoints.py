@@ -1,4 +1,4 @@
-"""A resident job's checkpoints, in the very format a job alone writes and reads (worker/checkpoint.py).
+"""A resident job's checkpoints, in the very format a job alone writes and reads (worker/checkpoints/checkpoint.py).
 
 The shared model holds every job's adapter under its job's name; a checkpoint
 holds one adapter under PEFT's names, as `save_pretrained(selected_adapters=
@@ -15,7 +15,7 @@ import torch
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from worker.checkpoint import Checkpoint, check_lora_config, optimizer_state_dict
+from worker.checkpoints.checkpoint import Checkpoint, check_lora_config, optimizer_state_dict
 from worker.multi.lora import SharedBase
 
 

@@ -25,7 +25,7 @@ import torch
 
 from service.job_spec.spec import JobSpec
 from worker.envs import Environment
-from worker.checkpoint import Checkpoint, capture_rng, checkpoint_name, save_checkpoint
+from worker.checkpoints.checkpoint import Checkpoint, capture_rng, checkpoint_name, save_checkpoint
 from worker.multi.checkpoints import AdapterView, restore
 from worker.multi.engine import JobEngine
 from worker.multi.lora import SharedBase

@@ -12,7 +12,7 @@ find the lease taken and are dropped (as any duplicate is). A job that cannot
 share (worker/multi/support.py) runs the ordinary way.
 
 Every job keeps what it has alone, by the steps every run goes through
-(worker/lifecycle/): its claim and lease epoch, its fenced reporter
+(worker/jobs/lifecycle/): its claim and lease epoch, its fenced reporter
 (heartbeat, metrics, events, checkpoints, samples), its scratch directory,
 its attempts, retries and end. Cancel, pause, a lost lease, a failure or the
 job's end removes that job at the cycle boundary; the others go on. A worker
@@ -37,12 +37,13 @@ from service.repositories import job_queue, jobs
 from service.sandbox.channel import INTERRUPT
 from service.settings import Settings
 from service.storage import ObjectStore
-from worker import job_runner, scratch
-from worker.drain import DRAIN
-from worker.job_reporter import JobReporter
-from worker.lifecycle import end as run_end
-from worker.lifecycle import start as run_start
-from worker.lifecycle.failures import LeaseLost, ending_of
+from worker import scratch
+from worker.jobs import job_runner
+from worker.jobs.drain import DRAIN
+from worker.jobs.job_reporter import JobReporter
+from worker.jobs.lifecycle import end as run_end
+from worker.jobs.lifecycle import start as run_start
+from worker.jobs.lifecycle.failures import LeaseLost, ending_of
 from worker.multi import memory
 from worker.multi.support import base_key, refusal
 from worker.rewards.engine import ScoringContext

@@ -19,8 +19,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from service.storage import ObjectStore
-from worker.artifacts import download_checkpoint
-from worker.checkpoint import load_checkpoint
+from worker.checkpoints.artifacts import download_checkpoint
+from worker.checkpoints.checkpoint import load_checkpoint
 from worker.model import precision
 from worker.model.loading import load_causal_lm
 from worker.model.policy import pick_device

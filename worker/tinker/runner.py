@@ -32,7 +32,7 @@ from service.repositories import tinker as requests
 from service.settings import Settings
 from service.storage import open_store
 from service.storage_layout import ARCHIVE, MANIFEST, tinker_checkpoint
-from worker.artifacts import download_checkpoint, upload_tree
+from worker.checkpoints.artifacts import download_checkpoint, upload_tree
 from worker.engine.engine import Engine, lora_spec
 from worker.scratch import beside_jobs
 from worker.tinker.calls import Call, Calls, Engines, Reply, UserError
@@ -154,7 +154,7 @@ class TinkerRunner:
 
     def release_expired(self) -> None:
         """End the holds of runners that stopped renewing them, and free the adapters of ended sessions:
-        finished, or expired by the reconciler when their heartbeats stopped (worker/reconciler.py). Their
+        finished, or expired by the reconciler when their heartbeats stopped (worker/jobs/reconciler.py). Their
         saved states stay loadable."""
         with self.sessions.begin() as s:
             released = requests.released_held(s, self.worker_id)

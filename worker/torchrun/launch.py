@@ -34,7 +34,7 @@ from pathlib import Path
 
 from service.models.engine_check import EngineUnsupported
 from service.job_spec.spec import JobSpec
-from worker.checkpoint import CheckpointError
+from worker.checkpoints.checkpoint import CheckpointError
 from worker.rewards.engine import ScoringContext
 from worker.rewards.errors import EnvironmentErrorRateExceeded, RewardErrorRateExceeded
 from worker.trainer.data import DataError

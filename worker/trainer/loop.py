@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from service.job_spec.spec import JobSpec
-from worker.checkpoint import (
+from worker.checkpoints.checkpoint import (
     Checkpoint,
     capture_rng,
     checkpoint_name,

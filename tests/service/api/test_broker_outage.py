@@ -15,7 +15,7 @@ from tests.service.api.conftest import TRAIN_ROWS, cispo_body, jsonl
 from tests.service.api.live_server import live_api
 from tests.conftest import REDIS_TEST_URL
 from tests.tcp_proxy import TcpProxy
-from worker.reconciler import reconcile_once
+from worker.jobs.reconciler import reconcile_once
 
 
 def _timed(call):
@@ -63,7 +63,7 @@ def _failing(job_id: str) -> None:
 def test_a_job_whose_message_failed_is_sent_on_the_reconcilers_next_pass(api, monkeypatch):
     from service.repositories import job_lease, jobs as jobs_repo
     from tests.service.api.conftest import created_job
-    from worker import reconciler
+    from worker.jobs import reconciler
 
     api.app.state.enqueue = _failing  # the broker is down when the API enqueues
     job = created_job(api)

@@ -1,5 +1,5 @@
 """Eval runs through the API: which base models a run may name, the per-project cap on queued and running
-runs, and cancel (the worker's side: tests/worker/test_eval_lease.py)."""
+runs, and cancel (the worker's side: tests/worker/jobs/test_eval_lease.py)."""
 
 from __future__ import annotations
 

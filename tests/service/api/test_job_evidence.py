@@ -8,10 +8,10 @@ import json
 import pytest
 
 from tests.service.api.conftest import running_api, uploaded
-from tests.worker.test_job_runner import make_settings as worker_settings
+from tests.worker.jobs.test_job_runner import make_settings as worker_settings
 from worker.evals.forecast import MIN_POINTS
 from worker.evals.stopping import EvalPoint, stop_reason
-from worker.job_runner import run_job
+from worker.jobs.job_runner import run_job
 
 JOBS = "/v1/fine_tuning/jobs"
 

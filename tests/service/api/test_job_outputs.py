@@ -18,9 +18,9 @@ from sqlalchemy import select, update
 from service.db.models import Job, JobMetric
 from service.repositories.job_outputs import parse_sample_id, sample_id
 from tests.service.api.conftest import assert_error, created_job, running_api, uploaded
-from worker.job_runner import run_job
-from worker.progress import StepClock
-from tests.worker.test_job_runner import make_settings as worker_settings
+from worker.jobs.job_runner import run_job
+from worker.jobs.progress import StepClock
+from tests.worker.jobs.test_job_runner import make_settings as worker_settings
 from worker.trainer.samples import pick_indices
 
 STEPS, GROUP = 3, 4

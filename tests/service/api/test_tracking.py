@@ -17,7 +17,7 @@ from sqlalchemy import select
 from service.db.models import Job
 from service.settings import Settings
 from tests.service.api.conftest import assert_error, running_api, uploaded
-from worker.job_runner import run_job
+from worker.jobs.job_runner import run_job
 
 STEPS = 3
 
@@ -155,7 +155,7 @@ def test_wandb_offline_mlflow_file_store_and_tensorboard_get_every_step(postgres
 def test_a_missing_or_broken_tracker_is_an_error_event_and_the_job_succeeds(postgres_url, toy_dir, tmp_path,
                                                                            monkeypatch):
     pytest.importorskip("mlflow", reason="the tracking extra")
-    from worker import trackers
+    from worker.tracking import trackers
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as on a worker without the extra: the import fails
 

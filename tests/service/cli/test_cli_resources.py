@@ -120,7 +120,7 @@ def test_models_and_evals_commands_and_an_eval_runs_results_fetched_by_the_cli(l
 
 
 def _finish_eval(live, eval_id: str, content: bytes) -> None:
-    """What a worker writes when an eval run ends (worker/eval_runner.py): a results file and the interval."""
+    """What a worker writes when an eval run ends (worker/jobs/eval_runner.py): a results file and the interval."""
     file_id = new_id("file-")
     live.store.put_bytes(f"files/{file_id}", content)
     with session_factory(live.database_url).begin() as s:

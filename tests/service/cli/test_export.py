@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from service.settings import Settings
 from tests.service.api.live_server import live_api
 from tests.service.cli.test_cli_jobs import cispo
-from worker.job_runner import run_job
+from worker.jobs.job_runner import run_job
 
 STEPS = 2
 

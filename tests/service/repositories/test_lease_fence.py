@@ -4,7 +4,7 @@ A worker that lost its lease (its lease ran out and another worker claimed the
 job) must have each write refused by the epoch alone: the job's status is
 `running` throughout, so a fence that forgot the epoch would let the write
 through. record_step, heartbeat and finish are also covered through a worker
-in tests/worker/test_job_runner.py.
+in tests/worker/jobs/test_job_runner.py.
 """
 
 from __future__ import annotations

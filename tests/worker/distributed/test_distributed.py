@@ -245,7 +245,7 @@ def _async_stop_resume_task(rank: int, world: int, toy_dir: str, out: str) -> No
     sequence trained on and whether rank 0's sampler process outlived the stop; rank 0 also the checkpoint's
     state, each step's metrics and the final trainable weights."""
     from tests.worker.trainer.test_async_rollouts import sampler_processes
-    from worker.checkpoint import load_checkpoint
+    from worker.checkpoints.checkpoint import load_checkpoint
     from worker.distributed.state import full_model_state
     from worker.trainer import rank_pipeline
     from worker.trainer.loop import Trainer
@@ -502,7 +502,7 @@ def test_torchrun_job_reports_and_resumes_at_one(toy_dir, tmp_path):
 @pytest.mark.slow
 def test_a_rank_error_of_a_known_kind_fails_the_job_as_that_kind(toy_dir, tmp_path):
     """A bad warm start fails in every rank; the launcher raises CheckpointError (the job fails as invalid_job)."""
-    from worker.checkpoint import CheckpointError
+    from worker.checkpoints.checkpoint import CheckpointError
     from worker.torchrun.launch import run_distributed
 
     spec = job_spec(toy_dir, "lora", gpus=2).model_copy(update={"init_from": str(tmp_path / "no-such-checkpoint")})

@@ -13,7 +13,7 @@ from service.job_spec.build import build_spec
 from service.job_spec.request import JobCreate
 from service.job_spec.spec import JobSpec
 from tests.specs import job_spec
-from worker.checkpoint import CheckpointError, load_checkpoint
+from worker.checkpoints.checkpoint import CheckpointError, load_checkpoint
 from worker.toy.__main__ import toy_spec
 
 

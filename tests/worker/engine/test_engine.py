@@ -7,7 +7,7 @@ import pytest
 import torch
 from peft import get_peft_model, set_peft_model_state_dict
 
-from worker.checkpoint import CheckpointError
+from worker.checkpoints.checkpoint import CheckpointError
 from worker.engine.engine import Engine, lora_spec
 from worker.engine.types import AdamParams, AdapterConfig, Datum, Pass
 from worker.model.policy import lora_config

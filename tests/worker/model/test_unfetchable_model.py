@@ -7,8 +7,8 @@ import pytest
 
 from service.db.session import session_factory
 from service.repositories import jobs
-from tests.worker.test_job_runner import job_row, make_settings, submit
-from worker.job_runner import run_job
+from tests.worker.jobs.test_job_runner import job_row, make_settings, submit
+from worker.jobs.job_runner import run_job
 
 
 @pytest.mark.parametrize("model", ["Qwen/NoSuchModel-7B", "models/tiny"])

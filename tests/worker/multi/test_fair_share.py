@@ -12,7 +12,7 @@ from service.db.session import session_factory
 from service.fair_share import Waiting, fair_order
 from service.repositories import projects
 from service.settings import Settings
-from tests.worker.test_job_runner import job_row, make_settings, submit
+from tests.worker.jobs.test_job_runner import job_row, make_settings, submit
 from worker.multi.runner import run_shared
 
 

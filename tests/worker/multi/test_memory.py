@@ -13,7 +13,7 @@ from service.db.session import session_factory
 from service.job_spec.spec import JobSpec
 from tests.specs import job_spec
 from tests.worker.multi.conftest import toy_base
-from tests.worker.test_job_runner import job_row, make_settings, submit
+from tests.worker.jobs.test_job_runner import job_row, make_settings, submit
 from worker.multi import memory
 from worker.multi.lora import SharedBase
 from worker.multi.runner import run_shared

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.checkpoint import checkpoint_name
+from worker.checkpoints.checkpoint import checkpoint_name
 from worker.multi.cycle import run_cycle, start_jobs
 from worker.multi.job import ResidentJob
 from worker.multi.lora import SharedBase

@@ -1,5 +1,5 @@
 """The shared worker against the real database (SQLite and PostgreSQL) and object store, as the job runner's own
-tests run it (tests/worker/test_job_runner.py): each job keeps its lease, fenced writes, checkpoints and end."""
+tests run it (tests/worker/jobs/test_job_runner.py): each job keeps its lease, fenced writes, checkpoints and end."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from service.db.models import Checkpoint, JobEvent, JobMetric
 from service.db.session import session_factory
 from service.repositories import jobs
-from tests.worker.test_job_runner import job_row, make_settings, submit, wait_for_step
+from tests.worker.jobs.test_job_runner import job_row, make_settings, submit, wait_for_step
 from tests.worker.rollout.vllm_fixtures import vllm_toy_dir  # noqa: F401  (the fixture)
 from worker.multi.runner import run_shared
 from worker.multi.vllm_engine import SharedVLLM

@@ -103,7 +103,7 @@ def test_a_cancelled_async_job_leaves_no_actor_or_process(postgres_url, toy_dir,
     from service.db.session import session_factory
     from service.repositories import jobs
     from sqlalchemy import select
-    from tests.worker.test_job_runner import job_row, make_settings, run_in_thread, submit, wait_for_step
+    from tests.worker.jobs.test_job_runner import job_row, make_settings, run_in_thread, submit, wait_for_step
 
     settings = make_settings(tmp_path, postgres_url).model_copy(update={"ray_address": two_roomy_nodes.address})
     job_id = submit(settings, toy_dir, steps=4, resources={"nodes": 2}, rollout={"max_staleness": 1},

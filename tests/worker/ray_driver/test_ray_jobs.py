@@ -17,8 +17,8 @@ from service.db.models import Checkpoint, JobEvent
 from service.db.session import session_factory
 from tests.worker.ray_driver.conftest import NODE, ROOT
 from tests.worker.ray_driver.test_ray_driver import _gone, _rank_pids
-from tests.worker.test_job_runner import job_row, make_settings, run_in_thread, submit
-from worker.job_runner import run_job
+from tests.worker.jobs.test_job_runner import job_row, make_settings, run_in_thread, submit
+from worker.jobs.job_runner import run_job
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_a_dead_driver_takes_its_ranks_with_it_and_the_next_worker_restarts_the_
     env = {**os.environ, "CISPO_DATABASE_URL": settings.database_url, "CISPO_STORAGE_URL": settings.storage_url,
            "CISPO_HOME": str(settings.home), "CISPO_RAY_ADDRESS": two_nodes.address, "CISPO_LEASE_TTL_S": "5",
            "CISPO_HEARTBEAT_S": "0.2", "PYTHONPATH": str(ROOT)}
-    driver = subprocess.Popen([sys.executable, "-c", f"from service.settings import Settings; from worker.job_runner "
+    driver = subprocess.Popen([sys.executable, "-c", f"from service.settings import Settings; from worker.jobs.job_runner "
                                f"import run_job; run_job({job_id!r}, Settings())"], env=env)
     try:
         deadline = time.monotonic() + 300

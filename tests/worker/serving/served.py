@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from service.db.session import session_factory
 from service.repositories import job_lease, job_records
 from service.job_spec.sampling import SamplingSpec
-from worker.artifacts import upload_checkpoint
-from worker.checkpoint import checkpoint_name, save_checkpoint
+from worker.checkpoints.artifacts import upload_checkpoint
+from worker.checkpoints.checkpoint import checkpoint_name, save_checkpoint
 from worker.rollout.decode import sample_tokens
 from worker.rollout.effective_weights import rollout_weights
 from worker.model.turns import encode_prompt

@@ -13,7 +13,7 @@ import pytest
 from service.serving import requests
 from service.serving.targets import Target
 from service.storage import LocalStore
-from worker.artifacts import upload_checkpoint
+from worker.checkpoints.artifacts import upload_checkpoint
 from worker.serving.answer import Cancelled, answer
 from worker.serving.engine import ResidentModel
 

@@ -20,7 +20,7 @@ from service.serving.channel import ANY_BASE, PREFIX, SqliteChannel, cancel_key,
 from service.serving.targets import Target
 from service.settings import Settings
 from service.storage import LocalStore
-from worker.artifacts import upload_checkpoint
+from worker.checkpoints.artifacts import upload_checkpoint
 from worker.serving.answer import answer
 from worker.serving.engine import ResidentModel
 from worker.serving.server import ServingWorker

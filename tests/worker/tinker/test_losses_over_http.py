@@ -14,7 +14,7 @@ import torch
 
 from service.repositories import projects
 from tests.specs import job_spec
-from worker.checkpoint import load_checkpoint
+from worker.checkpoints.checkpoint import load_checkpoint
 from worker.engine import AdapterConfig
 from worker.engine.engine import lora_spec
 from worker.model.policy import load_policy

@@ -16,7 +16,7 @@ from service.job_spec.objective import STALE_BATCH_MASK
 from service.job_spec.spec import JobSpec
 from tests.specs import job_spec
 from service.schemas.recipe import OffPolicyMaskSpec
-from worker.checkpoint import load_checkpoint
+from worker.checkpoints.checkpoint import load_checkpoint
 from worker.rollout.async_sampler import SamplerDied
 from worker.rollout.policy_versions import fresh_sequences
 from worker.toy.__main__ import toy_spec
@@ -278,8 +278,8 @@ def test_paused_async_job_leaves_no_sampler_and_resumes_to_success(postgres_url,
     from service.db.session import session_factory
     from service.repositories import jobs
     from sqlalchemy import select
-    from tests.worker.test_job_runner import job_row, make_settings, run_in_thread, submit, wait_for_step
-    from worker.job_runner import run_job
+    from tests.worker.jobs.test_job_runner import job_row, make_settings, run_in_thread, submit, wait_for_step
+    from worker.jobs.job_runner import run_job
 
     settings = make_settings(tmp_path, postgres_url)
     job_id = submit(settings, toy_dir, steps=3, rollout={"max_staleness": 1})

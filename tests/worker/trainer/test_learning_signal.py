@@ -10,7 +10,7 @@ import torch
 
 from tests.specs import small_spec
 from tests.worker.trainer.test_trainer import StopAt, adapter_tensors
-from worker.progress import reward_trend
+from worker.jobs.progress import reward_trend
 from worker.toy.task import reward as toy_reward
 from worker.trainer.learning_signal import NoLearningSignal, ZeroVarianceWatch
 from worker.trainer.loop import train

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from service.job_spec.spec import JobSpec
 from tests.specs import job_spec, small_spec
 from tests.worker.trainer.learning import learning_gains, one_thread
-from worker.checkpoint import CheckpointError, checkpoint_name, latest_checkpoint
+from worker.checkpoints.checkpoint import CheckpointError, checkpoint_name, latest_checkpoint
 from worker.toy.__main__ import toy_spec
 from worker.trainer.loop import Trainer, train
 from worker.trainer.scoring import collate, sequence_logprobs
