@@ -13,7 +13,6 @@ template control flow are dropped; what is left must be YAML manifests.
 from __future__ import annotations
 
 import copy
-import fnmatch
 import json
 import os
 import re

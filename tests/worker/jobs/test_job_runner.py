@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 
 from service.db.models import Checkpoint, Job, JobEvent, JobMetric
 from service.db.session import session_factory
