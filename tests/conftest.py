@@ -351,7 +351,7 @@ def xdist_group_of(item) -> str | None:
 # engine. Tests that train over seeds are marked `slow` where they are written.
 HEAVY_PATHS = ("e2e/", "bench/", "worker/ray_driver/test_ray_async.py", "worker/ray_driver/test_ray_driver.py",
                "worker/ray_driver/test_ray_jobs.py", "worker/distributed/test_distributed.py",
-               "worker/test_faults.py", "worker/serving/test_serving.py")
+               "worker/jobs/test_faults.py", "worker/serving/test_serving.py")
 
 
 def is_heavy(item) -> bool:

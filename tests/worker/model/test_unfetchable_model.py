@@ -3,6 +3,7 @@ id) fails the job as invalid_job on its first attempt: no retries spent waiting 
 
 from __future__ import annotations
 
+import huggingface_hub.constants
 import pytest
 
 from service.db.session import session_factory
@@ -14,7 +15,10 @@ from worker.jobs.job_runner import run_job
 @pytest.mark.parametrize("model", ["Qwen/NoSuchModel-7B", "models/tiny"])
 def test_a_model_that_cannot_be_fetched_is_a_permanent_invalid_job(database_url, toy_dir, tmp_path, monkeypatch,
                                                                      model):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub here: what an unreachable one ends in, without its retries
+    # No hub here: what an unreachable one ends in, without its ~45 s of retries. huggingface_hub reads the
+    # variable once, at import, so the flag itself is set too.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     settings = make_settings(tmp_path, database_url).model_copy(update={"max_attempts": 3})
     job_id = submit(settings, toy_dir, steps=1)
