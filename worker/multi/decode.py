@@ -40,7 +40,7 @@ from worker.model.cache_arg import CACHE_ARG
 from worker.rollout.decode import left_padded
 from worker.rollout.growing_cache import growing_cache
 from worker.rollout.token_picking import NonFiniteLogits, Picker
-from worker.trainer.scoring import decoder_outputs
+from worker.model.head_input import decoder_outputs
 
 
 @dataclass
