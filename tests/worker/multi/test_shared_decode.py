@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from service.job_spec.sampling import SamplingSpec
-from worker.multi.decode import JobRows, sample_jobs
 from worker.multi.lora import SharedBase, segments_of
 from worker.multi.rollout import RolloutRequest, generate_jobs
-from worker.rollout.decode import sample_tokens
+from worker.rollout.decode import JobRows, sample_jobs, sample_tokens
 from worker.rollout.effective_weights import rollout_weights
 from worker.rollout.rollout import generate, TransformersSampler
 from worker.model.policy import Policy
