@@ -17,15 +17,18 @@ around each step. Here, one module a job:
   a long-tailed batch stops paying for its short completions;
 - worker/rollout/static_decode.py: the compiled loop (CUDA): a static cache
   and one CUDA-graphed step, with a fallback per shape;
-- worker/rollout/rollout_state.py: freeing what rollouts keep before an update.
+- worker/rollout/rollout_state.py: freeing what rollouts keep before an update;
+- worker/serving/decode_batch.py: the serving worker's batch, where requests
+  join between steps, on the same padding (`left_padded`) and forward
+  (static_decode.decode_step) as the loops here.
 
 The loop decodes groups of rows (`JobRows`), one per job: one job alone
 (`sample_tokens`) is one group on a model that is the same for every row;
 several jobs over a shared base (`sample_jobs`: worker/multi, worker/engine)
 are groups sorted by job, every forward routed so that each row goes through
-its own job's adapter (worker/multi/lora.py's SegmentRouter), one pass over
-the base weights a step serving every job. What a row samples depends on its
-own job only:
+its own job's adapter (worker/multi/lora.py's SegmentRouter; a job named
+None: the base alone), one pass over the base weights a step serving every
+job. What a row samples depends on its own job only:
 - each job has its own picker: its sampling knobs, its per-row uniform
   streams drawn up front for exactly the (rows, max_new) shape the job would
   use alone, its recorded log-probs at its own temperature, its
