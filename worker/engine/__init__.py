@@ -11,7 +11,7 @@ every client loop is written in (Tinker's: forward_backward, optim_step, sample,
 
 Passes of several adapters given in one call run as one forward and one backward over the base, rows routed
 to their adapter (worker/multi/lora.py's grouped LoRA); one adapter alone is the same code with K = 1. Draws
-likewise: every draw of a sample() call decodes in one loop over the base (worker/multi/decode.py), each row
+likewise: every draw of a sample() call decodes in one loop over the base (worker/rollout/decode.py), each row
 through its source (an adapter's live weights, a sampler version, or the base alone), with the sampler's
 log-probs (at temperature 1 exactly what forward_backward scores) and, when asked, the prompt's; what the
 sampling knobs mean is worker/engine/draws.py's docstring. The losses (worker/engine/losses.py) are pure

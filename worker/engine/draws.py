@@ -1,4 +1,4 @@
-"""A Draw as rows of the shared decode (worker/multi/decode.py's JobRows), and its sequences back out.
+"""A Draw as rows of the shared decode (worker/rollout/decode.py's JobRows), and its sequences back out.
 
 What Tinker's SamplingParams mean here:
 - temperature 0 is greedy (argmax); the recorded log-probs are then the model's own (temperature 1), since the
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from service.job_spec.sampling import SamplingSpec
 from worker.engine.types import Draw, Sequence
 from worker.model.streams import stream_seed
-from worker.multi.decode import JobRows
+from worker.rollout.decode import JobRows
 
 
 def job_rows(draw: Draw, name: str | None, tokenizer, *, where: str) -> JobRows:

@@ -4,7 +4,7 @@ forward_backward runs every pass of a call, whatever its adapter, in one routed 
 (worker/multi/routed.py) and one backward: each adapter's gradient comes from its own rows only
 (worker/multi/lora.py), and gradients accumulate across calls until that adapter's optim_step.
 
-sample runs every draw of a call in one decode (worker/multi/decode.py's sample_jobs), each row through its
+sample runs every draw of a call in one decode (worker/rollout/decode.py's sample_jobs), each row through its
 source: an adapter's live weights, a sampler version, or the base alone. A sampler version is one more adapter
 of the shared base, frozen (no gradient, no optimizer), holding a copy of an adapter's weights as they were at
 save_for_sampler, or a saved state's (load_sampler); it lives until drop_sampler, whatever its source does.
@@ -26,9 +26,9 @@ from worker.engine.losses import loss_fn
 from worker.engine.types import AdamParams, AdapterConfig, Draw, DrawResult, Pass, PassResult
 from worker.model.loading import load_causal_lm
 from worker.multi.checkpoints import AdapterView, restore, restore_adapter
-from worker.multi.decode import sample_jobs
 from worker.multi.lora import BASE_ONLY, SharedBase
 from worker.multi.routed import collate_rows, routed_hidden, row_slices, rows_logprobs
+from worker.rollout.decode import sample_jobs
 from worker.trainer.step import optimizer_step
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -4,8 +4,9 @@ Each job's rollout is worker/rollout/rollout.py's `rollout_turns`, the very
 code generate() runs for a job alone: a generator that yields what each turn
 asks its sampler for (sequences, budgets, streams) and is sent the answer.
 Here every job's generator is advanced to its next request, all pending
-requests are decoded in one shared decode (worker/multi/decode.py), each job
-is sent its part, and so on, turn by turn, until every rollout has returned.
+requests are decoded in one shared decode (worker/rollout/decode.py's
+sample_jobs), each job is sent its part, and so on, turn by turn, until
+every rollout has returned.
 A single-turn job asks once; a multi-turn (environment) job asks once per
 turn, its environment's reset, step and release running inside its own
 generator, once each, as alone. Jobs with more turns go on decoding together
@@ -22,8 +23,8 @@ import torch
 
 from service.job_spec.sampling import SamplingSpec
 from worker.envs.protocol import Environment
-from worker.multi.decode import JobRows, sample_jobs
 from worker.multi.lora import SharedBase
+from worker.rollout.decode import JobRows, sample_jobs
 from worker.rollout.rollout import Rollout, TurnRequest, rollout_turns
 
 
@@ -97,7 +98,7 @@ def generate_jobs(shared: SharedBase, tokenizer, device: torch.device,
 
 def _decode_ours(shared: SharedBase, tokenizer, device, requests: list[RolloutRequest], state: list,
                  logprobs: bool, pending: list[int]) -> list[tuple[int, tuple | Exception]]:
-    """One turn of the jobs sampled by our decode loop (worker/multi/decode.py), in one batch."""
+    """One turn of the jobs sampled by our decode loop (worker/rollout/decode.py), in one batch."""
     if not pending:
         return []
     jobs = [JobRows(requests[i].name, state[i].seqs, max(state[i].budgets), requests[i].sampling,

@@ -19,6 +19,7 @@ import weakref
 from collections import OrderedDict
 
 import torch
+from torch import Tensor
 from transformers import StaticCache
 
 from worker.model.cache_arg import CACHE_ARG
@@ -41,8 +42,10 @@ _compile_failures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mo
 _fallbacks: list[str] = []  # compile failures not yet reported (take_compile_fallbacks)
 
 
-def decode_step(model, token_B1, mask_BL, position_B1, cache):
-    return model(input_ids=token_B1, attention_mask=mask_BL, position_ids=position_B1, **{CACHE_ARG: cache},
+def decode_step(model, ids_BT, mask_BL, positions_BT, cache):
+    """(B, V) each row's next-token logits after `ids_BT`, whose keys and values go into `cache` (the LM head on the
+    last position only): the one forward of every decode loop, prefill or step (T = 1)."""
+    return model(input_ids=ids_BT, attention_mask=mask_BL, position_ids=positions_BT, **{CACHE_ARG: cache},
                  use_cache=True, logits_to_keep=1).logits[:, -1]
 
 

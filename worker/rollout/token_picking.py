@@ -122,8 +122,10 @@ class FiniteGuard:
         self.flag = bad if self.flag is None else self.flag | bad
         return self.pick(logits_BV, *args)
 
-    def check(self) -> None:
+    def error(self) -> NonFiniteLogits | None:
+        """What fails the rollout if any logits held NaN or inf (the flag's one read), else None."""
         if self.flag is not None and bool(self.flag):
-            raise NonFiniteLogits(
+            return NonFiniteLogits(
                 "the model gave NaN or inf logits while sampling (an overflow, e.g. float16 activations, or "
                 "weights that diverged); the rollout is refused rather than sampled from them")
+        return None

@@ -3,7 +3,8 @@
 Rows join between steps and leave at once, so the batch is continuous:
 - joining: the newcomers' prompts are prefilled together (left-padded to the
   longest of them, explicit position ids, each row routed through its own
-  adapter: worker/multi/lora.py's SegmentRouter), then their KV cache is
+  adapter: worker/multi/lora.py's SegmentRouter; the padding and the forward
+  are worker/rollout/decode.py's and static_decode.py's), then their KV cache is
   merged into the running one: both are left-padded with zero columns to a
   common length and concatenated along the rows, and the attention mask
   is padded likewise, so a padded column is never attended to. A row's
@@ -35,8 +36,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from service.job_spec.sampling import SamplingSpec
-from worker.model.cache_arg import CACHE_ARG
 from worker.multi.lora import SegmentRouter
+from worker.rollout.decode import left_padded
+from worker.rollout.static_decode import decode_step
 from worker.rollout.token_picking import logits_processors, pick_tokens
 
 
@@ -85,17 +87,15 @@ class DecodeBatch:
         if not rows:
             return
         rows = sorted(rows, key=lambda r: _order(r.adapter))
-        width = max(len(r.prompt) for r in rows)
-        ids = torch.tensor([[self.pad_id] * (width - len(r.prompt)) + r.prompt for r in rows], device=self.device)
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in rows], device=self.device)
+        padded = left_padded([r.prompt for r in rows], 0, self.pad_id)  # the decode loop's, without room for tokens
+        ids, mask, first_positions = (t.to(self.device) for t in padded)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(rows, input_ids=ids, attention_mask=mask,
-                               position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache)
+        logits = self._forward(rows, ids, mask, first_positions, cache)
         positions = torch.tensor([len(r.prompt) for r in rows], device=self.device)
         if self.cache is None:
             self.rows, self.cache, self.mask, self.positions, self.logits = rows, cache, mask, positions, logits
             return
-        old, new = self.mask.shape[1], width
+        old, new = self.mask.shape[1], mask.shape[1]
         common = max(old, new)
         for kept, joined in zip(self.cache.layers, cache.layers, strict=True):
             if type(kept) is not DynamicLayer or type(joined) is not DynamicLayer:
@@ -161,17 +161,14 @@ class DecodeBatch:
             return
         ids = torch.tensor(tokens, device=self.device)[:, None]
         self.mask = functional.pad(self.mask, (0, 1), value=1)
-        self.logits = self._forward(self.rows, input_ids=ids, attention_mask=self.mask,
-                                    position_ids=self.positions[:, None], cache=self.cache)
+        self.logits = self._forward(self.rows, ids, self.mask, self.positions[:, None], self.cache)
         self.positions = self.positions + 1
 
-    def _forward(self, rows: list[Row], *, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    def _forward(self, rows: list[Row], ids_BT, mask_BL, positions_BT, cache) -> torch.Tensor:
         names = [r.adapter for r in rows]
-        self.forwards.append((names, input_ids.shape[1]))
+        self.forwards.append((names, ids_BT.shape[1]))
         with self.router.rows(names):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=True, logits_to_keep=1, **{CACHE_ARG: cache})
-        return out.logits[:, -1]
+            return decode_step(self.model, ids_BT, mask_BL, positions_BT, cache)
 
     def _select(self, indices: list[int]) -> None:
         index = torch.tensor(indices, device=self.device)

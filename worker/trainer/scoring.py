@@ -11,17 +11,15 @@ group, the larger share of the work when prompts are long.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from peft import PeftModel
 from torch import Tensor
 from transformers import DynamicCache
 
 from worker.cispo import token_logprobs
 from worker.model.cache_arg import CACHE_ARG
-from worker.model.head_input import contiguous_head_input
+from worker.model.head_input import contiguous_head_input, decoder_outputs
 
 
 @dataclass
@@ -173,18 +171,3 @@ def last_hidden(model, **inputs) -> Tensor:
     with decoder_outputs(model) as captured, contiguous_head_input(model):
         model(**inputs, logits_to_keep=1)
     return captured[-1]
-
-
-@contextmanager
-def decoder_outputs(model):
-    """A list that gets the decoder's output (last layer, normed: what the LM head reads) of every forward of
-    `model` run inside the block, whatever the forward returns itself."""
-    decoder = (model.get_base_model() if isinstance(model, PeftModel) else model).get_decoder()
-    captured: list[Tensor] = []
-    hook = decoder.register_forward_hook(
-        lambda _module, _args, out: captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
-    try:
-        yield captured
-    finally:
-        hook.remove()
-

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from service.job_spec.sampling import SamplingSpec
-from worker.multi.decode import JobRows, sample_jobs
 from worker.multi.lora import SharedBase, segments_of
 from worker.multi.rollout import RolloutRequest, generate_jobs
-from worker.rollout.decode import sample_tokens
+from worker.rollout.decode import JobRows, sample_jobs, sample_tokens
 from worker.rollout.effective_weights import rollout_weights
 from worker.rollout.rollout import generate, TransformersSampler
 from worker.model.policy import Policy
 from worker.model.streams import stream_seed
 
 from tests.worker.multi.conftest import LORAS, alone, shared_with_adapters
+from tests.worker.trainer.conftest import forward_shapes
 
 CPU = torch.device("cpu")
 # Each job its own sampling knobs and length budget.
@@ -103,3 +103,26 @@ def test_rollouts_of_several_jobs_equal_each_job_generated_alone(toy_dir, tokeni
         assert rollout.token_ids == want.token_ids, req.name
         assert rollout.action_mask == want.action_mask
         assert rollout.completions == want.completions and rollout.truncated == want.truncated
+
+
+def test_finished_rows_may_ride_along_until_a_check(toy_dir, tokenizer, shared):
+    """As on CUDA (a check every few steps, not every step): the same tokens and, within float32 rounding, the
+    same log-probs; a job's rows still leave at its own max_new, and its picker is never asked past it."""
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in _rows(toy_dir, 60, 4)]
+    jobs = [JobRows("job-a", prompts * 2, 7, SAMPLING["job-a"], seeds=list(range(8)), logprobs=True),
+            JobRows(None, prompts, 2, SAMPLING["job-b"], seeds=list(range(4)), logprobs=True),
+            JobRows("job-c", prompts, 5, SAMPLING["job-c"], greedy=True, logprobs=True, stop_tokens=(41,))]
+    shared.model.eval()
+    kw = dict(eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, device=CPU)
+    every_step = sample_jobs(shared.model, shared.router, jobs, **kw, check_every=1)
+    with forward_shapes(shared.model) as shapes:
+        every_3 = sample_jobs(shared.model, shared.router, jobs, **kw, check_every=3)
+    for (tokens, logps), (tokens_3, logps_3) in zip(every_step, every_3):
+        assert tokens_3 == tokens
+        for got, exp in zip(logps_3, logps):
+            assert got == pytest.approx(exp, abs=LOGPROB_TOLERANCE)
+    assert len({len(t) for t in every_step[0][0]}) > 1  # rows did end at various steps
+    sizes = [b for b, _ in shapes[1:]]  # sizes[t]: the forward after step t
+    changes = {t for t in range(1, len(sizes)) if sizes[t] != sizes[t - 1]}
+    assert 1 in changes and sizes[0] - sizes[1] >= 4  # the base job's rows left at its max_new (2 tokens)
+    assert changes <= {t for t in range(len(sizes)) if (t + 1) % 3 == 0 or t + 1 in (2, 5)}, sizes

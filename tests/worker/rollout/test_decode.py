@@ -136,6 +136,20 @@ def test_a_rows_tokens_depend_on_its_seed_not_on_its_batch(lora_model):
     assert others != together
 
 
+def test_one_job_through_the_shared_entry_is_the_solo_path_exactly(lora_model):
+    """sample_jobs with one group of rows and no router runs what sample_tokens runs: the same tokens and log-probs,
+    bit for bit (sampled and greedy, groups sharing a prompt, rows ending at EOS at various steps)."""
+    rows, seeds = [p for p in prompts(3) for _ in range(2)], list(range(6))
+    with rollout_weights(lora_model) as merged:
+        for greedy in (False, True):
+            knobs = dict(sampling=spec(temperature=0.8, repetition_penalty=1.1), greedy=greedy, logprobs=True,
+                         seeds=None if greedy else seeds)
+            solo = decode.sample_tokens(merged, rows, max_new=20, eos_id=EOS, pad_id=PAD, device=CPU, **knobs)
+            (shared,) = decode.sample_jobs(merged, None, [decode.JobRows(None, rows, 20, **knobs)], eos_id=EOS,
+                                           pad_id=PAD, device=CPU)
+            assert shared == solo
+            assert any(t[-1] == EOS for t in solo[0]) and len({len(t) for t in solo[0]}) > 1
+
 def test_processors_come_from_the_spec_only():
     """The spec's identity knobs add nothing (top_k=0 means no top-k); greedy keeps only the repetition penalty."""
     assert len(logits_processors(spec(), greedy=False)) == 0

@@ -11,7 +11,7 @@ from tests.worker.rollout.test_decode import CPU, EOS, PAD, prompts, spec, stati
 from worker.rollout import decode, static_decode
 from worker.rollout.effective_weights import rollout_weights
 from worker.rollout.rollout_state import release_rollout_state, rollout_state_bytes
-from worker.rollout.token_picking import NonFiniteLogits, Picker
+from worker.rollout.token_picking import NonFiniteLogits
 
 
 @pytest.fixture
@@ -175,15 +175,12 @@ def test_the_eager_loop_can_drop_finished_rows_every_few_steps(lora_model):
     from tests.worker.trainer.conftest import forward_shapes
 
     rows = prompts()
-    B, P, max_new = len(rows), max(map(len, rows)), 40
 
     def run(check_every):
-        ids, mask, positions = decode.left_padded(rows, max_new, PAD)
-        pick = Picker(spec(), True, (B, max_new), CPU, record=False)
         with forward_shapes(lora_model) as shapes:
-            lengths = decode.eager_loop(merged, ids, mask, positions, P, max_new, pick, EOS,
-                                         check_every=check_every)
-        return [r[:n] for r, n in zip(ids[:, P:].tolist(), lengths.tolist())], [b for b, _ in shapes[1:]]
+            (tokens, _), = decode.sample_jobs(merged, None, [decode.JobRows(None, rows, 40, spec(), greedy=True)],
+                                              eos_id=EOS, pad_id=PAD, device=CPU, check_every=check_every)
+        return tokens, [b for b, _ in shapes[1:]]
 
     with rollout_weights(lora_model) as merged:
         every_step, sizes_1 = run(1)
