@@ -21,14 +21,6 @@ def refusal(spec: JobSpec) -> str | None:
         reasons.append("it samples asynchronously (rollout.max_staleness > 0)")
     if spec.resources.gpus > 1:
         reasons.append("it runs on several GPUs")
-    if spec.init_from:
-        reasons.append("it warm-starts from a checkpoint (a pinned reference adapter)")
-    if spec.training.lm_head_float32:
-        reasons.append("it runs the LM head in float32")
-    if spec.training.gradient_checkpointing:
-        reasons.append("it uses gradient checkpointing")
-    if spec.training.pack_tokens is not None:
-        reasons.append("it packs sequences (training.pack_tokens)")
     return "; ".join(reasons) or None
 
 
