@@ -59,7 +59,7 @@ class ResidentJob(Trainer):
         self.name, self.shared, self._tokenizer, self._device = name, shared, tokenizer, device
         self.setup(spec, output_dir, resume=resume, reward_fn=reward_fn, environment=environment, scoring=scoring,
                    callbacks=callbacks)
-        self.engine = JobEngine(shared, name, tokenizer, device, kind=spec.rollout.engine)
+        self.engine = JobEngine(shared, name, tokenizer, device, kind=spec.rollout.engine) if self.samples() else None
         self._owns_engine = True
 
     def load_model(self, resumed: Checkpoint | None, warm: Checkpoint | None) -> tuple[Policy, list]:
@@ -93,17 +93,38 @@ class ResidentJob(Trainer):
     def evaluation_may_lead(self) -> bool:
         """Whether start()'s step-0 evaluation may be decoded before the rest of its start (beside other starting
         jobs'): a fresh run whose pre-flight, if any, runs no environment episodes (those keep their order)."""
-        return self.step == 0 and not (self.spec.training.preflight_groups and self.environment is not None)
+        return self.engine is not None and self.step == 0 and \
+            not (self.spec.training.preflight_groups and self.environment is not None)
 
     # -- one cycle: Trainer's phases of a step, its sampling and update shared with the other jobs --------------
 
-    def begin_step(self) -> RolloutRequest:
-        """Trainer.begin_step, as the request of this job's rows in the shared rollout."""
-        self.engine.forget()  # an evaluation decoded for the last weights, never asked for (its job stopped early)
+    def begin_step(self) -> RolloutRequest | None:
+        """Trainer.begin_step, as the request of this job's rows in the shared rollout (None: a supervised step,
+        which samples nothing)."""
+        if self.engine is not None:
+            self.engine.forget()  # an evaluation decoded for the last weights, never asked for (its job stopped early)
         draw = super().begin_step()
+        if draw is None:
+            return None
         return RolloutRequest(self.name, draw.rows, self.spec.sampling, self.spec.training.group_size,
                               sampling_seeds=draw.sampling_seeds, engine=self.spec.rollout.engine,
                               **self._episodes(draw.episode_seeds))
+
+    def supervised_step(self) -> dict[str, float]:
+        """A supervised job's step: Trainer.train_step's (worker/trainer/supervised.py), every forward through this
+        job's adapter (it samples nothing, so it shares no batch), its gradient checkpointed as alone; reported and
+        watched as Trainer._run does (finish_step follows, as end_step's)."""
+        with self.shared.router.only(self.name), \
+                self.shared.checkpointing(self.spec.training.gradient_checkpointing):
+            metrics = self.train_step()
+        self.report_step(metrics)
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Trainer.evaluate; a supervised job's eval-loss forwards through this job's adapter (its sampling routes
+        its own rows)."""
+        with self.shared.router.only(self.name):
+            return super().evaluate()
 
     def take_rollout(self, rollout: Rollout, rollout_s: float) -> JobUpdate:
         """Trainer.take_rollout (raises the job's reward-error failure), and this job's share of the update."""
@@ -121,7 +142,7 @@ class ResidentJob(Trainer):
     def evaluation_request(self) -> RolloutRequest:
         """What this job's next evaluation decodes (Trainer.eval_rows' call of the engine), for worker/multi/engine.py
         to decode beside other jobs' evaluations."""
-        rows = self.eval_source_rows()
+        rows = self.eval_prompt_rows()
         return RolloutRequest(self.name, rows, self.spec.sampling, 1, greedy=True, engine=self.spec.rollout.engine,
                               **self._episodes(eval_seeds(self.spec.seed, len(rows))))
 

@@ -24,6 +24,7 @@ LoRA dropout in training draws per segment instead (the loop above).
 
 The segments are set per forward by `SegmentRouter.rows(job_index_per_row)`;
 rows must be sorted by job (the callers build their batches that way).
+`SegmentRouter.only(job)` routes every row of the forwards inside to one job.
 """
 
 from __future__ import annotations
@@ -60,24 +61,30 @@ class SegmentRouter:
     def __init__(self):
         self.segments: list[tuple[str | None, int, int]] | None = None
         self._masks: dict = {}  # the current segments' block masks (block_mask)
+        self._only: str | None = None  # the job of every row of any forward without segments (`only`)
 
     def rows(self, names_per_row: list[str | None]):
-        return self._routed(segments_of(names_per_row), {})
+        return self._routed(segments_of(names_per_row), {}, self._only)
+
+    def only(self, name: str):
+        """Every row of the forwards inside through job `name`'s adapter, whatever their number, unless `rows`
+        says otherwise inside: a job's own code that runs the model as alone (a supervised step's forwards)."""
+        return self._routed(None, {}, name)
 
     def checkpoint_contexts(self):
         """torch checkpoint's `context_fn` (training.gradient_checkpointing): (the context of a layer's forward, the
         context of its recompute), so that a layer recomputed in the backward, after the `rows` block of its
         forward has ended, routes its rows as that forward did."""
-        return nullcontext(), self._routed(self.segments, self._masks)
+        return nullcontext(), self._routed(self.segments, self._masks, self._only)
 
     @contextmanager
-    def _routed(self, segments, masks):
-        previous = self.segments, self._masks
-        self.segments, self._masks = segments, masks
+    def _routed(self, segments, masks, only):
+        previous = self.segments, self._masks, self._only
+        self.segments, self._masks, self._only = segments, masks, only
         try:
             yield
         finally:
-            self.segments, self._masks = previous
+            self.segments, self._masks, self._only = previous
 
     def block_mask(self, module, blocks: list[tuple[int, int, float]], device, dtype) -> Tensor:
         """(rows, sum of ranks): for each row, its segment's scale over that segment's block of the concatenated
@@ -96,6 +103,8 @@ class SegmentRouter:
         return mask
 
     def current(self, batch: int) -> list[tuple[str | None, int, int]]:
+        if self.segments is None and self._only is not None:
+            return [(self._only, 0, batch)]
         if self.segments is None:
             raise RuntimeError("a shared-base forward ran without its rows' jobs (SegmentRouter.rows)")
         if self.segments[-1][2] != batch:

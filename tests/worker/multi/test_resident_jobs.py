@@ -6,6 +6,7 @@ reward. The bound is the batched update's (tests/worker/multi/test_batched_updat
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,17 @@ def _continued(toy_dir, tmp_path) -> dict:
     return {"init_from": str(path), "loss": {"kl_beta": 0.1}}
 
 
+def _supervised(toy_dir, tmp_path) -> dict:
+    """Supervised fine-tuning on the toy task's rows as conversations (the reward scores its evaluations)."""
+    for split in ("train", "val"):
+        rows = [json.loads(line) for line in (toy_dir / f"{split}.jsonl").read_text().splitlines()]
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({**row, "messages": [
+            {"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["answer"]}]}) + "\n"
+            for row in rows))
+    return {"method": "supervised", "data": {"train_file": str(tmp_path / "train.jsonl"),
+                                             "validation_file": str(tmp_path / "val.jsonl")}}
+
+
 # A job option each: the spec sections that set it (given toy_dir and a scratch directory).
 OPTIONS = {
     "gradient_checkpointing": lambda toy_dir, tmp_path: {"training": {"gradient_checkpointing": True}},
@@ -197,6 +209,7 @@ OPTIONS = {
     # wherever a gradient is near zero); test_shared_base.py checks the head's float32 rows on a bfloat16 base.
     "lm_head_float32": lambda toy_dir, tmp_path: {"training": {"lm_head_float32": True}},
     "init_from": _continued,
+    "supervised": _supervised,
 }
 
 
@@ -245,11 +258,15 @@ def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_di
         got, want = _adapter(mine), _adapter(theirs)
         assert set(got) == set(want)
         diff = max(float((got[k] - want[k]).abs().max()) for k in got)
-        bound = 1e-3 * job.spec.optimizer.lr * job.spec.training.steps * job.spec.training.mini_batches
+        bound = 1e-3 * job.spec.optimizer.lr * _optimizer_steps(job.spec)
         print(f"{option}, {job.name}: max |shared - alone| = {diff:.2e} (bound {bound:.2e})")
         assert diff <= bound, job.name
-    assert len(sampled[id(jobs[0])]) == spec.training.steps or spec.method == "supervised"
+    assert spec.method == "supervised" or len(sampled[id(jobs[0])]) == spec.training.steps
     got = _adapter(jobs[0].last_checkpoint)
     start = _adapter(Path(spec.init_from)) if spec.init_from else {k: torch.zeros_like(v) for k, v in got.items()}
-    bound = 1e-3 * spec.optimizer.lr * spec.training.steps * spec.training.mini_batches
+    bound = 1e-3 * spec.optimizer.lr * _optimizer_steps(spec)
     assert max(float((got[k] - start[k]).abs().max()) for k in got if "lora_B" in k) > 100 * bound  # it trained
+
+
+def _optimizer_steps(spec: JobSpec) -> int:
+    return spec.training.steps * (1 if spec.method == "supervised" else spec.training.updates_per_rollout)
