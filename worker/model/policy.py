@@ -97,6 +97,14 @@ def lora_config(spec: LoraSpec) -> LoraConfig:
     )
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module, *, context_fn=None) -> None:
+    """training.gradient_checkpointing: each decoder layer's activations recomputed in the backward. Non-reentrant:
+    works with frozen inputs (LoRA) and with FSDP2's hooks. `context_fn`: torch's checkpoint argument, the
+    contexts of a layer's forward and of its recompute (the shared base restores its rows' routing there)."""
+    kwargs = {"use_reentrant": False, **({"context_fn": context_fn} if context_fn is not None else {})}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def pick_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())  # torchrun set this rank's GPU
@@ -124,8 +132,7 @@ def load_policy(spec: JobSpec, *, resume_from: Checkpoint | None, warm_start: Ch
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(where), dtype=load_dtype)
         if spec.training.gradient_checkpointing:
-            # Non-reentrant: works with frozen inputs (LoRA) and with FSDP2's hooks.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(model)
         return model
 
     for ckpt in (resume_from, warm_start):
@@ -190,9 +197,7 @@ def _lora_model(spec: JobSpec, base: torch.nn.Module, resume_from: Checkpoint | 
         check_lora_config(source.adapter_dir, spec.lora, model)
         if reads:
             _load_adapter_weights(model, source.adapter_dir, "default")
-    reference_dir = resume_from.reference_dir if resume_from is not None else (
-        warm_start.adapter_dir if warm_start is not None else None
-    )
+    reference_dir = pinned_reference_dir(resume_from, warm_start)
     if reference_dir is not None:
         model.add_adapter(REFERENCE, lora_config(spec.lora))
         if reads:
@@ -202,6 +207,14 @@ def _lora_model(spec: JobSpec, base: torch.nn.Module, resume_from: Checkpoint | 
         if f".{REFERENCE}." in name:
             p.requires_grad_(False)
     return model
+
+
+def pinned_reference_dir(resume_from: Checkpoint | None, warm_start: Checkpoint | None) -> Path | None:
+    """The adapter a LoRA job pins as its reference policy: a resumed job's saved one (if it pinned one), else the
+    adapter it warm-starts from; None: the base with adapters disabled is the reference."""
+    if resume_from is not None:
+        return resume_from.reference_dir
+    return warm_start.adapter_dir if warm_start is not None else None
 
 
 def _load_adapter_weights(model: PeftModel, adapter_dir: Path, adapter_name: str) -> None:

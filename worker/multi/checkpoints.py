@@ -2,7 +2,8 @@
 
 The shared model holds every job's adapter under its job's name; a checkpoint
 holds one adapter under PEFT's names, as `save_pretrained(selected_adapters=
-["default"])` writes it. `AdapterView` presents one job's adapter that way, so
+["default"])` writes it (and a warm-started job's pinned reference, as
+["reference"] does). `AdapterView` presents one job's adapters that way, so
 save_checkpoint (atomic, sha256 manifest, no pickle) is used unchanged, and a
 job moves freely between a shared worker and a worker of its own.
 """
@@ -16,22 +17,26 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from worker.checkpoints.checkpoint import Checkpoint, check_lora_config, optimizer_state_dict
+from worker.model.policy import REFERENCE
 from worker.multi.lora import SharedBase
 
 
 class AdapterView:
-    """What save_checkpoint needs of a PeftModel, for one job's adapter on the shared model."""
+    """What save_checkpoint needs of a PeftModel, for one job's adapter on the shared model, and the adapter it
+    pinned as its reference (`reference`: its name on the shared model) under PEFT's name for it there."""
 
-    def __init__(self, shared: SharedBase, name: str):
-        self.shared, self.name = shared, name
-        self.peft_config = {"default": shared.model.peft_config[name]}
+    def __init__(self, shared: SharedBase, name: str, *, reference: str | None = None):
+        self.shared, self.names = shared, {"default": name, **({REFERENCE: reference} if reference else {})}
+        self.peft_config = {as_saved: shared.model.peft_config[held] for as_saved, held in self.names.items()}
 
     def save_pretrained(self, directory, *, selected_adapters=None, safe_serialization=True, state_dict=None):
-        directory = Path(directory)
+        """As PeftModel.save_pretrained: the one selected adapter, in a subfolder of its name unless 'default'."""
+        (adapter,) = selected_adapters or ["default"]
+        directory = Path(directory) if adapter == "default" else Path(directory) / adapter
         directory.mkdir(parents=True, exist_ok=True)
-        weights = {k: v.detach().contiguous().cpu() for k, v in self.shared.adapter_state(self.name).items()}
+        weights = {k: v.detach().contiguous().cpu() for k, v in self.shared.adapter_state(self.names[adapter]).items()}
         save_file(weights, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
-        self.peft_config["default"].save_pretrained(str(directory))
+        self.peft_config[adapter].save_pretrained(str(directory))
 
 
 def restore(shared: SharedBase, name: str, checkpoint: Checkpoint, optimizer: torch.optim.Optimizer) -> None:

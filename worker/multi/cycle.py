@@ -5,6 +5,9 @@
     -> end_step (each job: metrics reported) -> the due evaluations, decoded together (worker/multi/engine.py)
     -> finish_step (each job: its evaluation, checkpoint)
 
+A supervised job samples nothing in its step: its step (ResidentJob.supervised_step, the trainer's own) runs on
+its own forwards through its adapter, first; its due evaluation is decoded with the others'.
+
 A job's own failure (its reward's error rate, a bad prompt, NaN logits in its
 rows, its callbacks) removes that job only: it is returned among the
 failures and the others go on. A failure of the shared update itself (the
@@ -55,10 +58,25 @@ def run_cycle(shared: SharedBase, jobs: list[ResidentJob], *, device: torch.devi
             failures[job.name] = e
             return None
 
+    # A supervised step samples nothing: each runs on its own, through its own adapter.
+    stepped = [job for job in jobs if job.supervised and guarded(job, job.supervised_step) is not None]
+    stepped += _cispo_steps(shared, [job for job in jobs if not job.supervised], failures, guarded, device,
+                            autocast)
+    if stepped:  # the evaluations due now, in one decode (each job's own evaluate() in finish_step takes its part)
+        decode_evaluations(shared, stepped[0].policy.tokenizer, device,
+                           [job for job in stepped if job.eval_due(job.step)])
+    for job in stepped:
+        guarded(job, job.finish_step)
+    return failures
+
+
+def _cispo_steps(shared: SharedBase, jobs: list[ResidentJob], failures: dict[str, BaseException], guarded, device,
+                 autocast) -> list[ResidentJob]:
+    """The CISPO jobs' step up to its report, sampled together and updated together; returns the jobs stepped."""
     requests = {job.name: guarded(job, job.begin_step) for job in jobs}
     sampling = [job for job in jobs if job.name not in failures]
     if not sampling:
-        return failures
+        return []
     tokenizer = sampling[0].policy.tokenizer
     started = time.perf_counter()
     rollouts = generate_jobs(shared, tokenizer, device, [requests[job.name] for job in sampling])
@@ -72,7 +90,7 @@ def run_cycle(shared: SharedBase, jobs: list[ResidentJob], *, device: torch.devi
         if update is not None:
             updates.append((job, update))
     if not updates:
-        return failures
+        return []
     started = time.perf_counter()
     try:
         stats = batched_update(shared, [u for _, u in updates], pad_id=tokenizer.pad_token_id, device=device,
@@ -80,12 +98,7 @@ def run_cycle(shared: SharedBase, jobs: list[ResidentJob], *, device: torch.devi
     except Exception as e:  # noqa: BLE001 - the shared backward: no stepping job's step is whole
         log.exception("the batched update of %d jobs failed", len(updates))
         failures.update({job.name: e for job, _ in updates})
-        return failures
+        return []
     update_s = time.perf_counter() - started
-    stepped = [job for (job, _), job_stats in zip(updates, stats)
-               if guarded(job, lambda job=job, job_stats=job_stats: job.end_step(job_stats, update_s)) is not None]
-    # the evaluations due now, in one decode (each job's own evaluate() in finish_step takes its part)
-    decode_evaluations(shared, tokenizer, device, [job for job in stepped if job.eval_due(job.step)])
-    for job in stepped:
-        guarded(job, job.finish_step)
-    return failures
+    return [job for (job, _), job_stats in zip(updates, stats)
+            if guarded(job, lambda job=job, job_stats=job_stats: job.end_step(job_stats, update_s)) is not None]

@@ -58,6 +58,7 @@ def decode_evaluations(shared: SharedBase, tokenizer, device: torch.device, jobs
     its job's engine for that evaluation. A single job is left to decode its own. Never raises: a job whose
     decode failed (or all of them, if the batch itself did) decodes alone in its own evaluation and meets its
     own error there, as it would alone."""
+    jobs = [job for job in jobs if job.engine is not None]  # a supervised job without a reward samples nothing
     if len(jobs) < 2:
         return
     try:

@@ -5,10 +5,11 @@ step phases and metrics are the trainer's own code; a job with an environment
 runs its episodes in the shared rollout (worker/multi/rollout.py), its
 environment called as alone. What differs: the model is
 the shared base with this job's adapter (`name`; load_model, restore_state),
-sampling and the update of a step run for all resident jobs at once
-(worker/multi/cycle.py calls `begin_step`, `take_rollout` and `end_step` in
-turn, the update being worker/trainer/plan.py's plan), and a checkpoint saves
-this job's adapter only (worker/multi/checkpoints.py). The per-step
+beside it, frozen, the adapter a warm-started job (init_from) pins as its
+reference, as alone; sampling and the update of a step run for all resident
+jobs at once (worker/multi/cycle.py calls `begin_step`, `take_rollout` and
+`end_step` in turn, the update being worker/trainer/plan.py's plan), and a
+checkpoint saves this job's adapters only (worker/multi/checkpoints.py). The per-step
 random streams are the trainer's (keyed by the job seed, step and prompt), so
 a job samples what it samples alone.
 
@@ -26,9 +27,9 @@ import torch
 from service.job_spec.spec import JobSpec
 from worker.envs import Environment
 from worker.checkpoints.checkpoint import Checkpoint, capture_rng, checkpoint_name, save_checkpoint
-from worker.multi.checkpoints import AdapterView, restore
+from worker.multi.checkpoints import AdapterView, restore, restore_adapter
 from worker.multi.engine import JobEngine
-from worker.multi.lora import SharedBase
+from worker.multi.lora import BASE_ONLY, SharedBase
 from worker.multi.rollout import RolloutRequest
 from worker.multi.support import refusal
 from worker.multi.update import JobUpdate
@@ -38,8 +39,11 @@ from worker.trainer.callbacks import Callbacks
 from worker.trainer.evaluation import eval_seeds
 from worker.trainer.loop import Trainer
 from worker.trainer.metrics import UpdateStats
-from worker.model.policy import Policy
+from worker.model.policy import REFERENCE, Policy, pinned_reference_dir
 from worker.trainer.rewards import RewardFn
+
+
+REFERENCE_SUFFIX = "~reference"  # a job's pinned reference adapter on the shared base: its name and this
 
 
 class ResidentJob(Trainer):
@@ -55,17 +59,27 @@ class ResidentJob(Trainer):
         self.name, self.shared, self._tokenizer, self._device = name, shared, tokenizer, device
         self.setup(spec, output_dir, resume=resume, reward_fn=reward_fn, environment=environment, scoring=scoring,
                    callbacks=callbacks)
-        self.engine = JobEngine(shared, name, tokenizer, device, kind=spec.rollout.engine)
+        self.engine = JobEngine(shared, name, tokenizer, device, kind=spec.rollout.engine) if self.samples() else None
         self._owns_engine = True
 
     def load_model(self, resumed: Checkpoint | None, warm: Checkpoint | None) -> tuple[Policy, list]:
-        """The shared base with this job's adapter added (a resumed job's weights follow in restore_state)."""
+        """The shared base with this job's adapter added, holding the adapter it warm-starts from (a resumed job's
+        weights follow in restore_state), and the adapter it pins as its reference, frozen, as alone
+        (worker/model/policy.py's pinned_reference_dir)."""
         # The adapter starts as the job's own would: PEFT's initialisation from torch's RNG seeded with the job seed.
         with torch.random.fork_rng():
             torch.manual_seed(self.spec.seed)
-            self.params = self.shared.add(self.name, self.spec.lora)
+            self.params = self.shared.add(self.name, self.spec.lora,
+                                          head_float32=self.spec.training.lm_head_float32)
+        if warm is not None:
+            restore_adapter(self.shared, self.name, warm)
+        self.reference = BASE_ONLY  # the adapter of its reference policy's rows (a KL term): the base alone
+        if (pinned := pinned_reference_dir(resumed, warm)) is not None:
+            self.reference = f"{self.name}{REFERENCE_SUFFIX}"
+            self.shared.load(self.reference, str(pinned))
         policy = Policy(self.shared.model, self._tokenizer, self._device,
-                        compute_dtype=next(self.shared.base.parameters()).dtype)
+                        compute_dtype=next(self.shared.base.parameters()).dtype,
+                        lm_head_float32=self.spec.training.lm_head_float32)
         return policy, self.params
 
     def restore_state(self, resumed: Checkpoint) -> None:
@@ -79,23 +93,44 @@ class ResidentJob(Trainer):
     def evaluation_may_lead(self) -> bool:
         """Whether start()'s step-0 evaluation may be decoded before the rest of its start (beside other starting
         jobs'): a fresh run whose pre-flight, if any, runs no environment episodes (those keep their order)."""
-        return self.step == 0 and not (self.spec.training.preflight_groups and self.environment is not None)
+        return self.engine is not None and self.step == 0 and \
+            not (self.spec.training.preflight_groups and self.environment is not None)
 
     # -- one cycle: Trainer's phases of a step, its sampling and update shared with the other jobs --------------
 
-    def begin_step(self) -> RolloutRequest:
-        """Trainer.begin_step, as the request of this job's rows in the shared rollout."""
-        self.engine.forget()  # an evaluation decoded for the last weights, never asked for (its job stopped early)
+    def begin_step(self) -> RolloutRequest | None:
+        """Trainer.begin_step, as the request of this job's rows in the shared rollout (None: a supervised step,
+        which samples nothing)."""
+        if self.engine is not None:
+            self.engine.forget()  # an evaluation decoded for the last weights, never asked for (its job stopped early)
         draw = super().begin_step()
+        if draw is None:
+            return None
         return RolloutRequest(self.name, draw.rows, self.spec.sampling, self.spec.training.group_size,
                               sampling_seeds=draw.sampling_seeds, engine=self.spec.rollout.engine,
                               **self._episodes(draw.episode_seeds))
+
+    def supervised_step(self) -> dict[str, float]:
+        """A supervised job's step: Trainer.train_step's (worker/trainer/supervised.py), every forward through this
+        job's adapter (it samples nothing, so it shares no batch), its gradient checkpointed as alone; reported and
+        watched as Trainer._run does (finish_step follows, as end_step's)."""
+        with self.shared.router.only(self.name), \
+                self.shared.checkpointing(self.spec.training.gradient_checkpointing):
+            metrics = self.train_step()
+        self.report_step(metrics)
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Trainer.evaluate; a supervised job's eval-loss forwards through this job's adapter (its sampling routes
+        its own rows)."""
+        with self.shared.router.only(self.name):
+            return super().evaluate()
 
     def take_rollout(self, rollout: Rollout, rollout_s: float) -> JobUpdate:
         """Trainer.take_rollout (raises the job's reward-error failure), and this job's share of the update."""
         state = super().take_rollout(rollout, rollout_s)
         return JobUpdate(self.name, self.spec, self.optimizer, self.params, rollout, state.advantages.per_token,
-                         state.indices, self.step)
+                         state.indices, self.step, reference=self.reference)
 
     def end_step(self, stats: UpdateStats, update_s: float) -> dict[str, float]:
         """Trainer.end_step's metrics, reported and watched as Trainer._run does; finish_step follows (after the
@@ -107,7 +142,7 @@ class ResidentJob(Trainer):
     def evaluation_request(self) -> RolloutRequest:
         """What this job's next evaluation decodes (Trainer.eval_rows' call of the engine), for worker/multi/engine.py
         to decode beside other jobs' evaluations."""
-        rows = self.eval_source_rows()
+        rows = self.eval_prompt_rows()
         return RolloutRequest(self.name, rows, self.spec.sampling, 1, greedy=True, engine=self.spec.rollout.engine,
                               **self._episodes(eval_seeds(self.spec.seed, len(rows))))
 
@@ -115,7 +150,9 @@ class ResidentJob(Trainer):
         """This job's adapter, optimizer and data position, in the format a job alone writes."""
         rng_json, rng_tensors = capture_rng()
         path = save_checkpoint(
-            self.checkpoint_root / checkpoint_name(self.step), model=AdapterView(self.shared, self.name),
+            self.checkpoint_root / checkpoint_name(self.step),
+            model=AdapterView(self.shared, self.name, reference=self.reference),
+            reference_adapter=REFERENCE if self.reference is not BASE_ONLY else None,
             optimizer=self.optimizer.state_dict(),
             state={"step": self.step, "data": self.sampler.state(), "eval_baseline": self.eval_baseline,
                    "rng": rng_json, "spec": self.spec.model_dump(mode="json")},
@@ -129,6 +166,8 @@ class ResidentJob(Trainer):
         if self.shared.vllm is not None:
             self.shared.vllm.forget(self.name)
         self.shared.remove(self.name)
+        if self.reference is not BASE_ONLY:
+            self.shared.remove(self.reference)
 
 
 def _use_vllm(shared: SharedBase, spec: JobSpec) -> None:

@@ -24,11 +24,12 @@ LoRA dropout in training draws per segment instead (the loop above).
 
 The segments are set per forward by `SegmentRouter.rows(job_index_per_row)`;
 rows must be sorted by job (the callers build their batches that way).
+`SegmentRouter.only(job)` routes every row of the forwards inside to one job.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from peft import PeftModel, get_peft_model
@@ -36,7 +37,7 @@ from peft.tuners.lora import LoraLayer
 from torch import Tensor
 
 from service.job_spec.spec import LoraSpec
-from worker.model.policy import lora_config
+from worker.model.policy import enable_gradient_checkpointing, lora_config
 
 BASE_ONLY = None  # a segment's job name meaning "no adapter" (the reference policy of a KL term)
 
@@ -60,15 +61,30 @@ class SegmentRouter:
     def __init__(self):
         self.segments: list[tuple[str | None, int, int]] | None = None
         self._masks: dict = {}  # the current segments' block masks (block_mask)
+        self._only: str | None = None  # the job of every row of any forward without segments (`only`)
+
+    def rows(self, names_per_row: list[str | None]):
+        return self._routed(segments_of(names_per_row), {}, self._only)
+
+    def only(self, name: str):
+        """Every row of the forwards inside through job `name`'s adapter, whatever their number, unless `rows`
+        says otherwise inside: a job's own code that runs the model as alone (a supervised step's forwards)."""
+        return self._routed(None, {}, name)
+
+    def checkpoint_contexts(self):
+        """torch checkpoint's `context_fn` (training.gradient_checkpointing): (the context of a layer's forward, the
+        context of its recompute), so that a layer recomputed in the backward, after the `rows` block of its
+        forward has ended, routes its rows as that forward did."""
+        return nullcontext(), self._routed(self.segments, self._masks, self._only)
 
     @contextmanager
-    def rows(self, names_per_row: list[str | None]):
-        previous = self.segments, self._masks
-        self.segments, self._masks = segments_of(names_per_row), {}
+    def _routed(self, segments, masks, only):
+        previous = self.segments, self._masks, self._only
+        self.segments, self._masks, self._only = segments, masks, only
         try:
             yield
         finally:
-            self.segments, self._masks = previous
+            self.segments, self._masks, self._only = previous
 
     def block_mask(self, module, blocks: list[tuple[int, int, float]], device, dtype) -> Tensor:
         """(rows, sum of ranks): for each row, its segment's scale over that segment's block of the concatenated
@@ -87,6 +103,8 @@ class SegmentRouter:
         return mask
 
     def current(self, batch: int) -> list[tuple[str | None, int, int]]:
+        if self.segments is None and self._only is not None:
+            return [(self._only, 0, batch)]
         if self.segments is None:
             raise RuntimeError("a shared-base forward ran without its rows' jobs (SegmentRouter.rows)")
         if self.segments[-1][2] != batch:
@@ -114,6 +132,31 @@ def _segmented_forward(module, router: SegmentRouter):
             deltas.append(b(a(drop(h))) * module.scaling[name])
         delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas)
         return (result + delta).to(result_dtype)
+
+    return forward
+
+
+def _float32_head(head: torch.nn.Linear, router: SegmentRouter, jobs: set[str]):
+    """The LM head's forward where rows of `jobs` (training.lm_head_float32) run its matmul on a float32 copy of its
+    weight, their input cast up, as a job alone samples (worker/rollout/effective_weights.py): the logits its
+    update scores. The others' logits are cast up, exactly, to go with them (the samplers read them in float32)."""
+    copies: dict[str, Tensor] = {}  # the float32 weight (and bias), made at the first such row: the head is frozen
+
+    def forward(x: Tensor) -> Tensor:
+        result = torch.nn.functional.linear(x, head.weight, head.bias)
+        segments = router.segments
+        if segments is None or not any(name in jobs for name, _, _ in segments):
+            return result
+        if not copies:
+            copies["weight"] = head.weight.detach().float()
+            copies["bias"] = head.bias.detach().float() if head.bias is not None else None
+        result = result.float()
+        with torch.autocast(x.device.type, enabled=False):  # float32 whatever autocast is on, as the update's head
+            for name, start, end in segments:
+                if name in jobs:
+                    result[start:end] = torch.nn.functional.linear(x[start:end].float(), copies["weight"],
+                                                                   copies["bias"])
+        return result
 
     return forward
 
@@ -161,6 +204,7 @@ class SharedBase:
         self.router = SegmentRouter()
         self.specs: dict[str, LoraSpec | None] = {}  # None: an adapter loaded from a directory (load)
         self.frozen: set[str] = set()  # adapters that never train (add's `trainable` False)
+        self.head_float32: set[str] = set()  # jobs whose rows run the LM head in float32 (add's `head_float32`)
         self.slots = slots  # how many jobs the worker holds at most
         self.vllm = None  # the vLLM engine of the jobs that sample with one (worker/multi/vllm_engine.py)
         # set_training's module list: None until the next switch lists them (after a join or leave); [] where some
@@ -173,11 +217,14 @@ class SharedBase:
             self.vllm.close()
             self.vllm = None
 
-    def add(self, name: str, spec: LoraSpec, *, trainable: bool = True) -> list[torch.nn.Parameter]:
+    def add(self, name: str, spec: LoraSpec, *, trainable: bool = True,
+            head_float32: bool = False) -> list[torch.nn.Parameter]:
         """Add job `name`'s adapter (PEFT's initialisation, from torch's global RNG); returns its parameters.
 
         An adapter added with `trainable` False stays frozen (requires_grad False) while others join: a sampler's
-        copy of weights that no optimizer steps."""
+        copy of weights that no optimizer steps. With `head_float32` (training.lm_head_float32) the job's rows run
+        the LM head's matmul in float32 in every forward that calls the head (sampling: `_float32_head`); its
+        update's log-probs take the head_dtype of worker/trainer/update.py."""
         if spec.base_quantization != "none":
             raise ValueError("a shared base is held unquantised: base_quantization must be 'none'")
         if self.model is None:
@@ -189,6 +236,8 @@ class SharedBase:
         self.specs[name] = spec
         if not trainable:
             self.frozen.add(name)
+        if head_float32:
+            self.head_float32.add(name)
         self._modules = None
         self._route_all()
         self._mark_trainable()
@@ -215,6 +264,7 @@ class SharedBase:
             return
         del self.specs[name]
         self.frozen.discard(name)
+        self.head_float32.discard(name)
         self._modules = None
         if self.specs:
             self.model.delete_adapter(name)
@@ -239,6 +289,21 @@ class SharedBase:
         for module in self._modules:
             module.__dict__["training"] = mode
 
+    @contextmanager
+    def checkpointing(self, on: bool = True):
+        """Gradient checkpointing of the base's decoder layers in the training forwards inside, when `on` (a job
+        in the forward has training.gradient_checkpointing): every row of such a forward recomputes in the
+        backward, whichever job's it is (the same numbers; the other jobs' rows cost their recompute too)."""
+        if not on:
+            yield
+            return
+        enable_gradient_checkpointing(self.base, context_fn=self.router.checkpoint_contexts)
+        try:
+            yield
+        finally:
+            self.base.gradient_checkpointing_disable()
+            self.base.disable_input_require_grads()  # enable's hook on the embeddings (disable leaves it)
+
     def parameters(self, name: str) -> list[torch.nn.Parameter]:
         """Job `name`'s adapter parameters, in a stable order (the model's)."""
         key = f".{name}."
@@ -259,12 +324,16 @@ class SharedBase:
                 param.requires_grad_(_adapter_of(param_name) not in self.frozen)
 
     def _route_all(self) -> None:
-        """Give every LoRA linear the segmented forward (new layers appear when a job adapts other modules)."""
+        """Give every LoRA linear the segmented forward (new layers appear when a job adapts other modules), and a
+        plain LM head held below float32 the forward that runs some jobs' rows in float32."""
         for module in self.model.modules():
             if isinstance(module, LoraLayer) and "forward" not in module.__dict__:
                 if type(module).__name__ != "Linear":
                     raise ValueError(f"a shared base routes LoRA linears only, not {type(module).__name__}")
                 module.forward = _segmented_forward(module, self.router)
+        head = self.model.get_output_embeddings()
+        if type(head) is torch.nn.Linear and head.weight.dtype != torch.float32 and "forward" not in head.__dict__:
+            head.forward = _float32_head(head, self.router, self.head_float32)
 
 
 def _adapter_of(param_name: str) -> str:

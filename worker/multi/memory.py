@@ -17,7 +17,12 @@ Per job (bytes):
   weights of eager/math attention (heads * T per token; flash attention keeps
   none, so this over-estimates there); plus one LM-head chunk's float32 logits
   and their gradient (2 * chunk * vocab * 4). LoRA's own rank-wide
-  intermediates are left out: a rank is far below those widths;
+  intermediates are left out: a rank is far below those widths. With
+  training.pack_tokens a micro-batch is one packed row of up to pack_tokens
+  tokens, each attending over the row (eager attention's weights are as
+  wide); with training.gradient_checkpointing the forward keeps only each
+  layer's input (h per token and layer) and one layer's tensors at a time
+  (its recompute in the backward);
 - kv_cache: the keys and values of the job's larger decode at full length
   (max_model_len tokens a row): its rollout's batch_size * group_size rows,
   or an evaluation's eval_max_rows (due evaluations of several jobs decode
@@ -112,10 +117,13 @@ def estimate(spec: JobSpec, shape: BaseShape) -> MemoryEstimate:
     tc, length = spec.training, spec.sampling.max_model_len
     params = adapter_parameters(spec, shape)
     rows = tc.batch_size * tc.group_size
-    micro_tokens = min(tc.micro_batch_size, rows) * length
+    width = length if tc.pack_tokens is None else min(tc.pack_tokens, rows * length)  # what a token attends over
+    micro_tokens = min(tc.micro_batch_size, rows) * length if tc.pack_tokens is None else width
     per_token_layer = 4 * shape.hidden + 2 * shape.q_width + 2 * shape.kv_width + 4 * shape.intermediate \
-        + shape.heads * length
-    activations = micro_tokens * shape.layers * per_token_layer * shape.dtype_bytes \
+        + shape.heads * width
+    kept = shape.layers * shape.hidden + per_token_layer if tc.gradient_checkpointing else \
+        shape.layers * per_token_layer
+    activations = micro_tokens * kept * shape.dtype_bytes \
         + 2 * min(micro_tokens, tc.logprob_chunk_size) * shape.vocab * FLOAT32
     decoded = max(rows, tc.eval_max_rows)
     kv_cache = 0 if spec.rollout.engine == "vllm" else \

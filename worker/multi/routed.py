@@ -17,16 +17,22 @@ from worker.multi.lora import SharedBase
 from worker.trainer.scoring import collate_sequences, last_hidden
 
 
-def collate_rows(ids: list[list[int]], masks: list[list[int]], owners: list[str | None], *, pad_id: int, device):
+def collate_rows(ids: list[list[int]], masks: list[list[int]], owners: list[str | None], *, pad_id: int, device,
+                 share_prefixes: bool = True):
     """The combined batch, each adapter's shared prompts held once, as the trainer alone holds them (scoring.py):
-    a prompt two adapters' rows share is held once per adapter, since each prompt pass is its own adapter's."""
-    return collate_sequences(ids, masks, pad_id=pad_id, device=device, share_prefixes=True, owners=owners)
+    a prompt two adapters' rows share is held once per adapter, since each prompt pass is its own adapter's.
+    Without `share_prefixes` (a job with gradient checkpointing in it), every row whole."""
+    return collate_sequences(ids, masks, pad_id=pad_id, device=device, share_prefixes=share_prefixes, owners=owners)
 
 
 def routed_hidden(shared: SharedBase, batch, names: list[str | None], autocast) -> Tensor:
     """scoring.py's _hidden_states over the shared base, each pass routed: the prompt pass by the adapter of each
     distinct prompt, the rest by the adapter of each row."""
     model = shared.model
+    if batch.position_ids_BT is not None:  # packed rows (worker/trainer/packing.py): attention by position restarts
+        with shared.router.rows(names), autocast():
+            return last_hidden(model, input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT,
+                               use_cache=False)
     if batch.prefix_ids_GP is None:
         with shared.router.rows(names), autocast():
             return last_hidden(model, input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
@@ -51,15 +57,18 @@ def routed_hidden(shared: SharedBase, batch, names: list[str | None], autocast) 
 
 
 def rows_logprobs(shared: SharedBase, hidden_BTH: Tensor, batch, rows: slice, *, temperature: float,
-                  chunk_size: int | None, owner: str | None = None) -> tuple[Tensor, Tensor]:
+                  chunk_size: int | None, owner: str | None = None, sequences: slice | None = None,
+                  head_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """(logp_BT, entropy_BT) of the rows `rows` (all of adapter `owner`) of the combined batch at their action
-    tokens (zero elsewhere)."""
+    tokens (zero elsewhere), one row per sequence (scoring.py's layout): packed rows hold the `sequences` of the
+    batch's sequence layout (default: `rows`, one sequence a row). `head_dtype`: as sequence_logprobs'."""
     action_BT = batch.action_mask_BT[rows].bool()
     logp_1N, entropy_1N = token_logprobs(routed_head(shared, owner), hidden_BTH[rows][action_BT][None],
                                          batch.targets_BT[rows][action_BT][None], temperature=temperature,
-                                         chunk_size=chunk_size)
-    zeros_BT = logp_1N.new_zeros(action_BT.shape)
-    return zeros_BT.index_put((action_BT,), logp_1N[0]), zeros_BT.index_put((action_BT,), entropy_1N[0])
+                                         chunk_size=chunk_size, head_dtype=head_dtype)
+    layout_BT = batch.sequence_action_mask_BT[rows if sequences is None else sequences].bool()
+    zeros_BT = logp_1N.new_zeros(layout_BT.shape)
+    return zeros_BT.index_put((layout_BT,), logp_1N[0]), zeros_BT.index_put((layout_BT,), entropy_1N[0])
 
 
 def routed_head(shared: SharedBase, owner: str | None):

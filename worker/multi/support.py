@@ -7,10 +7,14 @@ from service.job_spec.spec import JobSpec
 
 
 def refusal(spec: JobSpec) -> str | None:
-    """Why `spec` cannot train beside other jobs on a shared base, or None when it can."""
+    """Why `spec` cannot train beside other jobs on a shared base, or None when it can.
+
+    Full fine-tuning cannot: every weight is the job's own, so there is no base to share. Nor several GPUs: a
+    shared base is one process on one device, while such a job's torchrun ranks each hold an FSDP2 shard of its
+    model (a shared worker would have to run every resident job that way itself). A quantised base, its own
+    rollout.dtype and asynchronous sampling are not done yet. A job of another base or dtype shares another
+    worker's (base_key)."""
     reasons = []
-    if spec.method != "cispo":
-        reasons.append("it is a supervised job")
     if spec.lora is None:
         reasons.append("it fine-tunes every weight (lora: null)")
     elif spec.lora.base_quantization != "none":
@@ -21,14 +25,6 @@ def refusal(spec: JobSpec) -> str | None:
         reasons.append("it samples asynchronously (rollout.max_staleness > 0)")
     if spec.resources.gpus > 1:
         reasons.append("it runs on several GPUs")
-    if spec.init_from:
-        reasons.append("it warm-starts from a checkpoint (a pinned reference adapter)")
-    if spec.training.lm_head_float32:
-        reasons.append("it runs the LM head in float32")
-    if spec.training.gradient_checkpointing:
-        reasons.append("it uses gradient checkpointing")
-    if spec.training.pack_tokens is not None:
-        reasons.append("it packs sequences (training.pack_tokens)")
     return "; ".join(reasons) or None
 
 

@@ -125,10 +125,9 @@ class Trainer:
         if self.rank:  # sampling draws from keyed streams; the global RNG is left to dropout masks, per rank
             seed_everything(spec.seed + 1_000_003 * self.rank + self.step)
         self.updater = Updater(self.policy, self.optimizer, spec)
-        generates = self.scorer is not None or self.environment is not None  # an SFT job without a reward never samples
-        if engine is None and generates:
+        if engine is None and self.samples():
             self._say(f"Starting the rollout engine ({own.rollout.engine})")
-        self.engine: RolloutEngine | None = engine or (make_engine(own, self.policy) if generates else None)
+        self.engine: RolloutEngine | None = engine or (make_engine(own, self.policy) if self.samples() else None)
         self._owns_engine = engine is None
 
     # -- setup ------------------------------------------------------------------
@@ -194,6 +193,10 @@ class Trainer:
         load_full_optimizer_state(self.policy.model, self.optimizer, optimizer_state_dict(self.optimizer, resumed))
         restore_rng(resumed.state["rng"], {k[4:]: v for k, v in resumed.tensors.items() if k.startswith("rng.")})
 
+    def samples(self) -> bool:
+        """Whether the job ever samples: a supervised job without a reward never does."""
+        return self.scorer is not None or self.environment is not None
+
     # -- phases ---------------------------------------------------------------
 
     def _episodes(self, seeds: list[int]) -> dict:
@@ -223,6 +226,15 @@ class Trainer:
         """The rows every evaluation runs: the held-out rows, or the first training rows when there are none."""
         return (self.val_rows or self.train_rows)[: self.spec.training.eval_max_rows]
 
+    def eval_prompt_rows(self) -> list[dict]:
+        """What an evaluation samples from: eval_source_rows, a supervised job's conversations cut before their
+        first assistant turn (the prompt)."""
+        rows = self.eval_source_rows()
+        if not self.supervised:
+            return rows
+        return [{**r, "messages": r["messages"][:next(i for i, m in enumerate(r["messages"])
+                                                      if m["role"] == "assistant")]} for r in rows]
+
     def checkpoint_due(self, step: int) -> bool:
         """Whether a scheduled checkpoint follows step `step` (the last step always has one)."""
         tc = self.spec.training
@@ -246,10 +258,7 @@ class Trainer:
                 chunk_size=self.spec.training.logprob_chunk_size)
         if self.engine is None:
             return metrics
-        if self.supervised:  # the conversation before its first assistant turn is the prompt
-            rows = [{**r, "messages": r["messages"][:next(i for i, m in enumerate(r["messages"])
-                                                          if m["role"] == "assistant")]} for r in rows]
-        every = self.eval_rows(rows)
+        every = self.eval_rows(self.eval_prompt_rows())
         if self.step == 0 and self.eval_baseline is None:
             self.eval_baseline = list(every.rewards)
         return {**metrics, **eval_rows_metrics(every, self.eval_baseline)}

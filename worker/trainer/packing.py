@@ -42,8 +42,12 @@ def pack_rows(indices: list[int], lengths: list[int] | dict[int, int], budget: i
     return rows
 
 
-def collate_packed(token_ids: list[list[int]], action_masks: list[list[int]], *, device) -> TokenBatch:
-    """One row (1, N) of the sequences end to end, each shifted for next-token scoring on its own.
+def collate_packed(token_ids: list[list[int]], action_masks: list[list[int]], *, device,
+                   rows: list[int] | None = None, pad_id: int = 0) -> TokenBatch:
+    """One row (1, N) of the sequences end to end, each shifted for next-token scoring on its own; with `rows` (how
+    many consecutive sequences each row holds) several such rows, right-padded with `pad_id` (a shared base's
+    micro-batch: one row per packed group of a job that packs, one per sequence of the others). Padding continues
+    its row's positions, so it is never a sequence start, and no real token attends to it (it comes after them).
 
     Its `sample_mask_BT` is the action mask of the same sequences right-padded (collate_sequences' layout),
     the layout sequence_logprobs returns log-probs in.
@@ -51,17 +55,32 @@ def collate_packed(token_ids: list[list[int]], action_masks: list[list[int]], *,
     for i, (seq, mask) in enumerate(zip(token_ids, action_masks, strict=True)):
         if len(seq) != len(mask):
             raise ValueError(f"sequence {i}: {len(seq)} tokens but an action mask of {len(mask)}")
-    inputs = [t for seq in token_ids for t in seq[:-1]]
-    targets = [t for seq in token_ids for t in seq[1:]]
-    actions = [a for mask in action_masks for a in mask[1:]]
-    positions = [p for seq in token_ids for p in range(len(seq) - 1)]
-    row = lambda values, dtype: torch.tensor([values], dtype=dtype, device=device)  # noqa: E731
+    columns = {"inputs": [], "targets": [], "actions": [], "positions": []}
+    start = 0
+    for count in rows or [len(token_ids)]:
+        seqs, masks = token_ids[start : start + count], action_masks[start : start + count]
+        start += count
+        columns["inputs"].append([t for seq in seqs for t in seq[:-1]])
+        columns["targets"].append([t for seq in seqs for t in seq[1:]])
+        columns["actions"].append([a for mask in masks for a in mask[1:]])
+        columns["positions"].append([p for seq in seqs for p in range(len(seq) - 1)])
+    if start != len(token_ids):
+        raise ValueError(f"rows hold {start} sequences, not the {len(token_ids)} given")
+    N = max(map(len, columns["inputs"]))
+
+    def padded(name: str, fill, dtype) -> torch.Tensor:
+        return torch.tensor([row + [fill] * (N - len(row)) for row in columns[name]], dtype=dtype, device=device)
+
+    def continued(row: list[int]) -> list[int]:  # padding counts on from the row's last position
+        after = row[-1] + 1 if row else 0
+        return row + list(range(after, after + N - len(row)))
+
     return TokenBatch(
-        input_ids_BT=row(inputs, torch.long),
+        input_ids_BT=padded("inputs", pad_id, torch.long),
         attention_mask_BT=None,  # transformers masks by the position ids' restarts (module docstring)
-        targets_BT=row(targets, torch.long),
-        action_mask_BT=row(actions, torch.float32),
-        position_ids_BT=row(positions, torch.long),
+        targets_BT=padded("targets", pad_id, torch.long),
+        action_mask_BT=padded("actions", 0, torch.float32),
+        position_ids_BT=torch.tensor([continued(row) for row in columns["positions"]], dtype=torch.long, device=device),
         sample_mask_BT=_sample_mask(action_masks).to(device),
     )
 

@@ -113,7 +113,8 @@ def supervised_step(policy, optimizer, examples: list[Example], *, micro_batch_s
         loss = supervised_loss(logp, mask, max(total, 1))
         loss.backward()
         step_loss += float(loss.detach())
-    norm = optimizer_step(policy.trainable_parameters(), optimizer, max_grad_norm)
+    # the optimizer's parameters: the job's own (on a shared base the model holds other jobs' adapters too)
+    norm = optimizer_step([p for group in optimizer.param_groups for p in group["params"]], optimizer, max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return {"loss": step_loss, "grad_norm": norm, "target_tokens": float(total),
             "sequence_tokens": float(sum(len(e.token_ids) for e in examples))}

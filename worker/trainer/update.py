@@ -62,6 +62,28 @@ def micro_batches(indices: list[int], lengths: list[int], size: int) -> list[lis
     return _chunks(sorted(indices, key=lambda i: lengths[i]), size)
 
 
+def job_micro_batches(spec: JobSpec, indices: list[int], lengths: list[int]) -> list[list[int]]:
+    """The sequences of each forward and backward of the job's update: a packed row's (training.pack_tokens), or a
+    padded micro-batch's of micro_batch_size sequences."""
+    if spec.training.pack_tokens is not None:
+        return pack_rows(indices, lengths, spec.training.pack_tokens)
+    return micro_batches(indices, lengths, spec.training.micro_batch_size)
+
+
+def shares_prefixes(spec: JobSpec) -> bool:
+    """Whether the job's micro-batches hold a group's shared prompt once (worker/trainer/scoring.py). Not with
+    gradient checkpointing (transformers then keeps no cache to carry the prompt's keys and values) nor under FSDP
+    (tried: FSDP2 reshards after each forward, and the backward through the earlier prompt pass then meets freed
+    parameter storage); a packed row holds whole sequences."""
+    return not spec.training.gradient_checkpointing and not group.active() and spec.training.pack_tokens is None
+
+
+def head_dtype(spec: JobSpec) -> torch.dtype | None:
+    """The dtype of the update's LM-head matmul: float32 with training.lm_head_float32 (ScaleRL's FP32 logits),
+    else the forward's own."""
+    return torch.float32 if spec.training.lm_head_float32 else None
+
+
 def _per_sequence(values_BT: Tensor, action_mask_BT: Tensor) -> list[Tensor]:
     """Split the action-token values of each row into one 1-D tensor per sequence."""
     lengths = action_mask_BT.sum(-1).long().tolist()
@@ -73,19 +95,9 @@ class Updater:
         self.policy, self.optimizer, self.spec = policy, optimizer, spec
         self.training = spec.training
         self.temperature = spec.sampling.temperature
-        self.head_dtype = torch.float32 if spec.training.lm_head_float32 else None  # ScaleRL's FP32 logits
-        # A group's shared prompt is scored once per micro-batch (worker/trainer/scoring.py). Not with gradient
-        # checkpointing (transformers then keeps no cache to carry the prompt's keys and values) nor under FSDP
-        # (tried: FSDP2 reshards after each forward, and the backward through the earlier prompt pass then
-        # meets freed parameter storage).
-        self.share_prefixes = not spec.training.gradient_checkpointing and not group.active()
+        self.head_dtype = head_dtype(spec)
+        self.share_prefixes = shares_prefixes(spec)
         self.pack_tokens = spec.training.pack_tokens  # None: padded micro-batches of micro_batch_size sequences
-
-    def _micro_batches(self, indices: list[int], lengths: list[int]) -> list[list[int]]:
-        """The sequences of each forward and backward: a packed row's, or a padded micro-batch's."""
-        if self.pack_tokens is not None:
-            return pack_rows(indices, lengths, self.pack_tokens)
-        return micro_batches(indices, lengths, self.training.micro_batch_size)
 
     def _batch(self, rollout: Rollout, idx: list[int]):
         if self.pack_tokens is not None:
@@ -117,7 +129,7 @@ class Updater:
         result: dict[int, Tensor] = {}
         with unsharded(model, self.policy.reference_model if reference else None):
             lengths = [len(ids) for ids in rollout.token_ids]
-            for idx in self._micro_batches(indices, lengths):
+            for idx in job_micro_batches(self.spec, indices, lengths):
                 batch = self._batch(rollout, idx)
                 with self._frozen(reference) as scorer, self.policy.autocast():
                     logp, _ = sequence_logprobs(scorer, batch, temperature=self.temperature,
@@ -160,7 +172,7 @@ class Updater:
         for opt_step in plan.steps:
             self.optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
-            micros = self._micro_batches(opt_step.sequences, lengths)
+            micros = job_micro_batches(self.spec, opt_step.sequences, lengths)
             for _ in range(group.max_all(len(micros)) - len(micros)):
                 self._zero_weight_pass(rollout)
             for micro in micros:

@@ -20,8 +20,8 @@ LORAS = {
 }
 
 
-def toy_base(toy_dir):
-    return AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32)
+def toy_base(toy_dir, dtype: torch.dtype = torch.float32):
+    return AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=dtype)
 
 
 def toy_tokenizer(toy_dir):

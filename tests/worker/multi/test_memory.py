@@ -156,3 +156,15 @@ def test_a_vllm_job_waits_when_the_engine_does_not_fit_beside_the_resident_job(t
     assert not worker._fits("second", joining)
     worker.budget = jobs_alone + memory.engine_memory([resident], worker.device, worker.base_parameters).held
     assert worker._fits("second", joining)
+
+
+def test_packing_and_gradient_checkpointing_change_what_the_update_keeps(toy_dir):
+    """lora_spec's micro-batch, but one packed row of 96 tokens, each attending over the 96 (eager attention's
+    weights), or checkpointed: each of the 2 layers' inputs (64 wide) and one layer's 1152 values, per token."""
+    head = 2 * 64 * 40 * 4  # one LM-head chunk's logits and their gradient, as before
+    packed = memory.estimate(lora_spec(toy_dir, ["q_proj", "v_proj"]).model_copy(update={"training": lora_spec(
+        toy_dir, ["q_proj"]).training.model_copy(update={"pack_tokens": 96})}), SHAPE)
+    assert packed.activations == 96 * 2 * (4 * 64 + 2 * 64 + 2 * 64 + 4 * 128 + 4 * 96) * 4 + head
+    checkpointed = memory.estimate(lora_spec(toy_dir, ["q_proj", "v_proj"]).model_copy(update={"training": lora_spec(
+        toy_dir, ["q_proj"]).training.model_copy(update={"gradient_checkpointing": True})}), SHAPE)
+    assert checkpointed.activations == 128 * (2 * 64 + 1152) * 4 + head == 655_360 + head

@@ -6,12 +6,16 @@ reward. The bound is the batched update's (tests/worker/multi/test_batched_updat
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.job_spec.spec import JobSpec
+from service.job_spec.spec import JobSpec, LoraSpec
 from tests.specs import job_spec
+from worker.checkpoints.checkpoint import save_checkpoint
 from worker.multi.cycle import run_cycle, start_jobs
 from worker.multi.job import ResidentJob
 from worker.multi.lora import SharedBase
@@ -19,7 +23,7 @@ from worker.toy.__main__ import toy_spec
 from worker.toy.task import reward as toy_reward
 from worker.trainer.loop import Trainer
 
-from tests.worker.multi.conftest import toy_base
+from tests.worker.multi.conftest import alone, shared_with_adapters, toy_base
 
 CPU = torch.device("cpu")
 
@@ -176,3 +180,93 @@ def test_a_prepared_evaluation_answers_only_its_own_call(toy_dir, tokenizer, tmp
     assert jobs[0].engine.prepared is None
     alone = jobs[0].eval_rows(jobs[0].eval_source_rows())  # nothing prepared: decoded alone
     assert alone.completions == together and len(alone.rewards) == 4  # beside another job's rows, the same
+
+
+def _continued(toy_dir, tmp_path) -> dict:
+    """Continuing an `ft:` model: init_from its checkpoint (an adapter far from zero, pinned as the reference), with
+    a KL term to that reference."""
+    shared = shared_with_adapters(toy_dir, {"warm": LoraSpec(r=4, alpha=8, target_modules="all-linear")})
+    path = save_checkpoint(tmp_path / "warm", model=alone(toy_dir, shared, "warm"), optimizer=None, state={"step": 0})
+    return {"init_from": str(path), "loss": {"kl_beta": 0.1}}
+
+
+def _supervised(toy_dir, tmp_path) -> dict:
+    """Supervised fine-tuning on the toy task's rows as conversations (the reward scores its evaluations)."""
+    for split in ("train", "val"):
+        rows = [json.loads(line) for line in (toy_dir / f"{split}.jsonl").read_text().splitlines()]
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({**row, "messages": [
+            {"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["answer"]}]}) + "\n"
+            for row in rows))
+    return {"method": "supervised", "data": {"train_file": str(tmp_path / "train.jsonl"),
+                                             "validation_file": str(tmp_path / "val.jsonl")}}
+
+
+# A job option each: the spec sections that set it (given toy_dir and a scratch directory).
+OPTIONS = {
+    "gradient_checkpointing": lambda toy_dir, tmp_path: {"training": {"gradient_checkpointing": True}},
+    "pack_tokens": lambda toy_dir, tmp_path: {"training": {"pack_tokens": 48}},  # two to three sequences a row
+    # In float32 the head is float32 anyway (a bfloat16 base is no test: Adam turns its rounding into steps of lr
+    # wherever a gradient is near zero); test_shared_base.py checks the head's float32 rows on a bfloat16 base.
+    "lm_head_float32": lambda toy_dir, tmp_path: {"training": {"lm_head_float32": True}},
+    "init_from": _continued,
+    "supervised": _supervised,
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_dir, tokenizer, tmp_path, monkeypatch,
+                                                                         option):
+    """The job samples the same tokens at every step and ends with the same adapter (the batched update's bound)
+    alone and resident beside three plain jobs of other seeds, LoRA shapes and learning rates, which it shares every
+    sampling and update batch with."""
+    sampled: dict[int, list] = {}  # id(trainer) -> its rollouts' token ids, step by step
+    real = Trainer.take_rollout
+
+    def recording(self, rollout, *args, **kwargs):
+        sampled.setdefault(id(self), []).append(rollout.token_ids)
+        return real(self, rollout, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "take_rollout", recording)
+    small = {"steps": 2, "batch_size": 2, "group_size": 3, "mini_batches": 2, "micro_batch_size": 2,
+             "eval_max_rows": 2, "eval_interval": 0, "checkpoint_interval": 0, "preflight_groups": 0}
+    sections = OPTIONS[option](toy_dir, tmp_path)
+    spec = job_spec(toy_spec(toy_dir), seed=8, lora={"r": 4, "alpha": 8}, optimizer={"lr": 1e-2},
+                    **{**sections, "training": {**small, **sections.get("training", {})}})
+    neighbours = [resident_spec(toy_dir, seed=s, lr=lr, lora=lora, **{**small, "group_size": g})
+                  for s, lr, lora, g in [(1, 3e-3, None, 2), (2, 5e-3, {"r": 2, "target_modules": ["q_proj"]}, 3),
+                                         (3, 1e-2, {"r": 8, "alpha": 4}, 2)]]
+    shared = SharedBase(toy_base(toy_dir))
+    jobs = [ResidentJob(s, tmp_path / f"shared-{k}", shared, tokenizer, CPU, name=f"job-{k}", reward_fn=toy_reward,
+                        callbacks=Recorder()) for k, s in enumerate([spec, *neighbours])]
+    assert start_jobs(shared, jobs, device=CPU) == {}
+    while live := [job for job in jobs if not job.done]:
+        assert run_cycle(shared, live, device=CPU) == {}
+    for job in jobs:  # the job with the option, and its neighbours beside it
+        alone, record = Trainer(job.spec, tmp_path / f"alone-{job.name}", reward_fn=toy_reward), Recorder()
+        result = alone.run(record)
+        assert sampled.get(id(job)) == sampled.get(id(alone)), job.name  # the same tokens, step by step
+        for (_, got), (_, want) in zip(job.callbacks.steps, record.steps, strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7), job.name
+        for (_, got), (_, want) in zip(job.callbacks.evals, record.evals, strict=True):
+            assert got == pytest.approx(want, rel=1e-4, abs=1e-7), job.name
+        mine, theirs = job.last_checkpoint, result.last_checkpoint
+        assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == \
+            sorted(p.relative_to(theirs).as_posix() for p in theirs.rglob("*"))  # the same files (a reference)
+        if (theirs / "reference").is_dir():
+            assert (mine / "reference" / "adapter_model.safetensors").read_bytes() == \
+                (theirs / "reference" / "adapter_model.safetensors").read_bytes()
+        got, want = _adapter(mine), _adapter(theirs)
+        assert set(got) == set(want)
+        diff = max(float((got[k] - want[k]).abs().max()) for k in got)
+        bound = 1e-3 * job.spec.optimizer.lr * _optimizer_steps(job.spec)
+        print(f"{option}, {job.name}: max |shared - alone| = {diff:.2e} (bound {bound:.2e})")
+        assert diff <= bound, job.name
+    assert spec.method == "supervised" or len(sampled[id(jobs[0])]) == spec.training.steps
+    got = _adapter(jobs[0].last_checkpoint)
+    start = _adapter(Path(spec.init_from)) if spec.init_from else {k: torch.zeros_like(v) for k, v in got.items()}
+    bound = 1e-3 * spec.optimizer.lr * _optimizer_steps(spec)
+    assert max(float((got[k] - start[k]).abs().max()) for k in got if "lora_B" in k) > 100 * bound  # it trained
+
+
+def _optimizer_steps(spec: JobSpec) -> int:
+    return spec.training.steps * (1 if spec.method == "supervised" else spec.training.updates_per_rollout)

@@ -47,6 +47,6 @@ def test_jobs_that_cannot_share_a_base_say_why(toy_dir):
     raw["rollout"] = {"max_staleness": 1}
     why = refusal(JobSpec.model_validate(raw))
     assert "lora: null" in why and "asynchronously" in why
-    packed = toy_spec(toy_dir)
-    packed["training"]["pack_tokens"] = 64
-    assert refusal(JobSpec.model_validate(packed)) == "it packs sequences (training.pack_tokens)"
+    rounded = toy_spec(toy_dir)
+    rounded["rollout"] = {"dtype": "bfloat16"}
+    assert refusal(JobSpec.model_validate(rounded)) == "it samples in its own rollout.dtype"

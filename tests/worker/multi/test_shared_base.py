@@ -85,3 +85,30 @@ def test_set_training_falls_back_to_train_where_a_module_does_more(toy_dir):
     shared.add("job-a", LORAS["job-a"])
     shared.set_training(False)
     assert calls == [False] and not any(_flags(shared.model).values())
+
+
+def test_a_float32_head_jobs_rows_get_float32_logits_on_a_bfloat16_base(toy_dir):
+    """training.lm_head_float32 on a shared base held in bfloat16: that job's rows run the LM head's matmul in float32
+    (as its sampler alone does, worker/rollout/effective_weights.py), in any forward, under autocast too; the other
+    jobs' rows keep the base's bfloat16 head (their logits cast up exactly)."""
+    import torch
+
+    from worker.trainer.scoring import decoder_outputs
+
+    shared = SharedBase(toy_base(toy_dir, torch.bfloat16))
+    shared.add("plain", LORAS["job-a"])
+    shared.add("float32", LORAS["job-b"], head_float32=True)
+    head = shared.model.get_output_embeddings()
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [9, 10, 11, 12]])
+    for autocast in (False, True):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+                shared.router.rows(["plain", "float32", "float32"]), decoder_outputs(shared.model) as hidden:
+            logits = shared.model(input_ids=ids).logits
+        h = hidden[-1]
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits[1:], torch.nn.functional.linear(h[1:].float(), head.weight.float()))
+        assert torch.equal(logits[:1], torch.nn.functional.linear(h[:1].bfloat16(), head.weight).float())
+        assert not torch.equal(logits[1:], torch.nn.functional.linear(h[1:].bfloat16(), head.weight).float())
+    shared.remove("float32")
+    with torch.no_grad(), shared.router.rows(["plain"]):
+        assert shared.model(input_ids=ids[:1]).logits.dtype == torch.bfloat16  # no such job left: the plain head

@@ -79,11 +79,11 @@ def test_a_job_whose_reward_fails_ends_alone_and_the_other_succeeds(database_url
 
 def test_a_job_that_cannot_share_runs_alone_and_says_why(database_url, toy_dir, tmp_path):
     settings = make_settings(tmp_path, database_url).model_copy(update={"worker_jobs": 2})
-    alone = submit(settings, toy_dir, steps=1, checkpoint_interval=0, gradient_checkpointing=True)
+    alone = submit(settings, toy_dir, steps=1, checkpoint_interval=0, rollout={"dtype": "bfloat16"})
     assert run_shared(alone, settings) == "succeeded"
     said = [m for m in _events(settings, alone) if m.startswith("Running alone")]
     assert said == [f"Running alone, not beside other jobs of {job_row(settings, alone).model}: "
-                    "it uses gradient checkpointing"]
+                    "it samples in its own rollout.dtype"]
     assert not any("beside the other jobs" in m for m in _events(settings, alone))
 
 

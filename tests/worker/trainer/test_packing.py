@@ -74,9 +74,10 @@ def _scored(model, batch):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_rows_score_like_padded_ones(toy_dir, arch, attn):
-    """Rows of different lengths (one with an environment turn between two answers), all in one packed row:
-    each sequence's log-probs, entropies and the LoRA gradients are the padded batch's, for the model types the
-    service runs (Llama, Qwen2) under both attention implementations that work on a CPU."""
+    """Rows of different lengths (one with an environment turn between two answers), all in one packed row, or in
+    several right-padded packed rows (a shared base's micro-batch with a packing job in it): each sequence's
+    log-probs, entropies and the LoRA gradients are the padded batch's, for the model types the service runs
+    (Llama, Qwen2) under both attention implementations that work on a CPU."""
     base = (AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32, attn_implementation=attn)
             if arch == "llama" else _tiny_qwen2(attn))
     model = _with_lora(base)
@@ -85,17 +86,22 @@ def test_packed_rows_score_like_padded_ones(toy_dir, arch, attn):
     padded = collate_sequences(seqs, masks, pad_id=0, device=CPU)
     packed = collate_packed(seqs, masks, device=CPU)
     assert packed.input_ids_BT.shape == (1, sum(len(s) - 1 for s in seqs))
+    rows = [1, 4, len(seqs) - 5]  # a short row, a long one, the rest: the short ones padded
+    several = collate_packed(seqs, masks, device=CPU, rows=rows, pad_id=0)
+    widths = [sum(len(s) - 1 for s in seqs[start : start + n]) for start, n in zip((0, 1, 5), rows)]
+    assert several.input_ids_BT.shape == (3, max(widths)) and len(set(widths)) == 3
     logp_a, ent_a, grads_a = _scored(model, padded)
-    logp_b, ent_b, grads_b = _scored(model, packed)
-    for a, b in zip(logp_a, logp_b, strict=True):
-        assert a.shape == b.shape
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
-    for a, b in zip(ent_a, ent_b, strict=True):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
-    assert grads_a.keys() == grads_b.keys() and any("lora_A" in n for n in grads_a)
-    for name in grads_a:
-        gap = (grads_a[name] - grads_b[name]).norm() / grads_a[name].norm()
-        assert gap < 1e-5, (name, float(gap))  # float32 summation order, nothing more
+    for batch in (packed, several):
+        logp_b, ent_b, grads_b = _scored(model, batch)
+        for a, b in zip(logp_a, logp_b, strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        for a, b in zip(ent_a, ent_b, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        assert grads_a.keys() == grads_b.keys() and any("lora_A" in n for n in grads_a)
+        for name in grads_a:
+            gap = (grads_a[name] - grads_b[name]).norm() / grads_a[name].norm()
+            assert gap < 1e-5, (name, float(gap))  # float32 summation order, nothing more
 
 
 def _lora_spec(toy_dir, **training) -> JobSpec:
