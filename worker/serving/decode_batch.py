@@ -15,10 +15,9 @@ Rows join between steps and leave at once, so the batch is continuous:
   contiguous): a join reorders the cache, a leave keeps the order;
 - leaving: a row's cache rows are dropped before the next forward, and the
   left columns that no remaining row attends to any more are cut off;
-- each row picks its token as stream.py's one-sequence loop does: greedy
-  as argmax, else the request's logits processors (temperature, top_p) and
-  inverse-CDF on one uniform number a step from the row's own seeded
-  generator, so a seed gives the same draws whatever else is in the batch.
+- each row picks its token (token_picking.pick_tokens): greedy as argmax,
+  else the request's logits processors (temperature, top_p) and inverse-CDF
+  on one uniform number a step from the row's own seeded generator, so a seed gives the same draws whatever else is in the batch.
 The caches' layers must be transformers' plain DynamicLayer (full
 attention), which every served model family here uses.
 

@@ -1,52 +1,7 @@
-"""Token-by-token decoding for serving, and text deltas that never cut a stop sequence or a character in two.
-
-The trainer's loop (worker/rollout/decode.py) samples whole batches and
-returns when every row is done; a streamed reply needs each token as soon as
-it exists. This loop decodes one sequence over a KV cache with the same
-sampling rule: the same logits processors, greedy as argmax, otherwise
-inverse-CDF on a uniform number from the request's seeded stream.
-"""
+"""Text deltas for a streamed reply that never cut a stop sequence or a character in two (the tokens come from
+worker/serving/decode_batch.py, one step of every running request at a time)."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-
-import torch
-from transformers import DynamicCache
-
-from service.job_spec.sampling import SamplingSpec
-from worker.model.cache_arg import CACHE_ARG
-from worker.rollout.token_picking import NonFiniteLogits, logits_processors
-
-
-@torch.no_grad()
-def stream_tokens(model, prompt: list[int], *, max_new: int, temperature: float, top_p: float, seed: int | None,
-                  eos_id: int, device: torch.device) -> Iterator[int]:
-    """Each new token as it is sampled, EOS included (then it stops); at most max_new. temperature 0: greedy."""
-    greedy = temperature == 0
-    spec = SamplingSpec(temperature=temperature if not greedy else 1.0, top_p=top_p)
-    procs = logits_processors(spec, greedy=greedy)
-    generator = None if greedy else torch.Generator().manual_seed(
-        seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-    history = torch.tensor([prompt], dtype=torch.long, device=device)
-    cache = DynamicCache()
-    logits = model(input_ids=history, use_cache=True, **{CACHE_ARG: cache}).logits[:, -1, :]
-    for _ in range(max_new):
-        scores = logits.float()
-        if not torch.isfinite(scores).all():
-            raise NonFiniteLogits("the model gave NaN or inf logits")
-        scores = procs(history, scores) if procs else scores
-        if greedy:
-            token = scores.argmax(-1)
-        else:
-            cdf = torch.softmax(scores, dim=-1).double().cumsum(-1)
-            u = torch.rand(1, dtype=torch.float64, generator=generator).to(cdf.device) * cdf[:, -1]
-            token = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
-        yield int(token.item())
-        if int(token.item()) == eos_id:
-            return
-        history = torch.cat([history, token[:, None]], dim=1)
-        logits = model(input_ids=token[:, None], use_cache=True, **{CACHE_ARG: cache}).logits[:, -1, :]
 
 
 class TextDeltas:
