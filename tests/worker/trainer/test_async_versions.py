@@ -162,8 +162,8 @@ def test_cispo_learns_the_toy_task_with_stale_rollouts(toy_dir, tmp_path):
     """test_trainer.py's learning test at max_staleness 1 (most batches sampled one version behind) with the spec's
     defaults, which give a stale job the off-policy sequence mask (STALE_BATCH_MASK), over 3 seeds.
 
-    Measured (bench/async_learning.py, bench/README.md): seeds 1-3 gained eval +0.36, +0.75, +0.75 (synchronous
-    +0.55, +0.75, +0.62). Without the mask seed 0 collapsed (train reward 0.01 within 5 steps, entropy to ln V), and
+    Measured (bench/async_learning.py, bench/README.md): seeds 1-3 gained eval +0.42, +0.75, +0.75 (synchronous
+    +0.41, +0.41, +0.75). Without the mask seed 0 collapsed (train reward 0.01 within 5 steps, entropy to ln V), and
     seeds 1-5 gained -0.25..+0.75, a mean below this test's threshold."""
     gains, eval_gains = [], []
     for seed in (0, 1, 2):
