@@ -76,7 +76,7 @@ test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The fast tier for the inner loop: the suite less the tests that train over seeds (`slow`) and those that start
-# whole stacks of processes or the vLLM engine (`heavy`, tests/conftest.py). `make test` is what CI runs.
+# whole stacks of processes, the vLLM engine or the real model (`heavy`, tests/conftest.py). `make test` is what CI runs.
 check: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not heavy"
 

@@ -347,16 +347,20 @@ def xdist_group_of(item) -> str | None:
 
 
 # `make check`, the fast tier for the inner loop, leaves out what `make test` alone runs: whole stacks of processes
-# (tests/e2e, the fault and serving stacks, Ray clusters, the benches' scripts, two-process training) and the vLLM
-# engine. Tests that train over seeds are marked `slow` where they are written.
+# (tests/e2e, the fault and serving stacks, Ray clusters, the benches' scripts, two-process training, the async
+# sampler process, API replicas), the vLLM engine and the real model (a 135M-parameter build). Tests that train over
+# seeds are marked `slow` where they are written.
 HEAVY_PATHS = ("e2e/", "bench/", "worker/ray_driver/test_ray_async.py", "worker/ray_driver/test_ray_driver.py",
                "worker/ray_driver/test_ray_jobs.py", "worker/distributed/test_distributed.py",
-               "worker/jobs/test_faults.py", "worker/serving/test_serving.py")
+               "worker/jobs/test_faults.py", "worker/serving/test_serving.py",
+               "worker/trainer/test_async_rollouts.py", "worker/trainer/test_async_versions.py",
+               "worker/rollout/test_vllm_real_model.py", "service/api/test_shared_limits.py")
+HEAVY_FIXTURES = (*SESSION_GROUPS, "real_model_dir")
 
 
 def is_heavy(item) -> bool:
     where = Path(item.path).relative_to(Path(__file__).parent).as_posix()
-    return where.startswith(HEAVY_PATHS) or any(name in item.fixturenames for name in SESSION_GROUPS)
+    return where.startswith(HEAVY_PATHS) or any(name in item.fixturenames for name in HEAVY_FIXTURES)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids it schedules by

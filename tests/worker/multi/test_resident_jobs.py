@@ -219,11 +219,13 @@ def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_di
     """The job samples the same tokens at every step and ends with the same adapter (the batched update's bound)
     alone and resident beside three plain jobs of other seeds, LoRA shapes and learning rates, which it shares every
     sampling and update batch with."""
-    sampled: dict[int, list] = {}  # id(trainer) -> its rollouts' token ids, step by step
+    # trainer -> its rollouts' token ids, step by step (keyed by the object, which the dict keeps alive: an id of a
+    # trainer already collected can come back as a later one's)
+    sampled: dict[object, list] = {}
     real = Trainer.take_rollout
 
     def recording(self, rollout, *args, **kwargs):
-        sampled.setdefault(id(self), []).append(rollout.token_ids)
+        sampled.setdefault(self, []).append(rollout.token_ids)
         return real(self, rollout, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "take_rollout", recording)
@@ -244,7 +246,7 @@ def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_di
     for job in jobs:  # the job with the option, and its neighbours beside it
         alone, record = Trainer(job.spec, tmp_path / f"alone-{job.name}", reward_fn=toy_reward), Recorder()
         result = alone.run(record)
-        assert sampled.get(id(job)) == sampled.get(id(alone)), job.name  # the same tokens, step by step
+        assert sampled.get(job) == sampled.get(alone), job.name  # the same tokens, step by step
         for (_, got), (_, want) in zip(job.callbacks.steps, record.steps, strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7), job.name
         for (_, got), (_, want) in zip(job.callbacks.evals, record.evals, strict=True):
@@ -261,7 +263,7 @@ def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_di
         bound = 1e-3 * job.spec.optimizer.lr * _optimizer_steps(job.spec)
         print(f"{option}, {job.name}: max |shared - alone| = {diff:.2e} (bound {bound:.2e})")
         assert diff <= bound, job.name
-    assert spec.method == "supervised" or len(sampled[id(jobs[0])]) == spec.training.steps
+    assert spec.method == "supervised" or len(sampled[jobs[0]]) == spec.training.steps
     got = _adapter(jobs[0].last_checkpoint)
     start = _adapter(Path(spec.init_from)) if spec.init_from else {k: torch.zeros_like(v) for k, v in got.items()}
     bound = 1e-3 * spec.optimizer.lr * _optimizer_steps(spec)
