@@ -97,7 +97,7 @@ test-latest:
 	rm -rf $(LATEST)
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/pip install --progress-bar off "$(LATEST_TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	$(LATEST)/bin/pip install --progress-bar off "$(LATEST_TORCH)" -e ".[worker,test]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(LATEST)/bin/pip install --progress-bar off "$(LATEST_TORCH)" -e ".[worker,test,tinker]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(LATEST)/bin/pip list --format=freeze | grep -iE '^(torch|transformers|peft|accelerate|kernels|tokenizers|safetensors|numpy|pydantic|celery|fastapi)==' | tee $(LATEST)/versions.txt
 	$(LATEST)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(LATEST_TESTS)
 
