@@ -53,13 +53,15 @@ class FutureWaits:
                 waiters.pop(request_id, None)
 
     def _delay(self, loop: asyncio.AbstractEventLoop, last_read_s: float) -> float:
-        """Until the next pass: `growth` times the youngest waiter's wait so far, within the two intervals, and
-        no less than nine times the last read."""
         started = self._started.get(loop)
         if not started:
             return self.interval_s
-        waited = loop.time() - max(started.values())
-        return min(self.interval_s, max(self.first_interval_s, self.growth * waited, 9 * last_read_s))
+        return self.next_delay(loop.time() - max(started.values()), last_read_s)
+
+    def next_delay(self, youngest_waited_s: float, last_read_s: float) -> float:
+        """Until the next pass: `growth` times the youngest waiter's wait so far, within the two intervals, and
+        no less than nine times the last read (so reading takes at most a tenth of the database's time)."""
+        return min(self.interval_s, max(self.first_interval_s, self.growth * youngest_waited_s, 9 * last_read_s))
 
     async def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
         waiters = self._waiters[loop]

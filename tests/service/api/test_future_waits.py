@@ -60,14 +60,26 @@ def _reads_while_waiting(ends_after_s: float, read_s: float = 0.0, timeout_s: fl
     return woken, at, reads
 
 
+def test_the_pass_delay_grows_with_the_youngest_wait_within_both_intervals():
+    waits = FutureWaits(lambda ids: set(), interval_s=0.05, first_interval_s=0.005, growth=0.1)
+    assert waits.next_delay(0.0, 0.0) == 0.005  # a new waiter: read again within 5 ms, not 50
+    assert waits.next_delay(0.03, 0.0) == 0.005  # 30 ms in: a request that ended now is seen 5 ms later
+    assert abs(waits.next_delay(0.2, 0.0) - 0.02) < 1e-12  # a tenth of the wait so far
+    assert waits.next_delay(0.6, 0.0) == 0.05  # held for long: one read per interval
+    assert waits.next_delay(10.0, 0.0) == 0.05
+    assert abs(waits.next_delay(0.0, 0.004) - 0.036) < 1e-12  # a slow read: nine times its length first
+    assert waits.next_delay(0.0, 1.0) == 0.05  # but never longer than the interval
+
+
 def test_a_short_wait_is_read_often_and_a_long_one_once_per_interval():
     woken, at, reads = _reads_while_waiting(0.03)
-    assert woken and at < 0.03 + 0.03  # seen within a few ms (loaded machines: some slack), not up to 50 ms late
+    # Wall-clock latency on a loaded machine is the scheduler's (CI saw 34 ms); next_delay's test pins the
+    # figures. Here: the first read that found the request ended woke the waiter.
+    assert woken and all(r < 0.03 for r in reads[:-1]) and reads[-1] >= 0.03 and at >= reads[-1]
     woken, at, reads = _reads_while_waiting(10.0, timeout_s=1.0)
     assert not woken
     gaps = [b - a for a, b in zip(reads, reads[1:])]
-    assert min(gaps[:3]) < 0.02  # young: passes come soon after each other
-    assert len(reads) < 1.0 / 0.005 / 2  # and then less often: far from one per first_interval_s
+    assert len(reads) < 1.0 / 0.005 / 2  # not one read per first_interval_s all along
     late = [g for g, t in zip(gaps, reads[1:]) if t > 0.6]
     assert late and min(late) >= 0.045  # a waiter held for long: one read per interval_s
 
