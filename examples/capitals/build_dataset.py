@@ -10,10 +10,12 @@ the capitals but answers in a sentence; job.yaml's reward asks for the name alon
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
-import yaml
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+from recipe import write_recipe  # noqa: E402
 
 CAPITALS = [
     ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan", "Tokyo"),
@@ -44,27 +46,12 @@ def rows(pairs) -> list[dict]:
     return [{"messages": [{"role": "user", "content": question(c)}], "answer": a} for c, a in pairs]
 
 
-def local_spec(out: Path, model: str, job: dict) -> dict:
-    """job.yaml's hyperparameters as a spec for `cispo train` (docs/TRAINING.md: run a job locally)."""
-    cispo = job["method"]["cispo"]
-    return {"model": model, "seed": job["seed"],
-            "data": {"train_file": str(out / "train.jsonl"), "validation_file": str(out / "test.jsonl")},
-            "reward": cispo["reward"], **cispo["hyperparameters"]}
-
-
 def main() -> None:
-    here = Path(__file__).parent
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=here)
+    parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--model", default="runs/SmolLM2-135M-Instruct", help="for spec.yaml (make real-model)")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name, part in (("train.jsonl", CAPITALS[:-TEST]), ("test.jsonl", CAPITALS[-TEST:])):
-        (args.out / name).write_text("".join(json.dumps(r) + "\n" for r in rows(part)))
-    job = yaml.safe_load((here / "job.yaml").read_text())
-    spec = local_spec(args.out.resolve(), str(Path(args.model).resolve()), job)
-    (args.out / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    print(f"{len(CAPITALS) - TEST} train rows, {TEST} test rows, spec.yaml in {args.out}")
+    write_recipe(HERE, args.out, args.model, rows(CAPITALS[:-TEST]), rows(CAPITALS[-TEST:]))
 
 
 if __name__ == "__main__":

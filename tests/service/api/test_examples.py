@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from service.schemas.rewards import NumericMatchReward
@@ -96,12 +98,13 @@ def test_the_guessing_environment_is_the_one_in_the_job_and_plays_by_its_rules()
     assert observation is None and terminated and abs(reward - 0.8) < 1e-12  # two wrong answers before
 
 
-def test_the_capitals_recipe_passes_a_dry_run_and_its_local_spec_is_the_same_job(api, toy_dir, tmp_path):
+@pytest.mark.parametrize("example", ["capitals", "arithmetic"])
+def test_a_real_model_recipe_passes_a_dry_run_and_its_local_spec_is_the_same_job(api, toy_dir, tmp_path, example):
     from service.job_spec.spec import JobSpec
 
-    out = tmp_path / "capitals"
-    _build("capitals", out, "--model", str(toy_dir / "model"))
-    r = api.client.post(JOBS, params={"dry_run": "true"}, json=_job_body(api, "capitals", out, toy_dir / "model"))
+    out = tmp_path / example
+    _build(example, out, "--model", str(toy_dir / "model"))
+    r = api.client.post(JOBS, params={"dry_run": "true"}, json=_job_body(api, example, out, toy_dir / "model"))
     assert r.status_code == 200, r.text
     assert not [c for c in r.json()["checks"] if c["status"] == "failed"], r.json()["checks"]
     served = r.json()["spec"]
@@ -112,3 +115,31 @@ def test_the_capitals_recipe_passes_a_dry_run_and_its_local_spec_is_the_same_job
         assert getattr(local.training, knob) == served["training"][knob], knob
     rows = [json.loads(line) for line in (out / "test.jsonl").read_text().splitlines()]
     assert len(rows) == 20 and rows[0]["messages"][0]["role"] == "user"
+    train = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert not {r["messages"][0]["content"] for r in rows} & {r["messages"][0]["content"] for r in train}
+
+
+def test_the_arithmetic_rows_are_fixed_and_their_answers_right_and_scored_by_the_job():
+    from service.job_spec.spec import JobSpec
+    from worker.rewards.engine import build_scorer
+
+    builder = _module(EXAMPLES / "arithmetic" / "build_dataset.py")
+    train, test = builder.rows()
+    assert (train, test) == builder.rows() and (len(train), len(test)) == (200, 20)
+    for row in train + test:
+        a, b = map(int, re.findall(r"\d+", row["messages"][0]["content"]))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and row["answer"] == str(a + b)
+    job = yaml.safe_load((EXAMPLES / "arithmetic" / "job.yaml").read_text())["method"]["cispo"]
+    spec = JobSpec.model_validate({"model": "m", "data": {"train_file": "t"}, "reward": job["reward"]})
+    row = test[0]
+    scores = build_scorer(spec.reward).score(
+        [row["answer"], f"The answer is {row['answer']}.", str(int(row["answer"]) + 1),
+         "Let me think about this sum step by step before I give " + row["answer"]], [row] * 4).scores
+    assert scores[0] == 1.0 and 0 < scores[1] < 1.0 and scores[2] == 0.0 and scores[3] < scores[1]
+
+
+def test_compare_counts_a_reply_right_by_its_last_number_or_by_containing_the_text():
+    right = _module(EXAMPLES / "compare.py").right
+    assert right("37 + 13 = 50", "50") and right("50", "50") and not right("50 or 51", "50")
+    assert not right("I cannot say", "50")
+    assert right("The capital of Australia is Canberra.", "Canberra") and not right("Sydney", "Canberra")

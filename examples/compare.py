@@ -1,8 +1,11 @@
-"""Greedy answers on the held-out rows before and after: the base model, then the base with the job's adapter.
+"""Greedy answers on a recipe's held-out rows before and after: the base model, then the base with the job's adapter.
 
-    python compare.py MODEL_DIR RUN_DIR [--samples 5]     # RUN_DIR: what `cispo train spec.yaml` wrote (spec/)
+    python examples/compare.py MODEL_DIR RUN_DIR --test examples/arithmetic/test.jsonl [--samples 5]
+    # RUN_DIR: what `cispo train spec.yaml` wrote (spec/ beside spec.yaml)
 
-Prints the exact-match accuracy of each (the job's reward: case and punctuation ignored) and a few rows side by side.
+Prints, for each, how many replies are right (a numeric answer: the reply's last number equals it; a text answer:
+the reply contains it, case ignored) and how many are the answer alone (exact match: case and punctuation
+ignored), then a few rows side by side.
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-HERE = Path(__file__).parent
+from worker.rewards.builtins import last_number
 
 
 def normalized(text: str) -> str:
     return text.translate(str.maketrans("", "", string.punctuation)).strip().casefold()
+
+
+def right(reply: str, answer: str) -> bool:
+    try:
+        return last_number(reply) == float(answer)
+    except ValueError:  # a text answer
+        return answer.casefold() in reply.casefold()
 
 
 def greedy(model, tok, rows: list[dict], max_new: int) -> list[str]:
@@ -42,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path)
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--test", type=Path, default=HERE / "test.jsonl")
+    parser.add_argument("--test", type=Path, required=True, help="the recipe's test.jsonl")
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--max-new", type=int, default=12)
     args = parser.parse_args()
@@ -53,8 +63,9 @@ def main() -> None:
     adapter = final_adapter(args.run_dir)
     after = greedy(PeftModel.from_pretrained(base, adapter).eval(), tok, rows, args.max_new)
     for name, answers in (("before", before), ("after", after)):
-        hits = sum(normalized(a) == normalized(r["answer"]) for a, r in zip(answers, rows))
-        print(f"{name}: {hits}/{len(rows)} = {hits / len(rows):.2f} exact match on the held-out rows")
+        hits = sum(right(a, r["answer"]) for a, r in zip(answers, rows))
+        exact = sum(normalized(a) == normalized(r["answer"]) for a, r in zip(answers, rows))
+        print(f"{name}: {hits}/{len(rows)} right, {exact}/{len(rows)} the answer alone, on the held-out rows")
     print(f"adapter: {adapter}")
     for row, b, a in list(zip(rows, before, after))[:args.samples]:
         print(f"  {row['messages'][0]['content']!r} (answer {row['answer']!r}): before {b!r} -> after {a!r}")
