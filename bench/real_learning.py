@@ -58,6 +58,8 @@ CONFIGS = {  # name: sections merged into the shared settings
     "lr1e-4": {"optimizer": {"lr": 1e-4}},
     "lr5e-4": {"optimizer": {"lr": 5e-4}},
     "all_linear": {"lora": {"target_modules": "all-linear"}},
+    "async": {"rollout": {"max_staleness": 1}},
+    "async_fixed_lag": {"rollout": {"max_staleness": 1, "version_policy": "fixed_lag"}},
 }
 BRIEF = {"type": "length", "unit": "words", "target": 1, "tolerance": 1, "scale": 8, "penalize": "over"}
 REWARDS = {

@@ -184,8 +184,14 @@ def test_a_prepared_evaluation_answers_only_its_own_call(toy_dir, tokenizer, tmp
 
 def _continued(toy_dir, tmp_path) -> dict:
     """Continuing an `ft:` model: init_from its checkpoint (an adapter far from zero, pinned as the reference), with
-    a KL term to that reference."""
+    a KL term to that reference. Its B is a tenth of shared_with_adapters' so that the policy still earns the toy
+    reward now and then: with no reward signal the first step's only gradient is the KL term's at policy ==
+    reference, rounding noise that Adam (eps 1e-15) turns into steps of lr, differently on each CPU's kernels."""
     shared = shared_with_adapters(toy_dir, {"warm": LoraSpec(r=4, alpha=8, target_modules="all-linear")})
+    with torch.no_grad():
+        for n, p in shared.model.named_parameters():
+            if "lora_B.warm." in n:
+                p.mul_(0.1)
     path = save_checkpoint(tmp_path / "warm", model=alone(toy_dir, shared, "warm"), optimizer=None, state={"step": 0})
     return {"init_from": str(path), "loss": {"kl_beta": 0.1}}
 
@@ -243,6 +249,8 @@ def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_di
     assert start_jobs(shared, jobs, device=CPU) == {}
     while live := [job for job in jobs if not job.done]:
         assert run_cycle(shared, live, device=CPU) == {}
+    first = jobs[0].callbacks.steps[0][1]
+    assert first.get("zero_advantage_group_fraction", 0.0) < 1.0, first  # a reward signal, not only rounding
     for job in jobs:  # the job with the option, and its neighbours beside it
         alone, record = Trainer(job.spec, tmp_path / f"alone-{job.name}", reward_fn=toy_reward), Recorder()
         result = alone.run(record)
