@@ -13,6 +13,20 @@ checkpoint saves this job's adapters only (worker/multi/checkpoints.py). The per
 random streams are the trainer's (keyed by the job seed, step and prompt), so
 a job samples what it samples alone.
 
+Asynchronous sampling (rollout.max_staleness = s > 0): alone, a sampler process
+samples step j's batch with an older policy version while the trainer updates
+(worker/trainer/pipeline.py); 'fixed_lag' makes it exactly version
+max(start, j - s), start being the step the run started or resumed at. Here a
+cycle samples between updates, nothing in flight, so the job keeps that version
+itself: a frozen sampling copy of its adapter (`name` + SAMPLING_SUFFIX) on the
+shared base, which its rollout rows are routed through, loaded at each step
+from the snapshots of its last s + 1 versions. The batch is then taken as the
+pipeline's is (the sampler's log-probs as logp_old, every sequence tagged with
+its version, stale ones dropped, the lag metrics), so the job samples and trains
+what it does alone. 'newest' (timing decides alone) samples the same way: the
+timing of a sampler that is always ahead, reproducible here. Only the rollout
+is stale: pre-flight and evaluations sample the current adapter, as alone.
+
 Not restored from a checkpoint: torch's global RNG, which the resident jobs
 share; jobs here draw every sample from keyed streams, and LoRA dropout is the
 only other user of that RNG.
@@ -37,13 +51,16 @@ from worker.rewards.engine import ScoringContext
 from worker.rollout.rollout import Rollout
 from worker.trainer.callbacks import Callbacks
 from worker.trainer.evaluation import eval_seeds
+from worker.trainer.feedback import collect_feedback
 from worker.trainer.loop import Trainer
 from worker.trainer.metrics import UpdateStats
+from worker.trainer.pipeline import ScoredBatch
 from worker.model.policy import REFERENCE, Policy, pinned_reference_dir
 from worker.trainer.rewards import RewardFn
 
 
 REFERENCE_SUFFIX = "~reference"  # a job's pinned reference adapter on the shared base: its name and this
+SAMPLING_SUFFIX = "~sampling"  # an asynchronous job's stale sampling copy of its adapter: its name and this
 
 
 class ResidentJob(Trainer):
@@ -57,6 +74,10 @@ class ResidentJob(Trainer):
         if spec.rollout.engine == "vllm":
             _use_vllm(shared, spec)
         self.name, self.shared, self._tokenizer, self._device = name, shared, tokenizer, device
+        # asynchronous sampling: the adapter its rollouts sample with, and its recent versions (version -> weights)
+        self.sampling_adapter = f"{name}{SAMPLING_SUFFIX}" if spec.rollout.max_staleness > 0 else name
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}
+        self._sampled_version: int | None = None  # the version this step's rollout samples with
         self.setup(spec, output_dir, resume=resume, reward_fn=reward_fn, environment=environment, scoring=scoring,
                    callbacks=callbacks)
         self.engine = JobEngine(shared, name, tokenizer, device, kind=spec.rollout.engine) if self.samples() else None
@@ -71,6 +92,9 @@ class ResidentJob(Trainer):
             torch.manual_seed(self.spec.seed)
             self.params = self.shared.add(self.name, self.spec.lora,
                                           head_float32=self.spec.training.lm_head_float32)
+            if self.sampling_adapter != self.name:  # its weights are set before each rollout (_stale_sampling)
+                self.shared.add(self.sampling_adapter, self.spec.lora, trainable=False,
+                                head_float32=self.spec.training.lm_head_float32)
         if warm is not None:
             restore_adapter(self.shared, self.name, warm)
         self.reference = BASE_ONLY  # the adapter of its reference policy's rows (a KL term): the base alone
@@ -106,9 +130,26 @@ class ResidentJob(Trainer):
         draw = super().begin_step()
         if draw is None:
             return None
-        return RolloutRequest(self.name, draw.rows, self.spec.sampling, self.spec.training.group_size,
+        asynchronous = self.sampling_adapter != self.name
+        if asynchronous:
+            self._stale_sampling()
+        return RolloutRequest(self.sampling_adapter, draw.rows, self.spec.sampling, self.spec.training.group_size,
                               sampling_seeds=draw.sampling_seeds, engine=self.spec.rollout.engine,
-                              **self._episodes(draw.episode_seeds))
+                              logprobs=asynchronous, **self._episodes(draw.episode_seeds))
+
+    def _stale_sampling(self) -> None:
+        """Load the version this step samples with into the sampling copy: max(start, step - max_staleness), the
+        version a job alone sends before this step's request (worker/rollout/async_sampler.py's 'fixed_lag')."""
+        self._versions[self.step] = {k: v.clone() for k, v in self.shared.adapter_state(self.name).items()}
+        version = max(min(self._versions), self.step - self.spec.rollout.max_staleness)
+        copy = self.shared.adapter_state(self.sampling_adapter)  # detached views of its (frozen) parameters
+        with torch.no_grad():
+            for key, weights in self._versions[version].items():
+                copy[key].copy_(weights)
+        self._sampled_version = version
+        # the next step samples version step + 1 - max_staleness or newer
+        for old in [v for v in self._versions if v <= self.step - self.spec.rollout.max_staleness]:
+            del self._versions[old]
 
     def supervised_step(self) -> dict[str, float]:
         """A supervised job's step: Trainer.train_step's (worker/trainer/supervised.py), every forward through this
@@ -127,8 +168,14 @@ class ResidentJob(Trainer):
             return super().evaluate()
 
     def take_rollout(self, rollout: Rollout, rollout_s: float) -> JobUpdate:
-        """Trainer.take_rollout (raises the job's reward-error failure), and this job's share of the update."""
-        state = super().take_rollout(rollout, rollout_s)
+        """Trainer.take_rollout (raises the job's reward-error failure), and this job's share of the update; an
+        asynchronous job's rollout taken as the pipeline's scored batch of its sampled version."""
+        scored = None
+        if self.sampling_adapter != self.name:
+            feedback = collect_feedback(rollout, self.scorer, failure_score=self.spec.training.reward_failure_score)
+            scored = ScoredBatch(self.step, rollout, feedback, [self._sampled_version] * len(rollout),
+                                 sample_s=rollout_s, update_wait_s=0.0)
+        state = super().take_rollout(rollout, rollout_s, scored=scored)
         return JobUpdate(self.name, self.spec, self.optimizer, self.params, rollout, state.advantages.per_token,
                          state.indices, self.step, reference=self.reference)
 
@@ -165,7 +212,10 @@ class ResidentJob(Trainer):
         super().close()
         if self.shared.vllm is not None:
             self.shared.vllm.forget(self.name)
+            self.shared.vllm.forget(self.sampling_adapter)
         self.shared.remove(self.name)
+        self.shared.remove(self.sampling_adapter)  # an asynchronous job's (no-op otherwise: gone already)
+        self._versions.clear()
         if self.reference is not BASE_ONLY:
             self.shared.remove(self.reference)
 

@@ -8,7 +8,9 @@ on it.
 
 Per job (bytes):
 - adapter: its LoRA weights and their gradients, float32 (PEFT keeps adapters
-  in float32): 2 * 4 * P, P = sum over adapted linears of r * (in + out);
+  in float32): 2 * 4 * P, P = sum over adapted linears of r * (in + out); with
+  rollout.max_staleness s > 0 also its frozen sampling copy and the s + 1
+  versions it keeps while loading it (worker/multi/job.py): (s + 2) * 4 * P more;
 - optimizer: AdamW's two moments, float32: 2 * 4 * P;
 - activations: what one micro-batch's forward keeps for the backward. Per
   token and layer of a Llama-style decoder, the tensors autograd saves: both
@@ -128,8 +130,9 @@ def estimate(spec: JobSpec, shape: BaseShape) -> MemoryEstimate:
     decoded = max(rows, tc.eval_max_rows)
     kv_cache = 0 if spec.rollout.engine == "vllm" else \
         decoded * length * shape.layers * 2 * shape.kv_width * shape.dtype_bytes + decoded * shape.vocab * FLOAT32
-    return MemoryEstimate(adapter=2 * FLOAT32 * params, optimizer=2 * FLOAT32 * params, activations=activations,
-                          kv_cache=kv_cache)
+    stale = spec.rollout.max_staleness + 2 if spec.rollout.max_staleness else 0  # sampling copy and versions
+    return MemoryEstimate(adapter=(2 + stale) * FLOAT32 * params, optimizer=2 * FLOAT32 * params,
+                          activations=activations, kv_cache=kv_cache)
 
 
 @dataclass(frozen=True)

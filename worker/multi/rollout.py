@@ -42,6 +42,7 @@ class RolloutRequest:
     max_turns: int = 1
     seeds: list[int] | None = None  # each row's environment reset seed
     engine: str = "hf"  # rollout.engine: our decode loop, or the shared vLLM engine (shared.vllm)
+    logprobs: bool = False  # report each token's sampling log-prob even where it does not round (asynchronous jobs)
 
 
 def _advance(turns, answer=None) -> TurnRequest | Rollout | Exception:
@@ -102,7 +103,8 @@ def _decode_ours(shared: SharedBase, tokenizer, device, requests: list[RolloutRe
     if not pending:
         return []
     jobs = [JobRows(requests[i].name, state[i].seqs, max(state[i].budgets), requests[i].sampling,
-                    greedy=state[i].greedy, seeds=state[i].seeds, logprobs=logprobs) for i in pending]
+                    greedy=state[i].greedy, seeds=state[i].seeds, logprobs=logprobs or requests[i].logprobs)
+            for i in pending]
     model = shared.model
     was_training = model.training
     shared.set_training(False)

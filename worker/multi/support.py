@@ -11,8 +11,9 @@ def refusal(spec: JobSpec) -> str | None:
 
     Full fine-tuning cannot: every weight is the job's own, so there is no base to share. Nor several GPUs: a
     shared base is one process on one device, while such a job's torchrun ranks each hold an FSDP2 shard of its
-    model (a shared worker would have to run every resident job that way itself). A quantised base, its own
-    rollout.dtype and asynchronous sampling are not done yet. A job of another base or dtype shares another
+    model (a shared worker would have to run every resident job that way itself). A quantised base and its own
+    rollout.dtype are not done yet. Asynchronous sampling (rollout.max_staleness > 0) shares: the job samples
+    with a stale copy of its adapter (worker/multi/job.py). A job of another base or dtype shares another
     worker's (base_key)."""
     reasons = []
     if spec.lora is None:
@@ -21,8 +22,6 @@ def refusal(spec: JobSpec) -> str | None:
         reasons.append("its base is quantised")
     if spec.rollout.dtype != "auto":
         reasons.append("it samples in its own rollout.dtype")
-    if spec.rollout.max_staleness:
-        reasons.append("it samples asynchronously (rollout.max_staleness > 0)")
     if spec.resources.gpus > 1:
         reasons.append("it runs on several GPUs")
     return "; ".join(reasons) or None

@@ -36,6 +36,10 @@ def test_the_estimate_on_hand_computed_numbers(toy_dir):
     est = memory.estimate(lora_spec(toy_dir, ["q_proj", "v_proj"]), SHAPE)
     # P = 2 layers * 2 modules * r 4 * (64 + 64) = 2048; weights + grads, and AdamW's two moments: 8 bytes each.
     assert (est.adapter, est.optimizer) == (16384, 16384)
+    # Sampling asynchronously (max_staleness 1): its sampling copy and two versions besides, 4 bytes each.
+    stale = memory.estimate(job_spec(lora_spec(toy_dir, ["q_proj", "v_proj"]).model_dump(mode="json"),
+                                     rollout={"max_staleness": 1}), SHAPE)
+    assert (stale.adapter, stale.optimizer) == (16384 + 3 * 4 * 2048, 16384)
     # A micro-batch of 4 rows * 32 tokens = 128 tokens; per token and layer 4*64 + 2*64 + 2*64 + 4*128 + 4 heads * 32
     # = 1152 values of 4 bytes, over 2 layers: 1,179,648; one LM-head chunk (64 tokens) of float32 logits and their
     # gradient, vocab 40: 2 * 64 * 40 * 4 = 20,480.

@@ -216,6 +216,10 @@ OPTIONS = {
     "lm_head_float32": lambda toy_dir, tmp_path: {"training": {"lm_head_float32": True}},
     "init_from": _continued,
     "supervised": _supervised,
+    # Asynchronous sampling: step j samples with the adapter after max(0, j - 1) steps (a stale sampling copy on the
+    # shared base; alone, the sampler process); three steps, so that one samples a version other than the first.
+    "async": lambda toy_dir, tmp_path: {"rollout": {"max_staleness": 1, "version_policy": "fixed_lag"},
+                                        "training": {"steps": 3}},
 }
 
 
