@@ -70,10 +70,11 @@ real-model: install
 
 # The suite on TEST_WORKERS pytest-xdist workers: on 2 cores 3 beat 2 and 4 (tests wait on servers and
 # subprocesses; docs/TESTING.md "Running the tests"); `--dist loadgroup` keeps tests that share a costly fixture on one
-# worker (tests/conftest.py). A plain `pytest tests/some_test.py` runs single-process.
+# worker (tests/conftest.py). A plain `pytest tests/some_test.py` runs single-process. The 25 slowest tests are
+# listed at the end: where the suite's time goes.
 TEST_WORKERS ?= 3
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # The fast tier for the inner loop: the suite less the tests that train over seeds (`slow`) and those that start
 # whole stacks of processes, the vLLM engine or the real model (`heavy`, tests/conftest.py). `make test` is what CI runs.
