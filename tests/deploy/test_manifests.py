@@ -13,6 +13,7 @@ template control flow are dropped; what is left must be YAML manifests.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import re
@@ -494,8 +495,14 @@ def test_dockerignore_keeps_what_the_image_needs():
 # -- helm chart -----------------------------------------------------------------
 
 
-def chart_values() -> dict:
+@functools.cache
+def _values_yaml() -> dict:
     return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def chart_values() -> dict:
+    """values.yaml, a copy of its own for each caller (parsed once: the renders below look up hundreds of keys)."""
+    return copy.deepcopy(_values_yaml())
 
 
 def values_schema() -> dict:
@@ -564,7 +571,7 @@ _VALUES_REF = re.compile(r"\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 
 
 def lookup_values(path: list[str], values: dict | None = None):
-    node = chart_values() if values is None else values
+    node = _values_yaml() if values is None else values
     for i, key in enumerate(path):
         assert isinstance(node, dict) and key in node, f".Values.{'.'.join(path)}: no {'.'.join(path[: i + 1])} in values.yaml"
         node = node[key]
@@ -629,13 +636,19 @@ def render_template(text: str, values: dict | None = None) -> tuple[list[dict], 
     return docs, table
 
 
-def manifests() -> list[tuple[Path, dict, dict]]:
+@functools.cache
+def _rendered() -> tuple[tuple[Path, dict, dict], ...]:
     out = []
     for path in template_files("*.yaml"):
         docs, table = render_template(path.read_text())
         assert docs, f"{path.name} renders no manifest"
         out.extend((path, d, table) for d in docs)
-    return out
+    return tuple(out)
+
+
+def manifests() -> list[tuple[Path, dict, dict]]:
+    """Every template rendered with values.yaml (rendered once; each caller gets a copy to change)."""
+    return copy.deepcopy(list(_rendered()))
 
 
 def expressions(value, table: dict) -> list[str]:
