@@ -3,6 +3,7 @@ broker, a local object store), driven over REST, with no database or Redis serve
 
 from __future__ import annotations
 
+import os
 import stat
 import subprocess
 import sys
@@ -14,7 +15,10 @@ from tests.processes import survivors, tagged
 def test_demo_runs_on_the_embedded_default_and_leaves_no_process(tmp_path):
     env_free, tag = tagged({"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1",
                             # an unreachable server would make any accidental use of Postgres or Redis fail loudly
-                            "DATABASE_URL": "", "BROKER_URL": "", "STORAGE_URL": ""})
+                            "DATABASE_URL": "", "BROKER_URL": "", "STORAGE_URL": "",
+                            # the worker's torch thread count (tests/conftest.py): at two threads on a loaded 2-core
+                            # machine, the demo's tiny model took 130 s to build instead of 5
+                            **{k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}})
     demo = subprocess.Popen([sys.executable, "-m", "worker.toy.demo", "--root", str(tmp_path / "demo"), "--steps", "6"],
                             env=env_free, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
