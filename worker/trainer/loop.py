@@ -159,6 +159,7 @@ class Trainer:
         self.rank, self.world = group.rank(), group.world_size()
         self.optimizer = adamw(params, spec.optimizer)
         self.sampler = PromptSampler(self.train_rows, seed=spec.seed)
+        self._drawn: dict[int, list[int]] = {}  # step -> its prompts' rows, drawn at its start or (async) ahead
         self.step = 0
         if resumed is not None:
             self.restore_state(resumed)
@@ -343,6 +344,7 @@ class Trainer:
         if self.supervised or self.pipeline is not None:
             return None
         rows = _share(self.sampler.next_batch(tc.batch_size), self.rank, self.world)
+        self._drawn[self.step] = list(self.sampler.last_indices)
         # Streams keyed by each prompt's index in the whole batch (this rank holds a contiguous share), so
         # the draws are the same at any number of processes. An episode seed is shared by the prompt's group.
         prompts = range(self.rank * len(rows), (self.rank + 1) * len(rows))
@@ -396,8 +398,9 @@ class Trainer:
         all_tokens = sum(every["all_tokens"])
         components = {name: [v for c in every["components"] for v in c[name]] for name in
                       (every["components"][0] if every["components"] else {})}
+        drawn = self._drawn.pop(self.step, [])
         retired = {} if tc.pass_rate_filter is None else {"retired_prompts": float(retire_solved(
-            self.sampler, rewards.view(-1, tc.group_size), tc.pass_rate_filter))}
+            self.sampler, drawn, rewards.view(-1, tc.group_size), tc.pass_rate_filter))}
         self.step += 1
         self._state = None
         errors = state.errors
@@ -526,6 +529,7 @@ class Trainer:
         """The prompts and sampling seeds of trainer step `step` (0-based), for the asynchronous pipeline."""
         before = self.sampler.state()
         rows = self.sampler.next_batch(self.spec.training.batch_size)
+        self._drawn[step] = list(self.sampler.last_indices)
         return rows, [stream_seed("sample", self.spec.seed, step, p) for p in range(len(rows))], before
 
     # -- the loop -------------------------------------------------------------

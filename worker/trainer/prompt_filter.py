@@ -13,11 +13,13 @@ from worker.cispo import prompts_to_retire
 from worker.trainer.data import PromptSampler
 
 
-def retire_solved(sampler: PromptSampler, rewards_PG: Tensor, spec: PassRateFilterSpec) -> int:
-    """Retire the last batch's prompts whose group passed the filter; returns how many rows are retired in all."""
-    if rewards_PG.shape[0] != len(sampler.last_indices):
-        raise ValueError(f"{rewards_PG.shape[0]} groups for a batch of {len(sampler.last_indices)} prompts")
+def retire_solved(sampler: PromptSampler, rows: list[int], rewards_PG: Tensor, spec: PassRateFilterSpec) -> int:
+    """Retire those of the step's prompts (`rows`: their indices, in batch order) whose group passed the filter;
+    returns how many rows are retired in all. The rows are the step's own, not the sampler's last draw: an
+    asynchronous job has drawn the next steps' prompts before this one ends."""
+    if rewards_PG.shape[0] != len(rows):
+        raise ValueError(f"{rewards_PG.shape[0]} groups for a batch of {len(rows)} prompts")
     retire_P = prompts_to_retire(rewards_PG, threshold=spec.threshold, pass_reward=spec.pass_reward,
                                  drop_zero_variance=spec.drop_zero_variance)
-    sampler.retire([row for row, retire in zip(sampler.last_indices, retire_P.tolist()) if retire])
+    sampler.retire([row for row, retire in zip(rows, retire_P.tolist()) if retire])
     return len(sampler.retired)

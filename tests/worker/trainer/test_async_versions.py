@@ -231,3 +231,30 @@ def test_the_version_policy_is_newest_unless_asked():
     assert RolloutSpec().version_policy == "newest"
     with pytest.raises(ValueError, match="version_policy"):
         RolloutSpec(version_policy="oldest")
+
+
+def test_the_pass_rate_filter_retires_the_prompts_of_the_batch_trained_not_of_one_drawn_ahead(toy_dir, tmp_path,
+                                                                                             monkeypatch):
+    """Asynchronously the prompts of the next max_staleness steps are drawn before a step ends; the step's rewards
+    retire its own batch's prompts. Rows answered 'a' always pass, the others never, so only 'a' rows retire."""
+    from tests.worker.trainer.test_recipe_knobs import ROWS, solved_or_partial
+    from worker.trainer.data import PromptSampler
+
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    spec = async_spec(toy_dir, 1, "fixed_lag", steps=3, batch_size=4, pass_rate_filter={"threshold": 0.9})
+    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"train_file": str(train_file)})})
+    draws: list[list[int]] = []
+    real = PromptSampler.next_batch
+
+    def drawing(self, size):
+        rows = real(self, size)
+        draws.append(list(self.last_indices))
+        return rows
+
+    monkeypatch.setattr(PromptSampler, "next_batch", drawing)
+    trainer = Trainer(spec, tmp_path / "out", reward_fn=solved_or_partial)
+    trainer.run(Recorder())
+    trained = {i for batch in draws[:3] for i in batch}  # a fourth draw is the end's (none with 3 steps)
+    assert {ROWS[i]["answer"] for i in trainer.sampler.retired} == {"a"}
+    assert trainer.sampler.retired == {i for i in trained if ROWS[i]["answer"] == "a"}

@@ -58,7 +58,7 @@ def test_retired_rows_are_skipped_and_survive_a_resume():
     assert sampler.next_batch(3) == first
     # Group pass rates 1.0, 0.5 and 0.0 at threshold 0.9: only the first prompt is retired.
     rewards = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
-    assert retire_solved(sampler, rewards, PassRateFilterSpec()) == 1
+    assert retire_solved(sampler, list(sampler.last_indices), rewards, PassRateFilterSpec()) == 1
     solved = sampler.last_indices[0]
     assert sampler.state()["retired"] == [solved]
     resumed = PromptSampler(rows, seed=3, **sampler.state())
