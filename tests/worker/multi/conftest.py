@@ -57,3 +57,19 @@ def alone(toy_dir, shared: SharedBase, name: str):
 @pytest.fixture(scope="module")
 def tokenizer(toy_dir):
     return toy_tokenizer(toy_dir)
+
+
+def record_sampled(monkeypatch) -> dict[object, list]:
+    """From now on, each Trainer's (a resident job's or one alone) rollouts' token ids, step by step; keyed by the
+    trainer object, which the dict keeps alive (an id of a trainer already collected can come back as a later one's)."""
+    from worker.trainer.loop import Trainer
+
+    sampled: dict[object, list] = {}
+    real = Trainer.take_rollout
+
+    def recording(self, rollout, *args, **kwargs):
+        sampled.setdefault(self, []).append(rollout.token_ids)
+        return real(self, rollout, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "take_rollout", recording)
+    return sampled

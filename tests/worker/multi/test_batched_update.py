@@ -25,7 +25,6 @@ import torch
 
 from service.job_spec.spec import JobSpec
 from tests.specs import job_spec
-from worker.multi.lora import SharedBase
 from worker.multi.rollout import RolloutRequest, generate_jobs
 from worker.multi.update import JobUpdate, batched_update
 from worker.toy.__main__ import toy_spec
@@ -104,7 +103,6 @@ def test_each_adapter_equals_its_job_trained_alone(toy_dir, tokenizer, steps):
             assert got.grad_norms == pytest.approx(want.grad_norms, rel=1e-4), name
             assert got.step_losses == pytest.approx(want.step_losses, rel=1e-4, abs=1e-7), name
             optimizer_steps[name] += len(want.grad_norms)
-    moved = {}
     for name, spec in specs.items():
         want = {k: v for k, v in alones[name].named_parameters() if "lora_" in k}
         got = shared.adapter_state(name)

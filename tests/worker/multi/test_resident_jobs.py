@@ -23,7 +23,7 @@ from worker.toy.__main__ import toy_spec
 from worker.toy.task import reward as toy_reward
 from worker.trainer.loop import Trainer
 
-from tests.worker.multi.conftest import alone, shared_with_adapters, toy_base
+from tests.worker.multi.conftest import alone, record_sampled, shared_with_adapters, toy_base
 
 CPU = torch.device("cpu")
 
@@ -229,16 +229,7 @@ def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_di
     """The job samples the same tokens at every step and ends with the same adapter (the batched update's bound)
     alone and resident beside three plain jobs of other seeds, LoRA shapes and learning rates, which it shares every
     sampling and update batch with."""
-    # trainer -> its rollouts' token ids, step by step (keyed by the object, which the dict keeps alive: an id of a
-    # trainer already collected can come back as a later one's)
-    sampled: dict[object, list] = {}
-    real = Trainer.take_rollout
-
-    def recording(self, rollout, *args, **kwargs):
-        sampled.setdefault(self, []).append(rollout.token_ids)
-        return real(self, rollout, *args, **kwargs)
-
-    monkeypatch.setattr(Trainer, "take_rollout", recording)
+    sampled = record_sampled(monkeypatch)
     small = {"steps": 2, "batch_size": 2, "group_size": 3, "mini_batches": 2, "micro_batch_size": 2,
              "eval_max_rows": 2, "eval_interval": 0, "checkpoint_interval": 0, "preflight_groups": 0}
     sections = OPTIONS[option](toy_dir, tmp_path)
