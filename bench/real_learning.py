@@ -18,6 +18,22 @@ reward variance (no signal), the share of truncated completions, the completion 
 the run's CPU time (this process's) and the load average. Runs go one after another (seed-major: every config at
 seed 0, then at seed 1), each appended to --out as one JSON line as it finishes, so a run cut short still leaves
 comparable results. --summary prints one line per run and the mean over seeds per task and config.
+
+The config `trl` is the peer: TRL's own `trl.GRPOTrainer(loss_type="cispo")` (the `bench` extra) on the same task
+rows and reward (our scorer, called from a TRL reward function), evaluated by the same code at the same steps: our
+Trainer is built from the `defaults` job only to evaluate, its policy's model swapped for TRL's PEFT model, and a
+TrainerCallback runs its evaluation at step 0 and every --eval-every rollouts (a step here is one rollout, 2 of
+TRL's optimizer steps). TRL is given only the shared settings (TRL_SHARED): 8 prompts x 4 completions a rollout
+(per_device_train_batch_size 16, steps_per_generation 2, num_generations 4), LoRA r 16 / alpha 32 / dropout 0 on
+our target modules, learning_rate 2e-4, max_completion_length the job's max_output_tokens, float32 (bf16 off), the
+run's seed, and bookkeeping that leaves the training alone (no saves or reports, a log every rollout, no
+gradient checkpointing: compute only, the same gradients; the CPU where there is no GPU). Everything else is
+TRL's default (trl 1.16): scale_rewards "group" (advantages divided by the group's std), AdamW ("adamw_torch_fused":
+betas 0.9 / 0.999, eps 1e-8, weight decay 0), max_grad_norm 1, lr_scheduler_type "linear" (decay to 0 over the
+run, no warmup), temperature 1 / top_p 1 / top_k 0, beta 0 (no KL), num_iterations 1, epsilon 0.2 and
+epsilon_high unset (so its CISPO caps the IS weight at 0.2: every token's weight is 0.2 near on-policy), the
+chat template and generation of its own. Per step from TRL's logs: reward, frac_reward_zero_std,
+completions/clipped_ratio (truncated), completions/mean_length, entropy and cispo_clip_ratio.
 """
 
 from __future__ import annotations
@@ -89,6 +105,12 @@ def arithmetic_rows(seed: int = 7, train: int = 200, test: int = 20) -> tuple[li
 
 
 TASKS = {"capitals": capitals_rows, "arithmetic": arithmetic_rows}
+PEERS = ("trl",)  # configs trained by another trainer (TRL's GRPOTrainer), evaluated by ours
+# What TRL is told (trl_config): the shared settings in its names; TRL's defaults for the rest.
+TRL_SHARED = {"per_device_train_batch_size": 16, "steps_per_generation": 2, "num_generations": 4,
+              "learning_rate": 2e-4, "bf16": False, "loss_type": "cispo"}
+TRL_BOOKKEEPING = {"report_to": "none", "save_strategy": "no", "gradient_checkpointing": False,
+                   "dataloader_num_workers": 0}
 
 
 def normalized(text: str) -> str:
@@ -127,7 +149,7 @@ def learning_run(model: Path, task: str, config: str, seed: int, steps: int, eva
         def on_step(self, step, metrics):
             steps_seen.append({"step": step, **{k: round(metrics[k], 4) for k in (
                 "reward_mean", "zero_advantage_group_fraction", "truncated_fraction", "completion_length_mean",
-                "kl_old", "clip_fraction", "entropy") if k in metrics}})
+                "kl_old", "clip_fraction", "entropy", "cispo_clip_ratio") if k in metrics}})
 
         def on_eval(self, step, metrics):
             evals[-1].update(step=step, reward=round(metrics["eval_reward_mean"], 4),
@@ -135,7 +157,8 @@ def learning_run(model: Path, task: str, config: str, seed: int, steps: int, eva
 
     with tempfile.TemporaryDirectory(prefix="real-learning-") as tmp:
         tmp = Path(tmp)
-        spec = JobSpec.model_validate(job(model, task, config, seed, steps, eval_every, tmp, max_output_tokens))
+        ours = "defaults" if config in PEERS else config  # a peer's job: the evaluation's rows, reward, lengths
+        spec = JobSpec.model_validate(job(model, task, ours, seed, steps, eval_every, tmp, max_output_tokens))
         cpu, wall = time.process_time(), time.perf_counter()
         trainer = Trainer(spec, tmp / "run")
         plain_eval_rows = trainer.eval_rows
@@ -147,10 +170,14 @@ def learning_run(model: Path, task: str, config: str, seed: int, steps: int, eva
             return every
 
         trainer.eval_rows = eval_rows
-        trainer.run(Collect())
+        if config == "trl":
+            trained_by = trl_run(trainer, tmp / "trl", Collect())
+        else:
+            trainer.run(Collect())
+            trained_by = "ours"
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     first, last = evals[0], evals[-1]
-    return {"task": task, "config": config, "seed": seed, "steps": steps,
+    return {"task": task, "config": config, "trainer": trained_by, "seed": seed, "steps": steps,
             "max_output_tokens": spec.sampling.max_output_tokens,
             "eval_before": first["reward"], "eval_after": last["reward"],
             "exact_before": first["exact"], "exact_after": last["exact"],
@@ -160,6 +187,100 @@ def learning_run(model: Path, task: str, config: str, seed: int, steps: int, eva
             "train_reward_first": steps_seen[0]["reward_mean"], "train_reward_last": steps_seen[-1]["reward_mean"],
             "per_step": steps_seen, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
             "load": [round(x, 2) for x in os.getloadavg()], "threads": __import__("torch").get_num_threads()}
+
+
+def trl_config(spec, out: Path) -> dict:
+    """GRPOConfig's arguments for a job's shared settings: TRL_SHARED, the job's steps, length and seed."""
+    import torch
+
+    tc = spec.training
+    assert (tc.batch_size * tc.group_size, tc.group_size, tc.mini_batches) == (
+        TRL_SHARED["per_device_train_batch_size"] * TRL_SHARED["steps_per_generation"],
+        TRL_SHARED["num_generations"], TRL_SHARED["steps_per_generation"]), "TRL_SHARED is not the job's shape"
+    assert spec.optimizer.lr == TRL_SHARED["learning_rate"] and spec.dtype in ("float32", "auto")
+    return {**TRL_SHARED, **TRL_BOOKKEEPING, "output_dir": str(out), "use_cpu": not torch.cuda.is_available(),
+            "max_steps": tc.steps * tc.mini_batches, "logging_steps": tc.mini_batches,  # one log a rollout
+            "max_completion_length": spec.sampling.max_output_tokens, "seed": spec.seed}
+
+
+def trl_rows(rows: list[dict]) -> list[dict]:
+    """Task rows as a TRL conversational dataset: the messages as its `prompt`, every other column kept."""
+    return [{"prompt": r["messages"], **{k: v for k, v in r.items() if k != "messages"}} for r in rows]
+
+
+def trl_reward(scorer, columns: list[str], failure_score: float):
+    """A TRL reward function scoring with our scorer: each completion's text against its row (prompt + columns)."""
+    def reward(prompts, completions, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        rows = [{"messages": p, **{k: kwargs[k][i] for k in columns}} for i, p in enumerate(prompts)]
+        return scorer.score(texts, rows, failure_score=failure_score).rewards.tolist()
+
+    return reward
+
+
+TRL_STEP = {"reward": "reward_mean", "frac_reward_zero_std": "zero_advantage_group_fraction",
+            "completions/clipped_ratio": "truncated_fraction", "completions/mean_length": "completion_length_mean",
+            "entropy": "entropy", "cispo_clip_ratio": "cispo_clip_ratio"}
+
+
+def trl_metrics(logs: dict) -> dict:
+    """One rollout's step metrics from TRL's log, in our metrics' names."""
+    return {ours: logs[k] for k, ours in TRL_STEP.items() if logs.get(k) is not None}
+
+
+def trl_run(trainer, out: Path, collect) -> str:
+    """Train trainer.spec's job with TRL's GRPOTrainer(loss_type="cispo"), evaluated by `trainer` (its policy's
+    model swapped for TRL's) at step 0 and every eval_interval rollouts, reported to `collect` as ours are."""
+    import dataclasses
+
+    import torch
+    import trl
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    spec, tc = trainer.spec, trainer.spec.training
+    per_rollout = tc.mini_batches
+
+    def evaluate(step: int) -> None:
+        model = trainer.policy.model
+        training = model.training
+        model.eval()
+        trainer.step = step
+        try:
+            collect.on_eval(step, trainer.evaluate())
+        finally:
+            model.train(training)
+
+    class Hooks(TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **_):
+            trained = {id(q) for group in optimizer.param_groups for q in group["params"]}
+            assert trained and trained <= {id(q) for q in trainer.policy.model.parameters()}, \
+                "the evaluated model is not the one TRL trains"
+            evaluate(0)
+
+        def on_step_end(self, args, state, control, **_):
+            step = state.global_step // per_rollout
+            if state.global_step % per_rollout == 0 and (step % tc.eval_interval == 0 or step == tc.steps):
+                evaluate(step)
+
+        def on_log(self, args, state, control, logs=None, **_):
+            if logs and "reward" in logs:  # one log a rollout (logging_steps = steps_per_generation)
+                collect.on_step(state.global_step // per_rollout, trl_metrics(logs))
+
+    rows = trl_rows(trainer.train_rows)
+    columns = [k for k in rows[0] if k != "prompt"]
+    tokenizer = AutoTokenizer.from_pretrained(spec.model)
+    lora = LoraConfig(r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
+                      target_modules=spec.lora.target_modules, task_type="CAUSAL_LM")
+    peer = trl.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32),
+        reward_funcs=trl_reward(trainer.scorer, columns, tc.reward_failure_score),
+        args=trl.GRPOConfig(**trl_config(spec, out)), processing_class=tokenizer, peft_config=lora,
+        train_dataset=Dataset.from_list(rows), callbacks=[Hooks()])
+    trainer.policy = dataclasses.replace(trainer.policy, model=peer.model)  # our evaluation, TRL's weights
+    peer.train()
+    return f"trl {trl.__version__}"
 
 
 def summary(path: Path) -> str:
@@ -188,7 +309,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=ROOT / "runs" / "SmolLM2-135M-Instruct")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--task", choices=sorted(TASKS), nargs="+", default=["capitals"])
-    parser.add_argument("--configs", choices=sorted(CONFIGS), nargs="+", default=["defaults", "group_std"])
+    parser.add_argument("--configs", choices=sorted(CONFIGS) + list(PEERS), nargs="+",
+                        default=["defaults", "group_std"], help="trl: TRL's GRPOTrainer, with TRL's own defaults")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=5)
