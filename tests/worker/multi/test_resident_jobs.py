@@ -28,8 +28,8 @@ from tests.worker.multi.conftest import alone, shared_with_adapters, toy_base
 CPU = torch.device("cpu")
 
 
-def resident_spec(toy_dir, *, seed=0, lr=3e-3, lora=None, **training) -> JobSpec:
-    return job_spec(toy_spec(toy_dir), seed=seed, optimizer={"lr": lr}, lora=lora or {},
+def resident_spec(toy_dir, *, seed=0, lr=3e-3, lora=None, rollout=None, **training) -> JobSpec:
+    return job_spec(toy_spec(toy_dir), seed=seed, optimizer={"lr": lr}, lora=lora or {}, rollout=rollout or {},
                     training={"steps": 3, "batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
                               "eval_interval": 2, "eval_max_rows": 4, "checkpoint_interval": 2, "preflight_groups": 1,
                               **training})
@@ -220,6 +220,10 @@ OPTIONS = {
     # shared base; alone, the sampler process); three steps, so that one samples a version other than the first.
     "async": lambda toy_dir, tmp_path: {"rollout": {"max_staleness": 1, "version_policy": "fixed_lag"},
                                         "training": {"steps": 3}},
+    # Sampling in bfloat16 while training in float32: its rows decode on bfloat16 copies of the base's weights (its
+    # adapter float32 on them), the sampler's log-probs reported for the update's TIS, as alone. Its neighbours
+    # sample in bfloat16 too: jobs share a base only with jobs of their rollout.dtype (support.py's base_key).
+    "rollout_dtype": lambda toy_dir, tmp_path: {"rollout": {"dtype": "bfloat16"}},
 }
 
 
@@ -232,10 +236,13 @@ def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_di
     # trainer -> its rollouts' token ids, step by step (keyed by the object, which the dict keeps alive: an id of a
     # trainer already collected can come back as a later one's)
     sampled: dict[object, list] = {}
+    sampler: dict[object, list] = {}  # trainer -> the sampler's log-probs of its tokens, where it reports them
     real = Trainer.take_rollout
 
     def recording(self, rollout, *args, **kwargs):
         sampled.setdefault(self, []).append(rollout.token_ids)
+        if rollout.sampler_logprobs is not None:
+            sampler.setdefault(self, []).extend(lp for row in rollout.sampler_logprobs for lp in row)
         return real(self, rollout, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "take_rollout", recording)
@@ -244,7 +251,8 @@ def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_di
     sections = OPTIONS[option](toy_dir, tmp_path)
     spec = job_spec(toy_spec(toy_dir), seed=8, lora={"r": 4, "alpha": 8}, optimizer={"lr": 1e-2},
                     **{**sections, "training": {**small, **sections.get("training", {})}})
-    neighbours = [resident_spec(toy_dir, seed=s, lr=lr, lora=lora, **{**small, "group_size": g})
+    rollout = {"dtype": d} if (d := sections.get("rollout", {}).get("dtype")) else None  # its base's (base_key)
+    neighbours = [resident_spec(toy_dir, seed=s, lr=lr, lora=lora, rollout=rollout, **{**small, "group_size": g})
                   for s, lr, lora, g in [(1, 3e-3, None, 2), (2, 5e-3, {"r": 2, "target_modules": ["q_proj"]}, 3),
                                          (3, 1e-2, {"r": 8, "alpha": 4}, 2)]]
     shared = SharedBase(toy_base(toy_dir))
@@ -259,6 +267,12 @@ def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_di
         alone, record = Trainer(job.spec, tmp_path / f"alone-{job.name}", reward_fn=toy_reward), Recorder()
         result = alone.run(record)
         assert sampled.get(job) == sampled.get(alone), job.name  # the same tokens, step by step
+        # in the same precision (a bfloat16 sampler's log-probs are a bfloat16 decode's, not float32's)
+        assert (job in sampler) == (alone in sampler), job.name
+        if alone in sampler:
+            gap = max(abs(a - b) for a, b in zip(sampler[job], sampler[alone], strict=True))
+            print(f"{option}, {job.name}: max |sampler log-prob shared - alone| = {gap:.2e}")
+            assert gap <= 1e-5, job.name
         for (_, got), (_, want) in zip(job.callbacks.steps, record.steps, strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7), job.name
         for (_, got), (_, want) in zip(job.callbacks.evals, record.evals, strict=True):
