@@ -79,11 +79,14 @@ def test_a_job_whose_reward_fails_ends_alone_and_the_other_succeeds(database_url
 
 def test_a_job_that_cannot_share_runs_alone_and_says_why(database_url, toy_dir, tmp_path):
     settings = make_settings(tmp_path, database_url).model_copy(update={"worker_jobs": 2})
-    alone = submit(settings, toy_dir, steps=1, checkpoint_interval=0, rollout={"dtype": "bfloat16"})
+    alone = submit(settings, toy_dir, steps=1, checkpoint_interval=0)
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        job = jobs.get_for_worker(s, alone)
+        job.spec = {**job.spec, "lora": None}  # full fine-tuning: every weight its own, no base to share
     assert run_shared(alone, settings) == "succeeded"
     said = [m for m in _events(settings, alone) if m.startswith("Running alone")]
     assert said == [f"Running alone, not beside other jobs of {job_row(settings, alone).model}: "
-                    "it samples in its own rollout.dtype"]
+                    "it fine-tunes every weight (lora: null)"]
     assert not any("beside the other jobs" in m for m in _events(settings, alone))
 
 
