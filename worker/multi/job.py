@@ -27,6 +27,11 @@ what it does alone. 'newest' (timing decides alone) samples the same way: the
 timing of a sampler that is always ahead, reproducible here. Only the rollout
 is stale: pre-flight and evaluations sample the current adapter, as alone.
 
+A job with its own rollout.dtype (bfloat16 sampling for a float32 job) samples,
+rollouts, pre-flight and evaluations alike, on copies of the base's weights
+cast to it, its adapter in float32 on them, as alone (worker/multi/rollout.py);
+the jobs of one worker share that dtype (worker/multi/support.py's base_key).
+
 Not restored from a checkpoint: torch's global RNG, which the resident jobs
 share; jobs here draw every sample from keyed streams, and LoRA dropout is the
 only other user of that RNG.
@@ -56,6 +61,7 @@ from worker.trainer.loop import Trainer
 from worker.trainer.metrics import UpdateStats
 from worker.trainer.pipeline import ScoredBatch
 from worker.model.policy import REFERENCE, Policy, pinned_reference_dir
+from worker.model.precision import DTYPES
 from worker.trainer.rewards import RewardFn
 
 
@@ -90,11 +96,12 @@ class ResidentJob(Trainer):
         # The adapter starts as the job's own would: PEFT's initialisation from torch's RNG seeded with the job seed.
         with torch.random.fork_rng():
             torch.manual_seed(self.spec.seed)
-            self.params = self.shared.add(self.name, self.spec.lora,
-                                          head_float32=self.spec.training.lm_head_float32)
+            rollout_dtype = None if self.spec.rollout.dtype == "auto" else DTYPES[self.spec.rollout.dtype]
+            self.params = self.shared.add(self.name, self.spec.lora, head_float32=self.spec.training.lm_head_float32,
+                                          rollout_dtype=rollout_dtype)
             if self.sampling_adapter != self.name:  # its weights are set before each rollout (_stale_sampling)
                 self.shared.add(self.sampling_adapter, self.spec.lora, trainable=False,
-                                head_float32=self.spec.training.lm_head_float32)
+                                head_float32=self.spec.training.lm_head_float32, rollout_dtype=rollout_dtype)
         if warm is not None:
             restore_adapter(self.shared, self.name, warm)
         self.reference = BASE_ONLY  # the adapter of its reference policy's rows (a KL term): the base alone

@@ -205,6 +205,7 @@ class SharedBase:
         self.specs: dict[str, LoraSpec | None] = {}  # None: an adapter loaded from a directory (load)
         self.frozen: set[str] = set()  # adapters that never train (add's `trainable` False)
         self.head_float32: set[str] = set()  # jobs whose rows run the LM head in float32 (add's `head_float32`)
+        self.rollout_dtypes: dict[str, torch.dtype] = {}  # jobs sampling in a dtype other than the base's (add's)
         self.slots = slots  # how many jobs the worker holds at most
         self.vllm = None  # the vLLM engine of the jobs that sample with one (worker/multi/vllm_engine.py)
         # set_training's module list: None until the next switch lists them (after a join or leave); [] where some
@@ -217,14 +218,16 @@ class SharedBase:
             self.vllm.close()
             self.vllm = None
 
-    def add(self, name: str, spec: LoraSpec, *, trainable: bool = True,
-            head_float32: bool = False) -> list[torch.nn.Parameter]:
+    def add(self, name: str, spec: LoraSpec, *, trainable: bool = True, head_float32: bool = False,
+            rollout_dtype: torch.dtype | None = None) -> list[torch.nn.Parameter]:
         """Add job `name`'s adapter (PEFT's initialisation, from torch's global RNG); returns its parameters.
 
         An adapter added with `trainable` False stays frozen (requires_grad False) while others join: a sampler's
         copy of weights that no optimizer steps. With `head_float32` (training.lm_head_float32) the job's rows run
         the LM head's matmul in float32 in every forward that calls the head (sampling: `_float32_head`); its
-        update's log-probs take the head_dtype of worker/trainer/update.py."""
+        update's log-probs take the head_dtype of worker/trainer/update.py. With a `rollout_dtype` other than the
+        base's (rollout.dtype) the job's rows are decoded on copies of the base's weights cast to it, as alone
+        (worker/multi/rollout.py: jobs of one such dtype decode together, its own forwards unchanged)."""
         if spec.base_quantization != "none":
             raise ValueError("a shared base is held unquantised: base_quantization must be 'none'")
         if self.model is None:
@@ -238,6 +241,8 @@ class SharedBase:
             self.frozen.add(name)
         if head_float32:
             self.head_float32.add(name)
+        if rollout_dtype is not None and rollout_dtype != next(self.base.parameters()).dtype:
+            self.rollout_dtypes[name] = rollout_dtype
         self._modules = None
         self._route_all()
         self._mark_trainable()
@@ -265,6 +270,7 @@ class SharedBase:
         del self.specs[name]
         self.frozen.discard(name)
         self.head_float32.discard(name)
+        self.rollout_dtypes.pop(name, None)
         self._modules = None
         if self.specs:
             self.model.delete_adapter(name)

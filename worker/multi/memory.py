@@ -40,6 +40,12 @@ the engine's first job, as it starts with); with sleep mode it gives that
 back while the trainer updates. On a CPU: its weights in its dtype plus
 VLLM_CPU_KVCACHE_SPACE, held throughout.
 
+Per worker, once, when its jobs sample in a rollout.dtype other than the
+base's (they share it: worker/multi/support.py's base_key): the copies of the
+base's weights cast to it that the decode runs on, kept between rollouts
+(worker/rollout/effective_weights.py), the base's parameters in that dtype
+(`cast_copies`), counted with the base.
+
 Phases line up across jobs (a cycle samples every job's rows together, then
 updates every job together), so jobs together need the sum of their adapter
 and optimizer state plus the larger of their rollout (summed KV caches, and
@@ -165,6 +171,17 @@ def together(estimates: list[MemoryEstimate], engine: EngineMemory | None = None
     in_update = 0 if engine is None or engine.sleeps_in_update else held
     return sum(e.adapter + e.optimizer for e in estimates) + max(
         sum(e.activations for e in estimates) + in_update, sum(e.kv_cache for e in estimates) + held)
+
+
+def cast_copies(model: torch.nn.Module, spec: JobSpec) -> int:
+    """The bytes of the copies of `model`'s weights that `spec`'s rollout.dtype decodes on (0 where it samples in
+    the base's own dtype): every floating-point parameter once (tied ones share a copy), in that dtype."""
+    from worker.model.precision import DTYPES
+
+    dtype = None if spec.rollout.dtype == "auto" else DTYPES[spec.rollout.dtype]
+    if dtype is None or dtype == next(model.parameters()).dtype:
+        return 0
+    return sum(p.numel() for p in model.parameters() if p.is_floating_point()) * dtype.itemsize
 
 
 def model_bytes(model: torch.nn.Module) -> int:

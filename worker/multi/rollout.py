@@ -13,10 +13,16 @@ generator, once each, as alone. Jobs with more turns go on decoding together
 after the others are done. Jobs with rollout.engine 'vllm' are sampled by
 the worker's one vLLM engine instead (worker/multi/vllm_engine.py), all of
 them in one generate call per turn, each row with its job's LoRA.
+Jobs with a rollout.dtype other than the base's (bfloat16 sampling for
+float32 training) decode on copies of the base's weights cast to it, made by
+the code a job alone samples with (worker/rollout/effective_weights.py), their
+adapters in float32 on them: one decode per sampling precision (a worker's
+jobs share one: worker/multi/support.py's base_key).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +31,8 @@ from service.job_spec.sampling import SamplingSpec
 from worker.envs.protocol import Environment
 from worker.multi.lora import SharedBase
 from worker.rollout.decode import JobRows, sample_jobs
+from worker.rollout.effective_weights import rollout_weights
+from worker.rollout.packed_linears import PACK_MIN_NEW_TOKENS
 from worker.rollout.rollout import Rollout, TurnRequest, rollout_turns
 
 
@@ -99,17 +107,41 @@ def generate_jobs(shared: SharedBase, tokenizer, device: torch.device,
 
 def _decode_ours(shared: SharedBase, tokenizer, device, requests: list[RolloutRequest], state: list,
                  logprobs: bool, pending: list[int]) -> list[tuple[int, tuple | Exception]]:
-    """One turn of the jobs sampled by our decode loop (worker/rollout/decode.py), in one batch."""
-    if not pending:
-        return []
-    jobs = [JobRows(requests[i].name, state[i].seqs, max(state[i].budgets), requests[i].sampling,
-                    greedy=state[i].greedy, seeds=state[i].seeds, logprobs=logprobs or requests[i].logprobs)
-            for i in pending]
+    """One turn of the jobs sampled by our decode loop (worker/rollout/decode.py), in one batch per sampling
+    precision (one batch on a worker, whose jobs share rollout.dtype: worker/multi/support.py's base_key)."""
+    groups: dict[tuple, list[int]] = {}
+    for i in pending:
+        groups.setdefault(_precision(shared, requests[i].name), []).append(i)
     model = shared.model
     was_training = model.training
     shared.set_training(False)
+    answers = []
     try:
-        return list(zip(pending, sample_jobs(model, shared.router, jobs, eos_id=tokenizer.eos_token_id,
-                                             pad_id=tokenizer.pad_token_id, device=device)))
+        for (dtype, head_float32), group in groups.items():
+            jobs = [JobRows(requests[i].name, state[i].seqs, max(state[i].budgets), requests[i].sampling,
+                            greedy=state[i].greedy, seeds=state[i].seeds,
+                            logprobs=logprobs or dtype is not None or requests[i].logprobs)
+                    for i in group]
+            with _cast(model, dtype, head_float32, max(max(state[i].budgets, default=0) for i in group)):
+                answers += zip(group, sample_jobs(model, shared.router, jobs, eos_id=tokenizer.eos_token_id,
+                                                  pad_id=tokenizer.pad_token_id, device=device))
     finally:
         shared.set_training(was_training)
+    return answers
+
+
+def _precision(shared: SharedBase, name: str) -> tuple[torch.dtype | None, bool]:
+    """(the dtype job `name` samples in where it is not the base's, else None; whether its LM head then runs in
+    float32): the jobs decoded together, on the same weights."""
+    dtype = shared.rollout_dtypes.get(name)
+    return dtype, dtype is not None and name in shared.head_float32
+
+
+def _cast(model, dtype: torch.dtype | None, head_float32: bool, max_new: int):
+    """The base's weights cast to `dtype` (and packed) for the decode, by the code a job alone samples with
+    (worker/rollout/effective_weights.py; its adapters in their own dtype, routed as ever), where `dtype` is
+    set. A float32 adapter on bfloat16 weights: the rows report their sampling log-probs, as alone."""
+    if dtype is None:
+        return nullcontext()
+    return rollout_weights(model, dtype, head_float32=head_float32, pack=max_new >= PACK_MIN_NEW_TOKENS,
+                           adapters=False)

@@ -69,7 +69,7 @@ class Resident:
 
 class SharedWorker:
     def __init__(self, settings: Settings, sessions: sessionmaker[Session], store: ObjectStore, owner: str,
-                 model: str, key: tuple[str, str], slots: int):
+                 model: str, key: tuple[str, str, str], slots: int):
         self.settings, self.sessions, self.store, self.owner = settings, sessions, store, owner
         self.model, self.key, self.slots = model, key, slots
         self.residents: dict[str, Resident] = {}
@@ -100,7 +100,9 @@ class SharedWorker:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         base = load_causal_lm(spec.model, dtype=dtype).to(self.device)
-        self.shape, self.base_bytes = memory.BaseShape.of(base), memory.model_bytes(base)
+        # the base, and the cast copies its decode runs on where its jobs sample in another dtype (base_key)
+        self.shape = memory.BaseShape.of(base)
+        self.base_bytes = memory.model_bytes(base) + memory.cast_copies(base, spec)
         self.base_parameters = sum(p.numel() for p in base.parameters())
         gib = self.settings.worker_memory_gib
         self.budget = int(gib * 2**30) if gib is not None else memory.default_budget(self.device)

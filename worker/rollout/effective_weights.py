@@ -45,15 +45,20 @@ kept_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -
 
 @contextmanager
 def rollout_weights(model, dtype: torch.dtype | None = None, *, head_float32: bool = False,
-                    pack: bool = False):
+                    pack: bool = False, adapters: bool = True):
     """`_effective_weights` where it can apply; else `model` as it is (PEFT's forwards, its own dtype: the same
-    tokens up to float rounding), said once (worker/model/optional_swaps.py)."""
-    with optional(model, EFFECTIVE, lambda: _effective_weights(model, dtype, head_float32=head_float32, pack=pack)):
+    tokens up to float rounding), said once (worker/model/optional_swaps.py).
+
+    Without `adapters` the LoRA layers' forwards are left as they are (a shared base's routed ones,
+    worker/multi/lora.py) and only the cast and packed copies are made: the base's weights in `dtype` as a job
+    alone samples, its adapters running on them in their own dtype."""
+    with optional(model, EFFECTIVE, lambda: _effective_weights(model, dtype, head_float32=head_float32, pack=pack,
+                                                               adapters=adapters)):
         yield model
 
 
 @contextmanager
-def _effective_weights(model, dtype: torch.dtype | None, *, head_float32: bool, pack: bool):
+def _effective_weights(model, dtype: torch.dtype | None, *, head_float32: bool, pack: bool, adapters: bool = True):
     """Run `model` as a plain causal LM on its effective weights: active LoRA adapters applied, cast to `dtype`.
 
     Each adapted linear runs base(x) + B(A(x)) * scaling through a lean
@@ -73,7 +78,8 @@ def _effective_weights(model, dtype: torch.dtype | None, *, head_float32: bool, 
     weight's own dtype (no cast copy above) and can pay (packed_linears.packable:
     float32 ones large enough, any bfloat16 one) run on packed copies made here
     and dropped on exit (a rollout's decode repays the packing; a short forward
-    may not).
+    may not). Without `adapters`, the LoRA layers are left alone (their forwards, the adapter path on) and
+    only the rest is done.
     """
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
@@ -102,7 +108,7 @@ def _effective_weights(model, dtype: torch.dtype | None, *, head_float32: bool, 
     packed: dict[torch.nn.Module, object] = {}  # Linears running on a prepacked weight -> that forward
     try:
         with torch.no_grad():
-            for module in model.modules() if peft else ():
+            for module in model.modules() if peft and adapters else ():
                 if not isinstance(module, LoraLayer) or module.merged:
                     continue
                 adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
@@ -173,7 +179,7 @@ def _effective_weights(model, dtype: torch.dtype | None, *, head_float32: bool, 
                     # would add the weight's own size to the update's peak).
                     module.forward = packed[module] = guarded(model, PACKED, packed_forward(module, copy),
                                                               type(module).forward.__get__(module))
-        if peft:
+        if peft and adapters:
             with model.disable_adapter():
                 yield model
         else:

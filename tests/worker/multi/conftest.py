@@ -59,17 +59,21 @@ def tokenizer(toy_dir):
     return toy_tokenizer(toy_dir)
 
 
-def record_sampled(monkeypatch) -> dict[object, list]:
-    """From now on, each Trainer's (a resident job's or one alone) rollouts' token ids, step by step; keyed by the
-    trainer object, which the dict keeps alive (an id of a trainer already collected can come back as a later one's)."""
+def record_sampled(monkeypatch) -> tuple[dict[object, list], dict[object, list]]:
+    """From now on, each Trainer's (a resident job's or one alone) rollouts' token ids, step by step, and the
+    sampler's log-probs of those tokens where it reports them; keyed by the trainer object, which the dicts keep
+    alive (an id of a trainer already collected can come back as a later one's)."""
     from worker.trainer.loop import Trainer
 
-    sampled: dict[object, list] = {}
+    tokens: dict[object, list] = {}
+    logprobs: dict[object, list] = {}
     real = Trainer.take_rollout
 
     def recording(self, rollout, *args, **kwargs):
-        sampled.setdefault(self, []).append(rollout.token_ids)
+        tokens.setdefault(self, []).append(rollout.token_ids)
+        if rollout.sampler_logprobs is not None:
+            logprobs.setdefault(self, []).extend(lp for row in rollout.sampler_logprobs for lp in row)
         return real(self, rollout, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "take_rollout", recording)
-    return sampled
+    return tokens, logprobs

@@ -81,6 +81,16 @@ def test_the_shape_read_off_the_toy_base_counts_the_adapter_it_gets(toy_dir):
     assert memory.BaseShape.of(shared.base) == shape  # PEFT's wrapped layers and LoRA's own are not the base's
 
 
+def test_a_worker_sampling_in_another_dtype_holds_the_bases_weights_cast_to_it_once(toy_dir):
+    """Its jobs share the rollout.dtype (base_key): the decode's copies of the base's weights in it, counted once
+    with the base; none where the jobs sample in the base's own dtype."""
+    base = toy_base(toy_dir)
+    parameters = sum(p.numel() for p in base.parameters())
+    assert memory.cast_copies(base, job_spec(toy_spec(toy_dir), rollout={"dtype": "bfloat16"})) == 2 * parameters
+    assert memory.cast_copies(base, job_spec(toy_spec(toy_dir), rollout={"dtype": "float32"})) == 0
+    assert memory.cast_copies(base, job_spec(toy_spec(toy_dir))) == 0
+
+
 def test_a_job_that_does_not_fit_waits_queued_with_the_reason_and_runs_later(database_url, toy_dir, tmp_path):
     settings = make_settings(tmp_path, database_url)
     first = submit(settings, toy_dir, steps=3, checkpoint_interval=0)

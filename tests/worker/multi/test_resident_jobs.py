@@ -28,8 +28,8 @@ from tests.worker.multi.conftest import alone, record_sampled, shared_with_adapt
 CPU = torch.device("cpu")
 
 
-def resident_spec(toy_dir, *, seed=0, lr=3e-3, lora=None, **training) -> JobSpec:
-    return job_spec(toy_spec(toy_dir), seed=seed, optimizer={"lr": lr}, lora=lora or {},
+def resident_spec(toy_dir, *, seed=0, lr=3e-3, lora=None, rollout=None, **training) -> JobSpec:
+    return job_spec(toy_spec(toy_dir), seed=seed, optimizer={"lr": lr}, lora=lora or {}, rollout=rollout or {},
                     training={"steps": 3, "batch_size": 2, "group_size": 4, "mini_batches": 2, "micro_batch_size": 4,
                               "eval_interval": 2, "eval_max_rows": 4, "checkpoint_interval": 2, "preflight_groups": 1,
                               **training})
@@ -220,6 +220,10 @@ OPTIONS = {
     # shared base; alone, the sampler process); three steps, so that one samples a version other than the first.
     "async": lambda toy_dir, tmp_path: {"rollout": {"max_staleness": 1, "version_policy": "fixed_lag"},
                                         "training": {"steps": 3}},
+    # Sampling in bfloat16 while training in float32: its rows decode on bfloat16 copies of the base's weights (its
+    # adapter float32 on them), the sampler's log-probs reported for the update's TIS, as alone. Its neighbours
+    # sample in bfloat16 too: jobs share a base only with jobs of their rollout.dtype (support.py's base_key).
+    "rollout_dtype": lambda toy_dir, tmp_path: {"rollout": {"dtype": "bfloat16"}},
 }
 
 
@@ -229,13 +233,14 @@ def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_di
     """The job samples the same tokens at every step and ends with the same adapter (the batched update's bound)
     alone and resident beside three plain jobs of other seeds, LoRA shapes and learning rates, which it shares every
     sampling and update batch with."""
-    sampled = record_sampled(monkeypatch)
+    sampled, sampler = record_sampled(monkeypatch)
     small = {"steps": 2, "batch_size": 2, "group_size": 3, "mini_batches": 2, "micro_batch_size": 2,
              "eval_max_rows": 2, "eval_interval": 0, "checkpoint_interval": 0, "preflight_groups": 0}
     sections = OPTIONS[option](toy_dir, tmp_path)
     spec = job_spec(toy_spec(toy_dir), seed=8, lora={"r": 4, "alpha": 8}, optimizer={"lr": 1e-2},
                     **{**sections, "training": {**small, **sections.get("training", {})}})
-    neighbours = [resident_spec(toy_dir, seed=s, lr=lr, lora=lora, **{**small, "group_size": g})
+    rollout = {"dtype": d} if (d := sections.get("rollout", {}).get("dtype")) else None  # its base's (base_key)
+    neighbours = [resident_spec(toy_dir, seed=s, lr=lr, lora=lora, rollout=rollout, **{**small, "group_size": g})
                   for s, lr, lora, g in [(1, 3e-3, None, 2), (2, 5e-3, {"r": 2, "target_modules": ["q_proj"]}, 3),
                                          (3, 1e-2, {"r": 8, "alpha": 4}, 2)]]
     shared = SharedBase(toy_base(toy_dir))
@@ -250,6 +255,12 @@ def test_a_job_with_an_option_trains_beside_three_jobs_as_it_trains_alone(toy_di
         alone, record = Trainer(job.spec, tmp_path / f"alone-{job.name}", reward_fn=toy_reward), Recorder()
         result = alone.run(record)
         assert sampled.get(job) == sampled.get(alone), job.name  # the same tokens, step by step
+        # in the same precision (a bfloat16 sampler's log-probs are a bfloat16 decode's, not float32's)
+        assert (job in sampler) == (alone in sampler), job.name
+        if alone in sampler:
+            gap = max(abs(a - b) for a, b in zip(sampler[job], sampler[alone], strict=True))
+            print(f"{option}, {job.name}: max |sampler log-prob shared - alone| = {gap:.2e}")
+            assert gap <= 1e-5, job.name
         for (_, got), (_, want) in zip(job.callbacks.steps, record.steps, strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7), job.name
         for (_, got), (_, want) in zip(job.callbacks.evals, record.evals, strict=True):

@@ -87,7 +87,7 @@ def test_an_asynchronous_resident_job_resumes_as_it_resumes_alone(toy_dir, token
     samples step 3 with the version it resumed at (the stale versions are not in a checkpoint: alone, the resumed
     sampler starts from the checkpoint's weights too) and ends where the job alone, interrupted and resumed at the
     same step, ends."""
-    sampled = record_sampled(monkeypatch)
+    sampled, _ = record_sampled(monkeypatch)
     spec = job_spec(resident_spec(toy_dir, steps=4, checkpoint_interval=2, eval_interval=0,
                                   preflight_groups=0).model_dump(mode="json"),
                     rollout={"max_staleness": 1, "version_policy": "fixed_lag"})

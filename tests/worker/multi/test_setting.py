@@ -47,5 +47,7 @@ def test_jobs_that_cannot_share_a_base_say_why(toy_dir):
     raw["rollout"] = {"max_staleness": 1}  # asynchronous sampling shares (a stale sampling copy of the adapter)
     assert refusal(JobSpec.model_validate(raw)) == "it fine-tunes every weight (lora: null)"
     rounded = toy_spec(toy_dir)
-    rounded["rollout"] = {"dtype": "bfloat16"}
-    assert refusal(JobSpec.model_validate(rounded)) == "it samples in its own rollout.dtype"
+    rounded["rollout"] = {"dtype": "bfloat16"}  # its own sampling dtype shares too (beside jobs of that dtype)
+    assert refusal(JobSpec.model_validate(rounded)) is None
+    rounded["lora"] = {**rounded.get("lora", {}), "base_quantization": "nf4"}
+    assert refusal(JobSpec.model_validate(rounded)) == "its base is quantised"

@@ -126,3 +126,28 @@ def test_finished_rows_may_ride_along_until_a_check(toy_dir, tokenizer, shared):
     changes = {t for t in range(1, len(sizes)) if sizes[t] != sizes[t - 1]}
     assert 1 in changes and sizes[0] - sizes[1] >= 4  # the base job's rows left at its max_new (2 tokens)
     assert changes <= {t for t in range(len(sizes)) if (t + 1) % 3 == 0 or t + 1 in (2, 5)}, sizes
+
+
+def test_jobs_sampling_in_their_own_rollout_dtype_decode_as_alone_beside_float32_jobs(toy_dir, tokenizer):
+    """Rows of jobs with a rollout.dtype (bfloat16 over the float32 base; job-c's LM head in float32 too) decode on
+    the base's weights cast as alone, in decodes of their own precision: tokens equal, the sampler's log-probs
+    reported and equal; the float32 jobs beside them report none, as alone; the base's own weights stay float32."""
+    shared = shared_with_adapters(toy_dir, LORAS)
+    for name in ("job-a", "job-c"):  # what add(rollout_dtype=, head_float32=) records
+        shared.rollout_dtypes[name] = torch.bfloat16
+    shared.head_float32.add("job-c")
+    requests = [RolloutRequest(name, _rows(toy_dir, 5 * k, 2), SAMPLING[name], group_size=2,
+                               sampling_seeds=[stream_seed("cast", k, 0, p) for p in range(2)])
+                for k, name in enumerate(LORAS)]
+    rollouts = generate_jobs(shared, tokenizer, CPU, requests)
+    assert all(p.dtype == torch.float32 for p in shared.base.parameters())
+    for req, rollout in zip(requests, rollouts):
+        dtype = shared.rollout_dtypes.get(req.name)
+        policy = Policy(alone(toy_dir, shared, req.name).eval(), tokenizer, CPU,
+                        lm_head_float32=req.name in shared.head_float32)
+        want = generate(policy, req.rows, req.sampling, group_size=req.group_size, sampling_seeds=req.sampling_seeds,
+                        sampler=TransformersSampler(policy, req.sampling, dtype=dtype, logprobs=dtype is not None))
+        assert rollout.token_ids == want.token_ids, req.name
+        assert (rollout.sampler_logprobs is None) == (dtype is None), req.name
+        for got, exp in zip(rollout.sampler_logprobs or [], want.sampler_logprobs or [], strict=True):
+            assert got == pytest.approx(exp, abs=LOGPROB_TOLERANCE), req.name

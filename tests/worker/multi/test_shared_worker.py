@@ -47,6 +47,23 @@ def test_two_jobs_of_one_base_both_finish_in_one_worker(database_url, toy_dir, t
     assert run_shared(second, settings) is None
 
 
+def test_jobs_of_a_rollout_dtype_share_a_worker_and_a_job_of_another_waits_for_its_own(database_url, toy_dir,
+                                                                                       tmp_path):
+    """Jobs sampling in bfloat16 (float32 training) train together, each reporting its sampler's log-probs (a
+    bfloat16 decode); a job sampling in float32 is another worker's (base_key): it stays queued."""
+    settings = make_settings(tmp_path, database_url).model_copy(update={"worker_jobs": 3})
+    first = submit(settings, toy_dir, steps=2, checkpoint_interval=0, rollout={"dtype": "bfloat16"})
+    second = submit(settings, toy_dir, steps=1, checkpoint_interval=0, group_size=2, rollout={"dtype": "bfloat16"})
+    other = submit(settings, toy_dir, steps=1, checkpoint_interval=0)
+    assert run_shared(first, settings) == "succeeded"
+    for job_id, steps in ((first, 2), (second, 1)):
+        job = job_row(settings, job_id)
+        assert job.status == "succeeded" and job.steps_done == steps, job_id
+        assert any("beside the other jobs" in m for m in _events(settings, job_id))
+        assert _count(settings, JobMetric, job_id, name="sampler_kl") == steps
+    assert job_row(settings, other).status == "queued"
+
+
 def test_a_cancelled_job_leaves_the_other_running_to_success(database_url, toy_dir, tmp_path):
     settings = make_settings(tmp_path, database_url).model_copy(update={"worker_jobs": 2})
     doomed = submit(settings, toy_dir, steps=500, checkpoint_interval=0)
@@ -79,11 +96,14 @@ def test_a_job_whose_reward_fails_ends_alone_and_the_other_succeeds(database_url
 
 def test_a_job_that_cannot_share_runs_alone_and_says_why(database_url, toy_dir, tmp_path):
     settings = make_settings(tmp_path, database_url).model_copy(update={"worker_jobs": 2})
-    alone = submit(settings, toy_dir, steps=1, checkpoint_interval=0, rollout={"dtype": "bfloat16"})
+    alone = submit(settings, toy_dir, steps=1, checkpoint_interval=0)
+    with session_factory(settings.resolved_database_url()).begin() as s:
+        job = jobs.get_for_worker(s, alone)
+        job.spec = {**job.spec, "lora": None}  # full fine-tuning: every weight its own, no base to share
     assert run_shared(alone, settings) == "succeeded"
     said = [m for m in _events(settings, alone) if m.startswith("Running alone")]
     assert said == [f"Running alone, not beside other jobs of {job_row(settings, alone).model}: "
-                    "it samples in its own rollout.dtype"]
+                    "it fine-tunes every weight (lora: null)"]
     assert not any("beside the other jobs" in m for m in _events(settings, alone))
 
 
