@@ -8,8 +8,9 @@
 
 Each run is a `cispo train` job in this process (worker/trainer/loop.py's Trainer) on SmolLM2-135M-Instruct with
 the shared settings below and the spec's defaults for everything else, then one configuration's overrides
-(CONFIGS). Two tasks with a checkable reward, the answer in as few words as it takes:
-- capitals: examples/capitals' rows and reward ("Paris" 1.0, "The capital of France is Paris." 0.5, wrong 0);
+(CONFIGS). Two tasks with a checkable reward, the answer in as few words as it takes, each a recipe's rows and
+reward (examples/<task>/build_dataset.py and job.yaml):
+- capitals: "Paris" 1.0, "The capital of France is Paris." 0.5, wrong 0;
 - arithmetic: "What is 23 + 48?" with two-digit operands drawn from a fixed seed, the number alone 1.0, a sentence
   ending in the right number less, a wrong number 0 (numeric_match on the last number times the same brevity).
 Per run: the greedy held-out reward and exact match (the completion alone equals the answer, case and punctuation
@@ -41,7 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import importlib.util
 import statistics
 import string
 import sys
@@ -49,6 +50,8 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
@@ -77,31 +80,28 @@ CONFIGS = {  # name: sections merged into the shared settings
     "async": {"rollout": {"max_staleness": 1}},
     "async_fixed_lag": {"rollout": {"max_staleness": 1, "version_policy": "fixed_lag"}},
 }
-BRIEF = {"type": "length", "unit": "words", "target": 1, "tolerance": 1, "scale": 8, "penalize": "over"}
-REWARDS = {
-    "capitals": {"type": "multi", "formula": "correct * brief",
-                 "rewards": {"correct": {"type": "contains", "field": "answer"}, "brief": BRIEF}},
-    "arithmetic": {"type": "multi", "formula": "correct * brief",
-                   "rewards": {"correct": {"type": "numeric_match", "field": "answer"}, "brief": BRIEF}},
-}
+def _example(task: str):
+    """examples/<task>/build_dataset.py as a module (each recipe's is named build_dataset: loaded by path)."""
+    path = ROOT / "examples" / task / "build_dataset.py"
+    spec = importlib.util.spec_from_file_location(f"examples_{task}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def capitals_rows() -> tuple[list[dict], list[dict]]:
-    sys.path.insert(0, str(ROOT / "examples" / "capitals"))
-    from build_dataset import CAPITALS, TEST, rows
-
-    return rows(CAPITALS[:-TEST]), rows(CAPITALS[-TEST:])
+    capitals = _example("capitals")
+    return capitals.rows(capitals.CAPITALS[:-capitals.TEST]), capitals.rows(capitals.CAPITALS[-capitals.TEST:])
 
 
-def arithmetic_rows(seed: int = 7, train: int = 200, test: int = 20) -> tuple[list[dict], list[dict]]:
-    """Two-digit sums, distinct questions, the last `test` held out; the same rows for every run."""
-    rng, seen = random.Random(seed), set()
-    while len(seen) < train + test:
-        seen.add((rng.randint(10, 99), rng.randint(10, 99)))
-    pairs = sorted(seen, key=lambda _: rng.random())
-    rows = [{"messages": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
-             "answer": str(a + b)} for a, b in pairs]
-    return rows[:train], rows[train:]
+def arithmetic_rows() -> tuple[list[dict], list[dict]]:
+    """Two-digit sums from a fixed seed, the last 20 held out: examples/arithmetic's rows."""
+    return _example("arithmetic").rows()
+
+
+def reward(task: str) -> dict:
+    """The task's reward: its recipe's (examples/<task>/job.yaml)."""
+    return yaml.safe_load((ROOT / "examples" / task / "job.yaml").read_text())["method"]["cispo"]["reward"]
 
 
 TASKS = {"capitals": capitals_rows, "arithmetic": arithmetic_rows}
@@ -133,7 +133,7 @@ def job(model: Path, task: str, config: str, seed: int, steps: int, eval_every: 
     raw["training"] = {**raw["training"], "steps": steps, "eval_interval": eval_every}
     if max_output_tokens is not None and "max_output_tokens" not in raw.get("sampling", {}):
         raw["sampling"] = {**raw.get("sampling", {}), "max_output_tokens": max_output_tokens}
-    return {"model": str(model), "seed": seed, "reward": REWARDS[task],
+    return {"model": str(model), "seed": seed, "reward": reward(task),
             "data": {"train_file": str(data / "train.jsonl"), "validation_file": str(data / "test.jsonl")}, **raw}
 
 

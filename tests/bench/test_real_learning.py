@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.real_learning import (  # noqa: E402
-    CONFIGS, TASKS, arithmetic_rows, job, normalized, summary, trl_config, trl_metrics, trl_reward, trl_rows,
+    CONFIGS, TASKS, job, normalized, summary, trl_config, trl_metrics, trl_reward, trl_rows,
 )
 from service.job_spec.spec import JobSpec  # noqa: E402
 
@@ -27,14 +28,20 @@ def test_every_config_is_a_valid_job(task, config, tmp_path):
     assert len((tmp_path / "test.jsonl").read_text().splitlines()) == 20
 
 
-def test_arithmetic_rows_are_fixed_distinct_and_right():
-    train, test = arithmetic_rows()
-    assert (train, test) == arithmetic_rows()
-    questions = [r["messages"][0]["content"] for r in train + test]
-    assert len(set(questions)) == len(questions) == 220
-    for row in train + test:
-        a, b = (int(x) for x in row["messages"][0]["content"].split("?")[0].split()[-3::2])
-        assert row["answer"] == str(a + b)
+def test_each_task_is_its_recipes_rows_and_reward(tmp_path):
+    """The bench trains what examples/<task> trains: its rows (fixed: the same on every call) and job.yaml's reward."""
+    import yaml
+
+    for task in ("arithmetic", "capitals"):
+        train, test = TASKS[task]()
+        assert (train, test) == TASKS[task]() and len(test) == 20
+        assert not {r["messages"][0]["content"] for r in test} & {r["messages"][0]["content"] for r in train}
+        built = tmp_path / task
+        subprocess.run([sys.executable, str(ROOT / "examples" / task / "build_dataset.py"), "--out", str(built)],
+                       check=True, capture_output=True, timeout=60)
+        assert [json.loads(line) for line in (built / "test.jsonl").read_text().splitlines()] == test
+        recipe = yaml.safe_load((ROOT / "examples" / task / "job.yaml").read_text())["method"]["cispo"]["reward"]
+        assert job(tmp_path / "model", task, "defaults", 0, 3, 1, tmp_path)["reward"] == recipe
 
 
 def test_normalized_ignores_case_and_punctuation():
@@ -52,7 +59,7 @@ def test_summary_means_over_seeds(tmp_path):
 
 
 def test_trl_rows_are_the_task_rows_as_a_conversational_dataset():
-    train, _ = arithmetic_rows()
+    train, _ = TASKS["arithmetic"]()
     rows = trl_rows(train)
     assert rows[0] == {"prompt": train[0]["messages"], "answer": train[0]["answer"]} and len(rows) == len(train)
 
