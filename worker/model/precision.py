@@ -36,6 +36,11 @@ MASTER = torch.float32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def rollout_dtype(spec) -> torch.dtype | None:
+    """A job spec's rollout.dtype as a torch dtype; None for 'auto' (it samples in the dtype it trains in)."""
+    return None if spec.rollout.dtype == "auto" else DTYPES[spec.rollout.dtype]
+
+
 def compute_dtype(name: str, model: str, device: torch.device) -> torch.dtype:
     """The dtype of the forward passes: the spec's, or for "auto" bfloat16 for a half-precision checkpoint on a
     device with fast bfloat16 (float32 otherwise)."""

@@ -61,7 +61,7 @@ from worker.trainer.loop import Trainer
 from worker.trainer.metrics import UpdateStats
 from worker.trainer.pipeline import ScoredBatch
 from worker.model.policy import REFERENCE, Policy, pinned_reference_dir
-from worker.model.precision import DTYPES
+from worker.model.precision import rollout_dtype
 from worker.trainer.rewards import RewardFn
 
 
@@ -96,12 +96,12 @@ class ResidentJob(Trainer):
         # The adapter starts as the job's own would: PEFT's initialisation from torch's RNG seeded with the job seed.
         with torch.random.fork_rng():
             torch.manual_seed(self.spec.seed)
-            rollout_dtype = None if self.spec.rollout.dtype == "auto" else DTYPES[self.spec.rollout.dtype]
+            sampled_in = rollout_dtype(self.spec)
             self.params = self.shared.add(self.name, self.spec.lora, head_float32=self.spec.training.lm_head_float32,
-                                          rollout_dtype=rollout_dtype)
+                                          rollout_dtype=sampled_in)
             if self.sampling_adapter != self.name:  # its weights are set before each rollout (_stale_sampling)
                 self.shared.add(self.sampling_adapter, self.spec.lora, trainable=False,
-                                head_float32=self.spec.training.lm_head_float32, rollout_dtype=rollout_dtype)
+                                head_float32=self.spec.training.lm_head_float32, rollout_dtype=sampled_in)
         if warm is not None:
             restore_adapter(self.shared, self.name, warm)
         self.reference = BASE_ONLY  # the adapter of its reference policy's rows (a KL term): the base alone

@@ -176,9 +176,9 @@ def together(estimates: list[MemoryEstimate], engine: EngineMemory | None = None
 def cast_copies(model: torch.nn.Module, spec: JobSpec) -> int:
     """The bytes of the copies of `model`'s weights that `spec`'s rollout.dtype decodes on (0 where it samples in
     the base's own dtype): every floating-point parameter once (tied ones share a copy), in that dtype."""
-    from worker.model.precision import DTYPES
+    from worker.model.precision import rollout_dtype
 
-    dtype = None if spec.rollout.dtype == "auto" else DTYPES[spec.rollout.dtype]
+    dtype = rollout_dtype(spec)
     if dtype is None or dtype == next(model.parameters()).dtype:
         return 0
     return sum(p.numel() for p in model.parameters() if p.is_floating_point()) * dtype.itemsize

@@ -109,6 +109,8 @@ def _decode_ours(shared: SharedBase, tokenizer, device, requests: list[RolloutRe
                  logprobs: bool, pending: list[int]) -> list[tuple[int, tuple | Exception]]:
     """One turn of the jobs sampled by our decode loop (worker/rollout/decode.py), in one batch per sampling
     precision (one batch on a worker, whose jobs share rollout.dtype: worker/multi/support.py's base_key)."""
+    if not pending:
+        return []
     groups: dict[tuple, list[int]] = {}
     for i in pending:
         groups.setdefault(_precision(shared, requests[i].name), []).append(i)

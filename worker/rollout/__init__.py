@@ -36,7 +36,7 @@ from service.job_spec.spec import JobSpec
 from worker.envs.protocol import Environment
 from worker.rollout.hf import HFEngine
 from worker.model.policy import Policy
-from worker.model.precision import DTYPES
+from worker.model.precision import rollout_dtype
 from worker.rollout.rollout import Rollout
 
 __all__ = ["RolloutEngine", "HFEngine", "make_engine", "refuse_unavailable_engine"]
@@ -65,7 +65,8 @@ def refuse_unavailable_engine(spec: JobSpec) -> None:
 
 def sampling_dtype(spec: JobSpec, policy: Policy) -> torch.dtype:
     """rollout.dtype, else the dtype the trainer's forwards run in."""
-    return policy.compute_dtype if spec.rollout.dtype == "auto" else DTYPES[spec.rollout.dtype]
+    own = rollout_dtype(spec)
+    return policy.compute_dtype if own is None else own
 
 
 def make_engine(spec: JobSpec, policy: Policy) -> RolloutEngine:

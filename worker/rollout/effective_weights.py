@@ -111,17 +111,17 @@ def _effective_weights(model, dtype: torch.dtype | None, *, head_float32: bool, 
             for module in model.modules() if peft and adapters else ():
                 if not isinstance(module, LoraLayer) or module.merged:
                     continue
-                adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
-                if not adapters:
+                active = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
+                if not active:
                     continue
-                if _lean_applies(module, adapters) and enabled(model, LEAN):
-                    module.forward = guarded(model, LEAN, _lean_lora_forward(module, adapters),
-                                             _merged_linear(module, adapters, dtype))
+                if _lean_applies(module, active) and enabled(model, LEAN):
+                    module.forward = guarded(model, LEAN, _lean_lora_forward(module, active),
+                                             _merged_linear(module, active, dtype))
                     lean[module] = module.forward
                     continue
                 base = module.get_base_layer()
                 merged = base.weight.detach()
-                for adapter in adapters:
+                for adapter in active:
                     merged = merged + module.get_delta_weight(adapter).to(merged.dtype)
                 swap(base, "weight", merged)
             head = model.get_output_embeddings()

@@ -84,3 +84,28 @@ def test_a_base_with_its_own_forward_or_hooks_is_called_as_a_module(lora_model):
         finally:
             handle.remove()
         assert torch.equal(forward(x), plain)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_the_effective_weights_equal_peft_when_the_last_adapted_layer_holds_another_adapter(toy_dir, lean):
+    """Two adapters on other modules, the active one's earlier in the model: every adapted layer is applied once
+    (on the merged path the adapter path is switched off for the forward), whichever layer is visited last."""
+    from contextlib import nullcontext
+
+    from worker.model.optional_swaps import switched_off
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
+    model.add_adapter("other", LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"], init_lora_weights=False))
+    model.set_adapter("default")
+    model.eval()
+    ids = torch.tensor([[1, 5, 7, 9, 11]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with nullcontext() if lean else switched_off(effective_weights.LEAN), \
+                effective_weights.rollout_weights(model) as plain:
+            got = plain(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5), float((got - expected).abs().max())
